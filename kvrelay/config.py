@@ -1,0 +1,210 @@
+"""One typed configuration tree, loaded from YAML and overridden by CLI flags.
+
+Every section is a frozen ``msgspec.Struct`` that forbids unknown fields, so a
+typo such as ``pool_byte:`` is an error that names the key instead of a
+silently ignored setting. Sizes accept integers or strings with a binary or
+decimal suffix (``"256MiB"``, ``"1GB"``). Durations are seconds (float).
+
+Precedence: built-in defaults < YAML file < ``--section.field=value`` flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import yaml
+
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration value or key is invalid; the message names the key."""
+
+
+class TransportKind(str, enum.Enum):
+    NIXL = "nixl"
+    TCP = "tcp"
+    SHM = "shm"
+    UCX = "ucx"
+
+
+class EvictionPolicy(str, enum.Enum):
+    LRU = "lru"
+    LFU = "lfu"
+    FIFO = "fifo"
+
+
+class NixlErrorMode(str, enum.Enum):
+    NONE = "none"
+    PEER = "peer"
+
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Size = int | str
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20,
+          "gi": 1 << 30, "gib": 1 << 30, "ti": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    """``"256MiB"`` -> 268435456. Raises :class:`ConfigError` naming ``key``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: size must be >= 0, got {value}")
+        return value
+    m = _SIZE_RE.match(value)
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"{key}: cannot parse size {value!r} (try 1048576, '1MiB' or '1MB')")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class _Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            if name.endswith("_bytes"):
+                value = getattr(self, name)
+                msgspec.structs.force_setattr(self, name, parse_size(value, name))
+
+
+class TimeoutConfig(_Section, frozen=True):
+    """All deadlines of the transport, in seconds."""
+
+    lease_s: Seconds = 10.0          # a slot not filled+consumed within this is reclaimed
+    alloc_wait_s: Seconds = 5.0      # back-pressure: how long Alloc waits for free slots
+    peer_s: Seconds = 3.0            # no heartbeat/traffic for this long -> peer declared dead
+    heartbeat_s: Seconds = 0.5       # sender heartbeat interval
+    connect_s: Seconds = 5.0         # control-plane handshake deadline
+    chunk_s: Seconds = 10.0          # one chunk write must complete within this
+
+
+class TransportConfig(_Section, frozen=True):
+    """The data plane and the decode node's receive pool."""
+
+    backend: TransportKind = TransportKind.NIXL
+    pool_bytes: Size = 256 * MiB
+    host: str = "127.0.0.1"
+    control_port: Port = 0           # 0 = pick a free port
+    data_port: Port = 0              # tcp backend listener; 0 = pick a free port
+    numa_node: int | str = "auto"    # "auto": the GPU's NUMA node if any, else no-op
+    nixl_error_mode: NixlErrorMode = NixlErrorMode.NONE
+    shared_secret: str = "kvrelay-dev-secret"   # HMAC key for Hello; set per deployment
+    max_message_bytes: Positive = 1 * MiB       # control frames above this are rejected
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.numa_node, str) and self.numa_node != "auto":
+            raise ConfigError(f"numa_node: expected 'auto' or a node index, got {self.numa_node!r}")
+        if isinstance(self.numa_node, int) and self.numa_node < 0:
+            raise ConfigError(f"numa_node: must be >= 0, got {self.numa_node}")
+
+
+class StoreConfig(_Section, frozen=True):
+    """The multi-tier KV store (CPU / disk / Redis)."""
+
+    cpu_bytes: Size = 1024 * MiB
+    deferred_bytes: Size = 8 * MiB
+    prefetch_ahead: NonNeg = 2
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    disk_path: str = ""
+    disk_bytes: Size = 0
+    redis_url: str = ""
+
+
+class KVRelayConfig(_Section, frozen=True):
+    """The root of the tree."""
+
+    chunk_tokens: Positive = 256
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+
+
+def _convert(data: Mapping[str, Any]) -> KVRelayConfig:
+    try:
+        return msgspec.convert(dict(data), KVRelayConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        msg = str(exc).replace("`$.", "`").replace("`$`", "`<root>`")
+        raise ConfigError(f"invalid config: {msg}") from exc
+
+
+def from_dict(data: Mapping[str, Any] | None) -> KVRelayConfig:
+    """Build and validate a config from nested plain data."""
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"invalid config: top level must be a mapping, got {type(data).__name__}")
+    return _convert(data)
+
+
+def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> KVRelayConfig:
+    """Defaults < YAML at ``path`` < ``key.sub=value`` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"invalid config {path}: top level must be a mapping")
+        data = loaded or {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r}: expected key.sub=value")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw else "")
+    return from_dict(data)
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def leaf_fields(cls: type[msgspec.Struct] = KVRelayConfig, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Yield ``("transport.pool_bytes", default)`` for every leaf of the tree."""
+    defaults = cls()
+    for name in cls.__struct_fields__:
+        value = getattr(defaults, name)
+        if isinstance(value, msgspec.Struct):
+            yield from leaf_fields(type(value), f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", value
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config FILE`` and one ``--section.field`` flag per leaf to ``parser``."""
+    group = parser.add_argument_group("configuration (YAML keys; flags override the file)")
+    group.add_argument("--config", metavar="FILE", help="deployment YAML")
+    for key, default in leaf_fields():
+        shown = default.value if isinstance(default, enum.Enum) else default
+        group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="V", default=None,
+                           help=f"default: {shown}")
+
+
+def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
+    overrides = [f"{k[4:]}={v}" for k, v in vars(args).items() if k.startswith("cfg:") and v is not None]
+    return load(getattr(args, "config", None), overrides)
+
+
+def to_dict(cfg: KVRelayConfig) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)  # type: ignore[no-any-return]

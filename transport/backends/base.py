@@ -1,0 +1,117 @@
+"""The data-plane contract every backend implements (nixl, tcp, shm, ucx).
+
+A backend has two halves that live in different processes:
+
+* :class:`ReceiverBackend` on the decode node, bound to the :class:`ReceivePool`.
+  It learns that a chunk's bytes are complete in a slot and reports it by calling
+  ``deliver(sender_id, transfer_tag, chunk_index, SlotRef)`` (any thread). The
+  receiver then verifies and publishes the arrival. A broken data connection is
+  reported with ``peer_lost(sender_id, reason)``.
+* :class:`SenderBackend` on the prefill node. ``write`` posts one chunk
+  (header + ``[layer][block]`` payload regions) into a granted slot and returns a
+  :class:`WriteHandle`; ``poll``/``wait`` report completion.
+
+Handshake data flows through the control plane: ``SenderBackend.local_info()``
+travels in ``Hello.info`` to ``ReceiverBackend.on_hello``, and
+``ReceiverBackend.info()`` returns in ``HelloAck.info`` to ``SenderBackend.connect``.
+Backends whose data path cannot signal arrival (``shm``) set
+``in_band_arrival = False``; the sender then sends ``ChunkDone`` on the control
+plane after the write completes, and the receiver treats that as the arrival.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from transport.pool import ReceivePool, SlotRef
+from transport.protocol import Grant
+
+Buffer = bytes | bytearray | memoryview
+DeliverFn = Callable[[str, bytes, int, SlotRef], None]
+PeerLostFn = Callable[[str, str], None]
+
+
+class WriteState(enum.Enum):
+    POSTED = "posted"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class WriteHandle:
+    transfer_id: str
+    chunk_index: int
+    grant: Grant
+    nbytes: int
+    state: WriteState = WriteState.POSTED
+    error: str = ""
+    native: object = field(default=None, repr=False)   # backend's own request object
+
+
+class ReceiverBackend(abc.ABC):
+    """Decode-node half. Created by :class:`transport.receiver.Receiver`."""
+
+    in_band_arrival: bool = True
+
+    @abc.abstractmethod
+    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn) -> None:
+        """Bind to the pool and start any I/O threads. Called once, before ``info``."""
+
+    @abc.abstractmethod
+    def info(self) -> bytes:
+        """Connection data for senders (sent in ``HelloAck.info``). Non-blocking."""
+
+    def on_hello(self, sender_id: str, info: bytes) -> None:  # noqa: B027 - optional hook
+        """A sender passed the handshake; ``info`` is its ``local_info()``. Non-blocking."""
+
+    def on_grants(self, sender_id: str, transfer_id: str, grants: Sequence[tuple[int, SlotRef]]) -> None:  # noqa: B027
+        """Slots were granted for (chunk_index, slot). E.g. ucx posts receives, nixl starts polling."""
+
+    def on_release(self, sender_id: str, transfer_id: str) -> None:  # noqa: B027
+        """The transfer ended (complete, aborted or failed); drop per-transfer state."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop threads, deregister memory. Idempotent."""
+
+
+class SenderBackend(abc.ABC):
+    """Prefill-node half. One instance talks to one receiver."""
+
+    in_band_arrival: bool = True
+
+    def local_info(self) -> bytes:
+        """Data for the receiver's ``on_hello`` (e.g. NIXL agent metadata)."""
+        return b""
+
+    @abc.abstractmethod
+    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int) -> None:
+        """Open the data path to the receiver described by ``receiver_info``. Blocks until ready."""
+
+    def register_source(self, buf: Buffer) -> None:  # noqa: B027 - optional hook
+        """Register a long-lived source buffer (e.g. the paged KV cache) for zero-copy writes."""
+
+    @abc.abstractmethod
+    def write(self, transfer_id: str, chunk_index: int, header: bytes, regions: Sequence[Buffer],
+              grant: Grant) -> WriteHandle:
+        """Post header + payload regions into the granted slot. May complete synchronously."""
+
+    @abc.abstractmethod
+    def poll(self, handle: WriteHandle) -> WriteState:
+        """Non-blocking completion check."""
+
+    def wait(self, handle: WriteHandle, timeout: float) -> WriteState:
+        """Block until the write is done or failed, or ``timeout`` passes (then POSTED)."""
+        from transport.polling import Backoff
+
+        backoff = Backoff(timeout)
+        while (state := self.poll(handle)) is WriteState.POSTED and backoff.wait():
+            pass
+        return state
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the data path. Idempotent."""

@@ -1,0 +1,260 @@
+"""Socket-framed backends: ``tcp`` (payload on the stream) and ``shm`` (payload in shared memory).
+
+Both keep **one persistent connection per sender**. Every chunk is announced by
+a fixed, versioned frame (``FRAME``); what differs is where the bytes travel:
+
+* ``tcp`` - the payload follows the frame on the stream. The sender posts frame,
+  header and every ``[layer][block]`` region in one ``sendmsg`` (scatter/gather,
+  no sender-side copy); the receiver ``recv_into``s straight into the slot.
+* ``shm`` - same host. The sender attaches the receiver's pool segment and
+  copies header + regions straight into the slot (one copy, the minimum), then
+  sends the frame on a Unix socket as the arrival notification.
+
+A connection that closes while its sender has active transfers is reported as
+a dead peer at once, without waiting for the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+
+import msgspec
+
+from transport.backends.base import (Buffer, DeliverFn, PeerLostFn, ReceiverBackend, SenderBackend,
+                                     WriteHandle, WriteState)
+from transport.errors import PeerDeadError, ProtocolError, TransportError
+from transport.pool import ReceivePool, SharedArena, SlotRef
+from transport.protocol import Grant
+
+log = logging.getLogger(__name__)
+FRAME = struct.Struct("<4sBBH16sIIIQ")   # magic, version, kind, pad, transfer tag, chunk, slot, gen, nbytes
+FRAME_MAGIC = b"KVRD"
+FRAME_VERSION = 1
+KIND_HELLO, KIND_CHUNK = 0, 1
+MAX_SENDER_ID = 512
+_DRAIN = 1 << 20
+
+
+class SocketInfo(msgspec.Struct, frozen=True):
+    family: str            # "inet" | "unix"
+    address: str           # host or abstract unix name
+    port: int = 0
+    shm_name: str = ""
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
+    """Fill ``view`` from the stream. False on EOF before the first byte; raises on EOF mid-way."""
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if got == 0:
+                return False
+            raise PeerDeadError(f"connection closed mid-frame ({got}/{view.nbytes} bytes)")
+        got += n
+    return True
+
+
+def _sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
+    """``sendmsg`` a buffer list completely, resuming after partial sends (no copies)."""
+    bufs = [b.cast("B") if b.ndim != 1 or b.format != "B" else b for b in bufs]
+    while bufs:
+        sent = sock.sendmsg(bufs[:512])
+        while sent and bufs:
+            if sent >= bufs[0].nbytes:
+                sent -= bufs[0].nbytes
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][sent:]
+                sent = 0
+
+
+class SocketReceiver(ReceiverBackend):
+    """Accepts one connection per sender and reads frames (and, for tcp, payloads)."""
+
+    def __init__(self, *, inline_payload: bool, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.inline = inline_payload
+        if inline_payload:
+            self._lsock = socket.create_server((host, port), backlog=64)
+            self._info = SocketInfo("inet", host, self._lsock.getsockname()[1])
+        else:
+            self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            name = f"kvrelay-{id(self):x}-{threading.get_native_id()}"
+            self._lsock.bind("\0" + name)
+            self._lsock.listen(64)
+            self._info = SocketInfo("unix", name)
+        self._conns: set[socket.socket] = set()
+        self._closed = threading.Event()
+        self._pool: ReceivePool | None = None
+
+    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn) -> None:
+        self._pool, self._deliver, self._peer_lost = pool, deliver, peer_lost
+        if not self.inline:
+            self._info = SocketInfo("unix", self._info.address, shm_name=pool.arena.name)
+        threading.Thread(target=self._accept_loop, name="kvrelay-sock-accept", daemon=True).start()
+
+    def info(self) -> bytes:
+        return msgspec.msgpack.encode(self._info)
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._lsock.accept()
+            except OSError:
+                return
+            if self.inline:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvrelay-sock-rx", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        sender = "?"
+        try:
+            sender = self._read_preamble(conn)
+            while self._read_chunk(conn, sender):
+                pass
+            reason = "data connection closed"
+        except (OSError, TransportError) as exc:
+            reason = f"data connection failed: {exc}"
+        finally:
+            self._conns.discard(conn)
+            with contextlib.suppress(OSError):
+                conn.close()
+        if not self._closed.is_set():
+            self._peer_lost(sender, reason)
+
+    def _read_preamble(self, conn: socket.socket) -> str:
+        frame = bytearray(FRAME.size)
+        if not _recv_exact(conn, memoryview(frame)):
+            raise PeerDeadError("connection closed before preamble")
+        magic, ver, kind, _, _, _, _, _, n = FRAME.unpack(frame)
+        if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_HELLO or n > MAX_SENDER_ID:
+            raise ProtocolError("bad data-connection preamble")
+        name = bytearray(n)
+        if not _recv_exact(conn, memoryview(name)):
+            raise PeerDeadError("connection closed in preamble")
+        return name.decode(errors="replace")
+
+    def _read_chunk(self, conn: socket.socket, sender: str) -> bool:
+        assert self._pool is not None
+        frame = bytearray(FRAME.size)
+        if not _recv_exact(conn, memoryview(frame)):
+            return False
+        magic, ver, kind, _, tag, chunk, slot, gen, nbytes = FRAME.unpack(frame)
+        if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_CHUNK:
+            raise ProtocolError(f"bad data frame (magic {magic!r}, version {ver}, kind {kind})")
+        ref = SlotRef(slot, gen)
+        try:
+            self._pool.begin_write(ref)
+        except TransportError as exc:
+            log.info("data frame for stale slot from %s: %s", sender, exc)
+            if self.inline:
+                self._drain(conn, nbytes)
+            self._deliver(sender, tag, chunk, ref)      # counted as stale by the receiver
+            return True
+        try:
+            if nbytes > self._pool.slot_bytes:
+                raise ProtocolError(f"frame of {nbytes} bytes exceeds slot size {self._pool.slot_bytes}")
+            if self.inline and not _recv_exact(conn, self._pool.view(ref, nbytes)):
+                raise PeerDeadError("connection closed before payload")
+        finally:
+            self._pool.end_write(ref)
+        self._deliver(sender, tag, chunk, ref)
+        return True
+
+    def _drain(self, conn: socket.socket, nbytes: int) -> None:
+        scratch = memoryview(bytearray(min(nbytes, _DRAIN) or 1))
+        while nbytes > 0:
+            n = min(nbytes, scratch.nbytes)
+            if not _recv_exact(conn, scratch[:n]):
+                raise PeerDeadError("connection closed while draining")
+            nbytes -= n
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            self._lsock.shutdown(socket.SHUT_RDWR)
+        self._lsock.close()
+        for c in list(self._conns):
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+
+
+class SocketSender(SenderBackend):
+    """Opens the persistent connection; tcp sends payloads inline, shm copies into the pool."""
+
+    def __init__(self, *, inline_payload: bool) -> None:
+        self.inline = inline_payload
+        self._sock: socket.socket | None = None
+        self._arena: SharedArena | None = None
+        self._lock = threading.Lock()
+
+    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int) -> None:
+        info = msgspec.msgpack.decode(receiver_info, type=SocketInfo)
+        try:
+            if info.family == "inet":
+                sock = socket.create_connection((info.address, info.port), timeout=10)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+            else:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect("\0" + info.address)
+                self._arena = SharedArena(0, name=info.shm_name, create=False)
+            sock.settimeout(None)
+        except OSError as exc:
+            raise PeerDeadError(f"cannot open data connection to {info.address}: {exc}") from exc
+        name = sender_id.encode()
+        sock.sendall(FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_HELLO, 0, b"\0" * 16, 0, 0, 0, len(name)) + name)
+        self._sock = sock
+
+    def write(self, transfer_id: str, chunk_index: int, header: bytes, regions: Sequence[Buffer],
+              grant: Grant) -> WriteHandle:
+        if self._sock is None:
+            raise TransportError("not connected")
+        views = [memoryview(header)] + [memoryview(r) for r in regions]
+        nbytes = sum(v.nbytes for v in views)
+        tag = header[40:56]                                   # transfer tag field of the chunk header
+        frame = FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_CHUNK, 0, tag, chunk_index, grant.slot,
+                           grant.generation, nbytes)
+        handle = WriteHandle(transfer_id, chunk_index, grant, nbytes)
+        try:
+            with self._lock:
+                if self.inline:
+                    _sendmsg_all(self._sock, [memoryview(frame), *views])
+                else:
+                    self._copy_into_slot(grant.offset, views)
+                    self._sock.sendall(frame)
+        except OSError as exc:
+            handle.state, handle.error = WriteState.FAILED, str(exc)
+            raise PeerDeadError(f"data connection lost while writing chunk {chunk_index}: {exc}") from exc
+        handle.state = WriteState.DONE
+        return handle
+
+    def _copy_into_slot(self, offset: int, views: list[memoryview]) -> None:
+        assert self._arena is not None
+        dst = self._arena.buf
+        for v in views:
+            n = v.nbytes
+            dst[offset:offset + n] = v.cast("B") if v.format != "B" or v.ndim != 1 else v
+            offset += n
+
+    def poll(self, handle: WriteHandle) -> WriteState:
+        return handle.state
+
+    def close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            self._sock = None
+        if self._arena is not None:
+            self._arena.buf.release()
+            self._arena.shm.close()
+            self._arena = None

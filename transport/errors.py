@@ -1,0 +1,59 @@
+"""One exception hierarchy for the transport layer.
+
+Backends translate their library's exceptions (``zmq.ZMQError``,
+``nixl`` runtime errors, ``OSError``) at the boundary with
+``raise TransportError(...) from exc`` so callers only ever catch these.
+
+    KVRelayError
+    └── TransportError
+        ├── ProtocolError        malformed / oversize / wrong-version message
+        ├── HandshakeError       Hello refused: fingerprint mismatch, bad HMAC
+        ├── ChunkError           chunk failed validation (never installed)
+        │   └── ChecksumError    payload checksum mismatch
+        ├── PoolFullError        back-pressure deadline passed without free slots
+        ├── TransferAborted      the transfer was aborted by either side
+        ├── TransferTimeout      a deadline passed (lease, write, handshake)
+        └── PeerDeadError        the peer stopped responding / disconnected
+"""
+
+from __future__ import annotations
+
+
+class KVRelayError(Exception):
+    """Base of every error kvrelay raises on purpose."""
+
+
+class TransportError(KVRelayError):
+    """Something in the transport layer failed."""
+
+
+class ProtocolError(TransportError):
+    """A control or data frame is malformed, oversize or of an unsupported version."""
+
+
+class HandshakeError(TransportError):
+    """The peer refused our Hello (or we refused its): the reason says why."""
+
+
+class ChunkError(TransportError):
+    """A received chunk is invalid (bad header, wrong key/transfer, truncated)."""
+
+
+class ChecksumError(ChunkError):
+    """A chunk's payload does not match its header checksum."""
+
+
+class PoolFullError(TransportError):
+    """No free receive slots before the back-pressure deadline."""
+
+
+class TransferAborted(TransportError):
+    """The transfer was aborted; its slots have been released."""
+
+
+class TransferTimeout(TransportError):
+    """A transport deadline expired."""
+
+
+class PeerDeadError(TransportError):
+    """The peer disconnected or stopped sending heartbeats."""

@@ -1,0 +1,62 @@
+"""What a consumer of the receive side sees, per transfer, in completion order."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from transport.pool import SlotRef
+from transport.wire import ChunkHeader
+
+
+class FailReason(enum.Enum):
+    CHECKSUM = "checksum"            # payload checksum mismatch
+    INVALID_CHUNK = "invalid_chunk"  # bad header, truncated, misrouted
+    LEASE_EXPIRED = "lease_expired"  # slot not filled / not consumed in time
+    ABORTED = "aborted"              # sender (or consumer) aborted
+    PEER_DEAD = "peer_dead"          # sender disconnected / stopped heart-beating
+    POOL_FULL = "pool_full"          # Alloc refused after back-pressure
+
+
+@dataclass(frozen=True)
+class ChunkArrival:
+    """Chunk bytes are in ``slot`` and verified. The consumer holds the slot until ``release``."""
+
+    transfer_id: str
+    chunk_index: int
+    key: bytes
+    slot: SlotRef
+    header: ChunkHeader
+    t_arrival: float          # time.monotonic() when the bytes were known complete
+
+
+@dataclass(frozen=True)
+class ChunkRejected:
+    """One chunk failed; it was never installed and its slot is already free."""
+
+    transfer_id: str
+    chunk_index: int
+    reason: FailReason
+    detail: str
+
+
+@dataclass(frozen=True)
+class TransferFailed:
+    """The whole transfer ended abnormally; no further events follow."""
+
+    transfer_id: str
+    reason: FailReason
+    detail: str
+
+
+@dataclass(frozen=True)
+class TransferDone:
+    """Every granted chunk either arrived or was rejected; no further events follow."""
+
+    transfer_id: str
+    arrived: int
+    rejected: int
+    held: tuple[int, ...]     # chunk indices the receiver already had (never sent)
+
+
+Event = ChunkArrival | ChunkRejected | TransferFailed | TransferDone

@@ -1,0 +1,67 @@
+"""Content addressing: chained cryptographic chunk keys.
+
+``key_i = sha256(key_{i-1} || token_ids(chunk_i) || fingerprint)``
+
+Keys name shared content (multi-tenant caches), so the hash is cryptographic;
+Python's ``hash()`` is never used because it is salted per process. Chaining
+makes a key depend on the whole prefix, so two prompts share chunk ``i`` only
+if they share every token before it. The prompt's tail (a partial chunk) gets a
+key too; its token count is part of what is hashed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+KEY_BYTES = 32
+ROOT_KEY = b"\x00" * KEY_BYTES
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """Everything that makes KV bytes incompatible between two engines.
+
+    Two nodes may only exchange chunks when their fingerprints are equal; the
+    control-plane ``Hello`` compares them.
+    """
+
+    model: str
+    dtype: str
+    kv_layout: str          # e.g. "cpu:[blocks,heads,block_size,2*head]" or "gpu:nhd"
+    block_size: int         # engine tokens per block
+    num_layers: int
+    bytes_per_block: int    # one layer, one block
+    tp_rank: int = 0
+    tp_size: int = 1
+    lora: str = ""
+
+    def digest(self) -> bytes:
+        fields = (self.model, self.dtype, self.kv_layout, self.block_size, self.num_layers,
+                  self.bytes_per_block, self.tp_rank, self.tp_size, self.lora)
+        return hashlib.sha256("\x1f".join(map(str, fields)).encode()).digest()
+
+
+def chunk_keys(token_ids: Sequence[int] | np.ndarray, fingerprint: Fingerprint,
+               chunk_tokens: int) -> list[bytes]:
+    """Return one 32-byte key per chunk of ``token_ids`` (the tail included)."""
+    if chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
+    tokens = np.asarray(token_ids, dtype="<i8")   # [n] fixed-width little-endian
+    fp = fingerprint.digest()
+    keys: list[bytes] = []
+    prev = ROOT_KEY
+    for start in range(0, len(tokens), chunk_tokens):
+        h = hashlib.sha256(prev)
+        h.update(tokens[start:start + chunk_tokens].tobytes())
+        h.update(fp)
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+def num_chunks(num_tokens: int, chunk_tokens: int) -> int:
+    return -(-num_tokens // chunk_tokens)

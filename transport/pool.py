@@ -1,0 +1,317 @@
+"""The decode node's receive pool: one registered buffer split into chunk slots.
+
+One page-aligned shared-memory segment (``/dev/shm``) backs the whole pool, so
+the same-host ``shm`` backend can write into it from another process and
+NIXL/UCX can register it once. When CUDA is present the pages are additionally
+pinned with ``cudaHostRegister`` so host→device installs run at full speed.
+
+Slot lifecycle (``SlotState``)::
+
+    FREE ──allocate──▶ LEASED ──mark_filled──▶ FILLED ──take──▶ HELD ──release(refs→0)──▶ FREE
+                         │                       │
+                         └──── lease deadline ───┴──▶ FREE  (reclaimed, counted in leases_expired)
+
+``LEASED`` and ``FILLED`` slots carry a deadline: a slot that is never filled
+(dead sender) or never consumed (dead consumer) is reclaimed by
+:meth:`ReceivePool.reap_expired`. ``HELD`` slots are owned by a consumer and
+reference counted (:meth:`retain` / :meth:`release`); they have no deadline.
+Every slot carries a generation that bumps on each allocation, so a late write
+or notification for a reclaimed slot is recognised as stale and rejected.
+
+All methods are thread-safe. :meth:`allocate` blocks (back-pressure) until
+enough slots are free or its deadline passes; nothing else blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+from transport.errors import PoolFullError, TransportError
+
+log = logging.getLogger(__name__)
+PAGE = 4096
+_CREATED_HERE: set[str] = set()     # segments this process created (and the tracker owns)
+Clock = Callable[[], float]
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    LEASED = "leased"      # granted to a sender, waiting for bytes
+    FILLED = "filled"      # bytes landed and verified, waiting for the consumer
+    HELD = "held"          # taken by a consumer (reference counted)
+
+
+@dataclass(frozen=True, order=True)
+class SlotRef:
+    """A slot at one generation. Stale refs are rejected by every method."""
+
+    index: int
+    generation: int
+
+
+@dataclass
+class _Slot:
+    state: SlotState = SlotState.FREE
+    generation: int = 0
+    owner: str = ""
+    deadline: float = 0.0
+    refs: int = 0
+    writing: int = 0       # data-plane writes in progress: the reaper must not reclaim
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    slots: int
+    free: int
+    leased: int
+    filled: int
+    held: int
+    leases_expired: int
+    allocations: int
+    refusals: int
+
+    @property
+    def in_use(self) -> int:
+        return self.slots - self.free
+
+
+class SharedArena:
+    """A page-aligned shared-memory segment other processes can attach by name."""
+
+    def __init__(self, nbytes: int, *, name: str | None = None, create: bool = True) -> None:
+        self.shm = shared_memory.SharedMemory(name=name, create=create, size=nbytes if create else 0)
+        self.owner = create
+        if create:
+            _CREATED_HERE.add(self.shm.name)
+        elif self.shm.name not in _CREATED_HERE:
+            # Python 3.11 registers attached segments with the resource tracker, which
+            # would unlink the receiver's pool when this process exits.
+            with contextlib.suppress(Exception):
+                resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
+        self.buf: memoryview = self.shm.buf
+        self.name: str = self.shm.name
+        self.pinned = False
+
+    @property
+    def address(self) -> int:
+        import ctypes
+
+        return ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+
+    def pin_if_cuda(self) -> bool:
+        """Page-lock the segment for CUDA when a GPU is present. No-op otherwise."""
+        try:
+            import torch
+        except ImportError:
+            return False
+        if not torch.cuda.is_available():
+            return False
+        rc = torch.cuda.cudart().cudaHostRegister(self.address, self.buf.nbytes, 0)
+        self.pinned = int(rc) == 0
+        if not self.pinned:
+            log.warning("cudaHostRegister failed (%s); receive pool is pageable", rc)
+        return self.pinned
+
+    def close(self) -> None:
+        if self.pinned:
+            import torch
+
+            torch.cuda.cudart().cudaHostUnregister(self.address)
+            self.pinned = False
+        self.buf.release()
+        self.shm.close()
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+class ReceivePool:
+    """Fixed-size chunk slots over one :class:`SharedArena`.
+
+    ``clock`` is injectable so lease expiry can be tested without sleeping.
+    """
+
+    def __init__(self, pool_bytes: int, slot_bytes: int, *, lease_s: float = 10.0,
+                 clock: Clock = time.monotonic, pin: bool = True) -> None:
+        self.slot_bytes = round_up(slot_bytes, PAGE)
+        self.num_slots = pool_bytes // self.slot_bytes
+        if self.num_slots < 1:
+            raise TransportError(f"pool_bytes={pool_bytes} cannot hold one {self.slot_bytes}-byte slot")
+        self.arena = SharedArena(self.num_slots * self.slot_bytes)
+        if pin:
+            self.arena.pin_if_cuda()
+        self.lease_s = lease_s
+        self._clock = clock
+        self._slots = [_Slot() for _ in range(self.num_slots)]
+        self._free = list(range(self.num_slots - 1, -1, -1))   # stack; pop() -> lowest index
+        self._cond = threading.Condition()
+        self._expired = 0
+        self._allocations = 0
+        self._refusals = 0
+        self._closed = False
+
+    # -- addressing ---------------------------------------------------------------------
+    def offset(self, ref: SlotRef | int) -> int:
+        index = ref.index if isinstance(ref, SlotRef) else ref
+        return index * self.slot_bytes
+
+    def view(self, ref: SlotRef | int, nbytes: int | None = None) -> memoryview:
+        """Writable view of a slot (``nbytes`` long, default the whole slot)."""
+        off = self.offset(ref)
+        return self.arena.buf[off:off + (self.slot_bytes if nbytes is None else nbytes)]
+
+    # -- allocation ---------------------------------------------------------------------
+    def try_allocate(self, n: int, owner: str) -> list[SlotRef] | None:
+        """Allocate ``n`` slots now, or return ``None`` if fewer are free."""
+        if n > self.num_slots:
+            raise PoolFullError(f"{n} slots requested but the pool has only {self.num_slots}")
+        with self._cond:
+            self._check_open()
+            if len(self._free) < n:
+                return None
+            return [self._lease(self._free.pop(), owner) for _ in range(n)]
+
+    def allocate(self, n: int, owner: str, timeout: float) -> list[SlotRef]:
+        """Allocate ``n`` slots, waiting up to ``timeout`` s for space (back-pressure)."""
+        if n > self.num_slots:
+            raise PoolFullError(f"{n} slots requested but the pool has only {self.num_slots}")
+        deadline = self._clock() + timeout
+        with self._cond:
+            while True:
+                self._check_open()
+                if len(self._free) >= n:
+                    return [self._lease(self._free.pop(), owner) for _ in range(n)]
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    self._refusals += 1
+                    raise PoolFullError(f"receive pool full: {n} slots wanted, {len(self._free)} free "
+                                        f"of {self.num_slots} after {timeout:.3g}s")
+                self._cond.wait(min(remaining, 0.05))
+
+    def _lease(self, index: int, owner: str) -> SlotRef:
+        slot = self._slots[index]
+        slot.state, slot.owner, slot.refs = SlotState.LEASED, owner, 1
+        slot.generation += 1
+        slot.deadline = self._clock() + self.lease_s
+        self._allocations += 1
+        return SlotRef(index, slot.generation)
+
+    # -- transitions --------------------------------------------------------------------
+    def _get(self, ref: SlotRef, *states: SlotState) -> _Slot:
+        if not 0 <= ref.index < self.num_slots:
+            raise TransportError(f"slot {ref.index} out of range (pool has {self.num_slots})")
+        slot = self._slots[ref.index]
+        if slot.generation != ref.generation or slot.state not in states:
+            raise TransportError(f"stale or invalid slot {ref.index}@{ref.generation} "
+                                 f"(now {slot.state.value}@{slot.generation})")
+        return slot
+
+    def check_leased(self, ref: SlotRef) -> str:
+        """Return the owner of a LEASED slot, or raise if the ref is stale/invalid."""
+        with self._cond:
+            return self._get(ref, SlotState.LEASED).owner
+
+    def begin_write(self, ref: SlotRef) -> str:
+        """Pin a LEASED slot while bytes stream into it; returns its owner."""
+        with self._cond:
+            slot = self._get(ref, SlotState.LEASED)
+            slot.writing += 1
+            return slot.owner
+
+    def end_write(self, ref: SlotRef) -> None:
+        with self._cond:
+            slot = self._slots[ref.index]
+            if slot.generation == ref.generation and slot.writing > 0:
+                slot.writing -= 1
+
+    def mark_filled(self, ref: SlotRef) -> None:
+        with self._cond:
+            slot = self._get(ref, SlotState.LEASED)
+            slot.state = SlotState.FILLED
+            slot.deadline = self._clock() + self.lease_s
+
+    def take(self, ref: SlotRef) -> None:
+        """The consumer takes a FILLED slot; it must :meth:`release` it afterwards."""
+        with self._cond:
+            slot = self._get(ref, SlotState.FILLED)
+            slot.state = SlotState.HELD
+
+    def retain(self, ref: SlotRef) -> None:
+        with self._cond:
+            self._get(ref, SlotState.HELD).refs += 1
+
+    def release(self, ref: SlotRef) -> bool:
+        """Drop one reference (any non-free state). Returns True if the slot became free."""
+        with self._cond:
+            slot = self._get(ref, SlotState.LEASED, SlotState.FILLED, SlotState.HELD)
+            slot.refs -= 1
+            if slot.refs > 0:
+                return False
+            self._free_slot(ref.index)
+            return True
+
+    def release_owner(self, owner: str, *, include_filled: bool = True) -> int:
+        """Free every LEASED (and FILLED) slot of ``owner``. HELD slots stay with the consumer."""
+        states = {SlotState.LEASED, SlotState.FILLED} if include_filled else {SlotState.LEASED}
+        with self._cond:
+            hits = [i for i, s in enumerate(self._slots) if s.owner == owner and s.state in states]
+            for i in hits:
+                self._free_slot(i)
+            return len(hits)
+
+    def reap_expired(self) -> list[tuple[SlotRef, str, SlotState]]:
+        """Reclaim LEASED/FILLED slots past their deadline; returns (ref, owner, old state)."""
+        now = self._clock()
+        out = []
+        with self._cond:
+            for i, s in enumerate(self._slots):
+                if s.state in (SlotState.LEASED, SlotState.FILLED) and s.deadline <= now and not s.writing:
+                    out.append((SlotRef(i, s.generation), s.owner, s.state))
+                    self._free_slot(i)
+                    self._expired += 1
+        for ref, owner, state in out:
+            log.warning("lease expired: slot %d of %r reclaimed while %s", ref.index, owner, state.value)
+        return out
+
+    def _free_slot(self, index: int) -> None:
+        slot = self._slots[index]
+        slot.state, slot.owner, slot.refs, slot.deadline, slot.writing = SlotState.FREE, "", 0, 0.0, 0
+        self._free.append(index)
+        self._cond.notify_all()
+
+    # -- introspection ------------------------------------------------------------------
+    def stats(self) -> PoolStats:
+        with self._cond:
+            counts = {st: 0 for st in SlotState}
+            for s in self._slots:
+                counts[s.state] += 1
+            return PoolStats(slots=self.num_slots, free=counts[SlotState.FREE],
+                             leased=counts[SlotState.LEASED], filled=counts[SlotState.FILLED],
+                             held=counts[SlotState.HELD], leases_expired=self._expired,
+                             allocations=self._allocations, refusals=self._refusals)
+
+    def next_deadline(self) -> float | None:
+        with self._cond:
+            ds = [s.deadline for s in self._slots if s.state in (SlotState.LEASED, SlotState.FILLED)]
+            return min(ds) if ds else None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportError("receive pool is closed")
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.arena.close()

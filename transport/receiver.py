@@ -1,0 +1,476 @@
+"""The decode node's side of the transport: control server + receive pool + data plane.
+
+Lifecycle of one transfer on the receiver (decode node D)::
+
+    1. A sender's Hello passes the fingerprint and HMAC checks; D answers with
+       its backend's connection info (HelloAck).
+    2. Alloc(transfer_id, keys) arrives. Keys D already holds (``held_keys``)
+       are skipped; the rest get slots. If the pool is full the Alloc is parked
+       (back-pressure) until slots free up or ``wait_s`` passes, then Refused.
+    3. The data plane reports each chunk as its bytes complete (``_deliver``):
+       D verifies header, routing and checksum, then publishes a ChunkArrival on
+       the transfer's queue - in completion order, while later chunks are still
+       in flight. A bad chunk is freed and published as ChunkRejected.
+    4. The consumer (``next_event``) takes each arrival, installs it, and
+       ``release``s the slot. When every chunk is resolved, TransferDone follows.
+    5. Abort, an expired lease or a dead sender (heartbeat silence or a broken
+       data connection) frees the transfer's unfilled slots and publishes
+       ChunkRejected / TransferFailed. Nothing leaks and nothing hangs.
+
+The control loop runs on one thread that owns the ZeroMQ ROUTER socket; data
+plane callbacks come from backend threads. Shared state sits behind one lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from kvrelay.config import KVRelayConfig
+from transport import protocol as P
+from transport.backends.base import ReceiverBackend
+from transport.errors import ChecksumError, ChunkError, ProtocolError, TransferTimeout, TransportError
+from transport.events import (ChunkArrival, ChunkRejected, Event, FailReason, TransferDone,
+                              TransferFailed)
+from transport.keys import KEY_BYTES
+from transport.pool import ReceivePool, SlotRef
+from transport.wire import HEADER_SIZE, transfer_tag, verify_chunk
+
+log = logging.getLogger(__name__)
+HeldKeysFn = Callable[[Sequence[bytes]], Sequence[bool]]
+MAX_TRANSFER_ID = 256
+
+
+@dataclass
+class ReceiverStats:
+    messages: int = 0
+    malformed: int = 0
+    unauthenticated: int = 0
+    chunks_arrived: int = 0
+    bytes_arrived: int = 0
+    chunks_rejected: int = 0
+    checksum_failures: int = 0
+    misrouted: int = 0
+    stale_writes: int = 0
+    aborts: int = 0
+    peers_dead: int = 0
+    alloc_refused: int = 0
+    alloc_parked: int = 0
+
+
+@dataclass
+class _Transfer:
+    transfer_id: str
+    sender_id: str
+    keys: list[bytes]
+    held: tuple[int, ...]
+    slots: dict[int, SlotRef] = field(default_factory=dict)      # chunk index -> slot
+    resolved: set[int] = field(default_factory=set)
+    arrived: int = 0
+    rejected: int = 0
+    done: bool = False
+
+
+@dataclass
+class _Pending:
+    ident: bytes
+    sender_id: str
+    msg: P.Alloc
+    deadline: float
+
+
+class Receiver:
+    """Owns the pool, the control socket and the receiving half of one backend."""
+
+    def __init__(self, cfg: KVRelayConfig, backend: ReceiverBackend, fingerprint: bytes, *,
+                 slot_bytes: int, held_keys: HeldKeysFn | None = None,
+                 clock: Callable[[], float] = time.monotonic, receiver_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.fingerprint = fingerprint
+        self.receiver_id = receiver_id or f"recv-{uuid.uuid4().hex[:8]}"
+        self.pool = ReceivePool(cfg.transport.pool_bytes, slot_bytes, lease_s=cfg.timeouts.lease_s,
+                                clock=clock)
+        self.stats = ReceiverStats()
+        self._clock = clock
+        self._held_keys = held_keys
+        self._secret = cfg.transport.shared_secret.encode()
+        self._lock = threading.RLock()
+        self._transfers: dict[str, _Transfer] = {}
+        self._by_tag: dict[bytes, str] = {}
+        self._queues: dict[str, queue.SimpleQueue[Event]] = {}
+        self._slot_owner: dict[int, tuple[str, int]] = {}          # slot index -> (transfer, chunk)
+        self._peers: dict[str, float] = {}                          # sender id -> last seen
+        self._pending: list[_Pending] = []
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, cfg.transport.max_message_bytes + 4096)
+        host, port = cfg.transport.host, cfg.transport.control_port
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self._stop = threading.Event()
+        self.backend.start(self.pool, self._deliver, self._peer_lost)
+        self._thread = threading.Thread(target=self._loop, name="kvrelay-recv-ctl", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ consumer API
+    def expect(self, transfer_id: str) -> None:
+        """Create the event queue for a transfer before its Alloc arrives (optional)."""
+        with self._lock:
+            self._queues.setdefault(transfer_id, queue.SimpleQueue())
+
+    def next_event(self, transfer_id: str, timeout: float) -> Event:
+        """Block for the transfer's next event. A returned ChunkArrival's slot is now held
+        by the caller, who must :meth:`release` it. Raises TransferTimeout."""
+        self.expect(transfer_id)
+        q = self._queues[transfer_id]
+        try:
+            ev = q.get(timeout=timeout)
+        except queue.Empty:
+            raise TransferTimeout(f"no event for transfer {transfer_id!r} in {timeout:.3g}s") from None
+        if isinstance(ev, ChunkArrival):
+            try:
+                self.pool.take(ev.slot)
+            except TransportError as exc:   # lease expired between arrival and take
+                return ChunkRejected(transfer_id, ev.chunk_index, FailReason.LEASE_EXPIRED, str(exc))
+        return ev
+
+    def payload(self, arrival: ChunkArrival) -> memoryview:
+        """The chunk's ``[layer][block]`` payload bytes inside the pool (zero-copy)."""
+        off = self.pool.offset(arrival.slot) + HEADER_SIZE
+        return self.pool.arena.buf[off:off + arrival.header.payload_len]
+
+    def release(self, arrival: ChunkArrival) -> None:
+        with self._lock:
+            self._slot_owner.pop(arrival.slot.index, None)
+        self.pool.release(arrival.slot)
+
+    def finish(self, transfer_id: str) -> None:
+        """The consumer is done with a transfer: drop its state and free anything unconsumed."""
+        with self._lock:
+            self._end_transfer(transfer_id)
+            q = self._queues.pop(transfer_id, None)
+        while q is not None and not q.empty():
+            ev = q.get_nowait()
+            if isinstance(ev, ChunkArrival):
+                with contextlib.suppress(TransportError):
+                    self.pool.release(ev.slot)
+
+    def abort(self, transfer_id: str, reason: str = "aborted by consumer") -> None:
+        with self._lock:
+            self._fail_transfer(transfer_id, FailReason.ABORTED, reason)
+
+    # ------------------------------------------------------------------ control loop
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(timeout=20))
+                if self._sock in ready:
+                    for _ in range(64):
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._on_frames(frames)
+                self._housekeeping()
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    break
+                log.error("control loop error: %s", exc)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        self.stats.messages += 1
+        if len(frames) != 2:
+            self.stats.malformed += 1
+            if frames:
+                self._reply(frames[0], P.Error(code=P.ErrorCode.MALFORMED.value,
+                                               reason=f"expected 1 frame, got {len(frames) - 1}"))
+            return
+        ident, body = frames
+        try:
+            msg = P.decode(body, self.cfg.transport.max_message_bytes)
+            self._dispatch(ident, msg)
+        except ProtocolError as exc:
+            self.stats.malformed += 1
+            code = getattr(exc, "code", P.ErrorCode.INVALID)
+            log.info("rejected control frame (%s): %s", code.value, exc)
+            self._reply(ident, P.Error(code=code.value, reason=str(exc)))
+
+    def _reply(self, ident: bytes, msg: P.Message) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
+
+    def _dispatch(self, ident: bytes, msg: P.Message) -> None:
+        if isinstance(msg, P.Hello):
+            return self._on_hello(ident, msg)
+        sender = getattr(msg, "sender_id", None) or self._ident_sender(ident)
+        if isinstance(msg, P.Bye):
+            self._peers.pop(sender or "", None)
+            return None
+        if sender is None or sender not in self._peers:
+            self.stats.unauthenticated += 1
+            raise _invalid(P.ErrorCode.UNAUTHENTICATED, f"{type(msg).__name__} before a successful Hello")
+        self._peers[sender] = self._clock()
+        if isinstance(msg, P.Alloc):
+            self._on_alloc(ident, sender, msg)
+        elif isinstance(msg, P.ChunkDone):
+            self._on_chunk_done(sender, msg)
+        elif isinstance(msg, P.Abort):
+            self.stats.aborts += 1
+            with self._lock:
+                self._fail_transfer(msg.transfer_id, FailReason.ABORTED, msg.reason or "aborted by sender")
+        elif isinstance(msg, P.Heartbeat):
+            pass
+        else:
+            raise _invalid(P.ErrorCode.INVALID, f"{type(msg).__name__} is not a request")
+        return None
+
+    def _ident_sender(self, ident: bytes) -> str | None:
+        with contextlib.suppress(UnicodeDecodeError):
+            return ident.decode()
+        return None
+
+    def _on_hello(self, ident: bytes, hello: P.Hello) -> None:
+        reason = ""
+        if not P.check_mac(self._secret, hello):
+            self.stats.unauthenticated += 1
+            reason = "authentication failed: HMAC over the shared secret does not match"
+        elif hello.fingerprint != self.fingerprint:
+            reason = (f"incompatible KV fingerprint {hello.fingerprint.hex()[:16]} != "
+                      f"{self.fingerprint.hex()[:16]} (model, dtype, layout, block size or TP differ)")
+        elif hello.backend != self.cfg.transport.backend.value:
+            reason = f"backend mismatch: sender uses {hello.backend}, receiver {self.cfg.transport.backend.value}"
+        elif ident != hello.sender_id.encode():
+            reason = "socket identity does not match sender_id"
+        if reason:
+            log.warning("refused Hello from %r: %s", hello.sender_id, reason)
+            self._reply(ident, P.HelloAck(ok=False, reason=reason, receiver_id=self.receiver_id))
+            return
+        try:
+            self.backend.on_hello(hello.sender_id, hello.info)
+        except TransportError as exc:
+            self._reply(ident, P.HelloAck(ok=False, reason=f"backend refused: {exc}"))
+            return
+        self._peers[hello.sender_id] = self._clock()
+        self._reply(ident, P.HelloAck(ok=True, receiver_id=self.receiver_id,
+                                      slot_bytes=self.pool.slot_bytes, info=self.backend.info()))
+
+    def _on_alloc(self, ident: bytes, sender: str, msg: P.Alloc) -> None:
+        _validate_alloc(msg, self.pool.slot_bytes)
+        with self._lock:
+            if msg.transfer_id in self._transfers:
+                raise _invalid(P.ErrorCode.INVALID, f"transfer {msg.transfer_id!r} already active")
+        wait = min(msg.wait_s, self.cfg.timeouts.alloc_wait_s)
+        pending = _Pending(ident, sender, msg, self._clock() + max(wait, 0.0))
+        if not self._try_grant(pending):
+            self.stats.alloc_parked += 1
+            self._pending.append(pending)
+
+    def _try_grant(self, p: _Pending) -> bool:
+        msg = p.msg
+        held_flags = list(self._held_keys(msg.keys)) if self._held_keys else [False] * len(msg.keys)
+        want = [i for i, h in enumerate(held_flags) if not h]
+        try:
+            refs = self.pool.try_allocate(len(want), msg.transfer_id)
+        except TransportError as exc:                 # more chunks than the pool has slots
+            self._refuse(p, str(exc))
+            return True
+        if refs is None:
+            return False
+        held = tuple(i for i, h in enumerate(held_flags) if h)
+        t = _Transfer(msg.transfer_id, p.sender_id, list(msg.keys), held)
+        with self._lock:
+            for i, ref in zip(want, refs, strict=True):
+                t.slots[i] = ref
+                self._slot_owner[ref.index] = (msg.transfer_id, i)
+            self._transfers[msg.transfer_id] = t
+            self._by_tag[transfer_tag(msg.transfer_id)] = msg.transfer_id
+            self._queues.setdefault(msg.transfer_id, queue.SimpleQueue())
+        self.backend.on_grants(p.sender_id, msg.transfer_id, [(i, t.slots[i]) for i in want])
+        grants = [P.Grant(chunk_index=i, slot=r.index, generation=r.generation,
+                          offset=self.pool.offset(r)) for i, r in zip(want, refs, strict=True)]
+        self._reply(p.ident, P.Slots(transfer_id=msg.transfer_id, grants=grants, held=list(held)))
+        if not want:
+            with self._lock:
+                self._maybe_done(t)
+        return True
+
+    def _refuse(self, p: _Pending, reason: str) -> None:
+        self.stats.alloc_refused += 1
+        self._reply(p.ident, P.Refused(transfer_id=p.msg.transfer_id, reason=reason))
+        with self._lock:
+            q = self._queues.get(p.msg.transfer_id)
+        if q is not None:
+            q.put(TransferFailed(p.msg.transfer_id, FailReason.POOL_FULL, reason))
+
+    def _on_chunk_done(self, sender: str, msg: P.ChunkDone) -> None:
+        if self.backend.in_band_arrival:
+            return                                        # arrival already reported by the data plane
+        self._deliver(sender, transfer_tag(msg.transfer_id), msg.chunk_index,
+                      SlotRef(msg.slot, msg.generation))
+
+    # ------------------------------------------------------------------ data-plane callbacks
+    def _deliver(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef) -> None:
+        """A backend says the bytes of ``chunk_index`` are complete in ``ref``. Any thread."""
+        with self._lock:
+            tid = self._by_tag.get(tag)
+            t = self._transfers.get(tid) if tid is not None else None
+            if t is None or t.slots.get(chunk_index) != ref or chunk_index in t.resolved:
+                self.stats.stale_writes += 1
+                log.info("ignored stale/misrouted arrival: chunk %d slot %s", chunk_index, ref)
+                return
+            if t.sender_id != sender:
+                self.stats.misrouted += 1
+            key = t.keys[chunk_index]
+            self._peers[sender] = self._clock()
+        try:
+            hdr = verify_chunk(self.pool.view(ref), transfer_id=t.transfer_id, key=key,
+                               chunk_index=chunk_index)
+        except ChunkError as exc:
+            self._reject(t, chunk_index, exc)
+            return
+        t_arr = time.monotonic()
+        with self._lock:
+            try:
+                self.pool.mark_filled(ref)
+            except TransportError as exc:                 # reclaimed while we verified
+                self._reject(t, chunk_index, exc)
+                return
+            t.resolved.add(chunk_index)
+            t.arrived += 1
+            self.stats.chunks_arrived += 1
+            self.stats.bytes_arrived += hdr.total_len
+            self._queues[t.transfer_id].put(ChunkArrival(t.transfer_id, chunk_index, key, ref, hdr, t_arr))
+            self._maybe_done(t)
+
+    def _reject(self, t: _Transfer, chunk_index: int, exc: TransportError) -> None:
+        reason = FailReason.CHECKSUM if isinstance(exc, ChecksumError) else FailReason.INVALID_CHUNK
+        if isinstance(exc, ChecksumError):
+            self.stats.checksum_failures += 1
+        elif "misrouted" in str(exc):
+            self.stats.misrouted += 1
+        log.warning("rejected chunk %d of %r: %s", chunk_index, t.transfer_id, exc)
+        with self._lock:
+            self.stats.chunks_rejected += 1
+            ref = t.slots.get(chunk_index)
+            if ref is not None and chunk_index not in t.resolved:
+                with contextlib.suppress(TransportError):
+                    self.pool.release(ref)
+                self._slot_owner.pop(ref.index, None)
+            t.resolved.add(chunk_index)
+            t.rejected += 1
+            self._queues[t.transfer_id].put(ChunkRejected(t.transfer_id, chunk_index, reason, str(exc)))
+            self._maybe_done(t)
+
+    def _peer_lost(self, sender: str, reason: str) -> None:
+        with self._lock:
+            self._peers.pop(sender, None)
+            victims = [tid for tid, t in self._transfers.items() if t.sender_id == sender and not t.done]
+            if victims:
+                self.stats.peers_dead += 1
+            for tid in victims:
+                self._fail_transfer(tid, FailReason.PEER_DEAD, f"sender {sender!r} lost: {reason}")
+
+    # ------------------------------------------------------------------ bookkeeping (lock held)
+    def _maybe_done(self, t: _Transfer) -> None:
+        if not t.done and len(t.resolved) == len(t.slots):
+            t.done = True
+            self._queues[t.transfer_id].put(TransferDone(t.transfer_id, t.arrived, t.rejected, t.held))
+            self.backend.on_release(t.sender_id, t.transfer_id)
+
+    def _fail_transfer(self, transfer_id: str, reason: FailReason, detail: str) -> None:
+        t = self._transfers.get(transfer_id)
+        if t is None or t.done:
+            return
+        t.done = True
+        freed = self.pool.release_owner(transfer_id, include_filled=False)
+        for i, ref in t.slots.items():
+            if i not in t.resolved:
+                self._slot_owner.pop(ref.index, None)
+        log.warning("transfer %r failed (%s): %s; %d slots freed", transfer_id, reason.value, detail, freed)
+        self._queues[transfer_id].put(TransferFailed(transfer_id, reason, detail))
+        self.backend.on_release(t.sender_id, transfer_id)
+
+    def _end_transfer(self, transfer_id: str) -> None:
+        t = self._transfers.pop(transfer_id, None)
+        if t is None:
+            return
+        self._by_tag.pop(transfer_tag(transfer_id), None)
+        if not t.done:
+            t.done = True
+            self.backend.on_release(t.sender_id, transfer_id)
+        self.pool.release_owner(transfer_id)
+        for ref in t.slots.values():
+            self._slot_owner.pop(ref.index, None)
+
+    def _housekeeping(self) -> None:
+        now = self._clock()
+        still = []
+        for p in self._pending:
+            if not self._try_grant(p):
+                if now >= p.deadline:
+                    self._refuse(p, f"receive pool full: {len(p.msg.keys)} chunks did not fit "
+                                    f"within {p.msg.wait_s:.3g}s ({self.pool.stats().free} slots free)")
+                else:
+                    still.append(p)
+        self._pending = still
+        for ref, owner, _state in self.pool.reap_expired():
+            with self._lock:
+                t = self._transfers.get(owner)
+                chunk = self._slot_owner.pop(ref.index, (owner, -1))[1]
+                if t is not None and chunk in t.slots and chunk not in t.resolved:
+                    t.resolved.add(chunk)
+                    t.rejected += 1
+                    self._queues[owner].put(ChunkRejected(owner, chunk, FailReason.LEASE_EXPIRED,
+                                                          f"slot {ref.index} lease expired"))
+                    self._maybe_done(t)
+        with self._lock:
+            dead = [s for s, seen in self._peers.items() if now - seen > self.cfg.timeouts.peer_s]
+        for sender in dead:
+            self._peer_lost(sender, f"no heartbeat for {self.cfg.timeouts.peer_s:.3g}s")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        self.backend.close()
+        self.pool.close()
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _invalid(code: P.ErrorCode, reason: str) -> ProtocolError:
+    err = ProtocolError(reason)
+    err.code = code  # type: ignore[attr-defined]
+    return err
+
+
+def _validate_alloc(msg: P.Alloc, slot_bytes: int) -> None:
+    if not msg.transfer_id or len(msg.transfer_id) > MAX_TRANSFER_ID:
+        raise _invalid(P.ErrorCode.INVALID, f"transfer_id must be 1..{MAX_TRANSFER_ID} characters")
+    if len(msg.keys) != len(msg.chunk_bytes) or not msg.keys:
+        raise _invalid(P.ErrorCode.INVALID, "keys and chunk_bytes must be non-empty and equally long")
+    for i, (k, n) in enumerate(zip(msg.keys, msg.chunk_bytes, strict=True)):
+        if len(k) != KEY_BYTES:
+            raise _invalid(P.ErrorCode.INVALID, f"key {i} is {len(k)} bytes, expected {KEY_BYTES}")
+        if not HEADER_SIZE < n <= slot_bytes:
+            raise _invalid(P.ErrorCode.INVALID, f"chunk {i} of {n} bytes does not fit a {slot_bytes}-byte slot")

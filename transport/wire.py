@@ -1,0 +1,160 @@
+"""Chunk wire format: a versioned 128-byte header, then ``[layer][block]`` payload.
+
+Header layout (little-endian, ``struct`` format ``HEADER_FMT``)::
+
+    magic        4s   b"KVRC"
+    version      H    WIRE_VERSION
+    dtype        H    DType code (opaque to the transport, checked by the consumer)
+    key          32s  chained chunk key (transport.keys)
+    transfer     16s  sha256(transfer_id)[:16]: detects misrouted chunks
+    chunk_index  I
+    num_layers   I
+    num_blocks   I
+    (pad)        I
+    block_bytes  Q    bytes of one block of one layer
+    payload_len  Q    == num_layers * num_blocks * block_bytes
+    payload_sum  Q    xxh3_64 of the payload
+    header_sum   Q    xxh3_64 of the header bytes before this field
+
+The payload is opaque block bytes: on CPU vLLM packs K transposed inside a
+block, so blocks are copied whole and never sliced per token. A chunk whose
+header or payload fails validation is never installed; the consumer recomputes.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from transport.errors import ChecksumError, ChunkError
+from transport.keys import KEY_BYTES
+
+MAGIC = b"KVRC"
+WIRE_VERSION = 1
+HEADER_FMT = "<4sHH32s16sIIIIQQQQ"
+_PREFIX = struct.Struct(HEADER_FMT[:-1])        # everything but header_sum
+HEADER_STRUCT = struct.Struct(HEADER_FMT)
+HEADER_SIZE = 128                                # payload starts 128-byte aligned
+assert HEADER_STRUCT.size <= HEADER_SIZE
+
+Buffer = bytes | bytearray | memoryview
+
+
+class DType(enum.IntEnum):
+    OPAQUE = 0
+    FLOAT16 = 1
+    BFLOAT16 = 2
+    FLOAT32 = 3
+    FP8_E4M3 = 4
+    UINT8 = 5
+
+
+def transfer_tag(transfer_id: str) -> bytes:
+    """The 16-byte wire tag of a transfer id."""
+    return hashlib.sha256(transfer_id.encode()).digest()[:16]
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    key: bytes
+    transfer: bytes
+    chunk_index: int
+    num_layers: int
+    num_blocks: int
+    block_bytes: int
+    payload_sum: int
+    dtype: DType = DType.OPAQUE
+    version: int = WIRE_VERSION
+
+    @property
+    def payload_len(self) -> int:
+        return self.num_layers * self.num_blocks * self.block_bytes
+
+    @property
+    def total_len(self) -> int:
+        return HEADER_SIZE + self.payload_len
+
+    def pack(self) -> bytes:
+        prefix = _PREFIX.pack(MAGIC, self.version, int(self.dtype), self.key, self.transfer,
+                              self.chunk_index, self.num_layers, self.num_blocks, 0,
+                              self.block_bytes, self.payload_len, self.payload_sum)
+        out = prefix + struct.pack("<Q", xxhash.xxh3_64_intdigest(prefix))
+        return out.ljust(HEADER_SIZE, b"\x00")
+
+
+def payload_checksum(regions: Sequence[Buffer]) -> int:
+    """xxh3_64 over the concatenation of ``regions`` without concatenating them."""
+    h = xxhash.xxh3_64()
+    for r in regions:
+        h.update(r)
+    return h.intdigest()
+
+
+def make_header(key: bytes, transfer_id: str, chunk_index: int, regions: Sequence[Buffer], *,
+                num_layers: int = 1, num_blocks: int = 1, dtype: DType = DType.OPAQUE) -> ChunkHeader:
+    """Build the header for a payload given as ``regions`` (in ``[layer][block]`` order)."""
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+    total = sum(memoryview(r).nbytes for r in regions)
+    units = num_layers * num_blocks
+    if units <= 0 or total % units:
+        raise ValueError(f"payload of {total} bytes is not {num_layers} layers x {num_blocks} blocks")
+    return ChunkHeader(key=key, transfer=transfer_tag(transfer_id), chunk_index=chunk_index,
+                       num_layers=num_layers, num_blocks=num_blocks, block_bytes=total // units,
+                       payload_sum=payload_checksum(regions), dtype=dtype)
+
+
+def parse_header(buf: Buffer) -> ChunkHeader:
+    """Decode and validate a header (magic, version, header checksum). Raises ChunkError."""
+    mv = memoryview(buf)
+    if mv.nbytes < HEADER_SIZE:
+        raise ChunkError(f"truncated header: {mv.nbytes} < {HEADER_SIZE} bytes")
+    raw = bytes(mv[:HEADER_STRUCT.size])
+    (magic, version, dtype, key, transfer, idx, layers, blocks, _pad, block_bytes, plen, psum,
+     hsum) = HEADER_STRUCT.unpack(raw)
+    if magic != MAGIC:
+        raise ChunkError(f"bad magic {magic!r}; not a kvrelay chunk")
+    if version != WIRE_VERSION:
+        raise ChunkError(f"unsupported chunk wire version {version} (this node speaks {WIRE_VERSION})")
+    if xxhash.xxh3_64_intdigest(raw[:_PREFIX.size]) != hsum:
+        raise ChunkError("header checksum mismatch")
+    if plen != layers * blocks * block_bytes:
+        raise ChunkError(f"payload_len {plen} != {layers}x{blocks}x{block_bytes}")
+    try:
+        dt = DType(dtype)
+    except ValueError as exc:
+        raise ChunkError(f"unknown dtype code {dtype}") from exc
+    return ChunkHeader(key=key, transfer=transfer, chunk_index=idx, num_layers=layers,
+                       num_blocks=blocks, block_bytes=block_bytes, payload_sum=psum, dtype=dt,
+                       version=version)
+
+
+def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | None = None,
+                 chunk_index: int | None = None) -> ChunkHeader:
+    """Validate a whole received chunk (header + payload) in place.
+
+    Checks the header, that the payload fits, the payload checksum, and - when
+    given - that the chunk belongs to ``transfer_id`` / ``key`` / ``chunk_index``
+    (a misrouted chunk). Raises :class:`ChunkError` or :class:`ChecksumError`.
+    """
+    mv = memoryview(buf)
+    hdr = parse_header(mv)
+    if HEADER_SIZE + hdr.payload_len > mv.nbytes:
+        raise ChunkError(f"truncated chunk: header says {hdr.payload_len} payload bytes, "
+                         f"{mv.nbytes - HEADER_SIZE} available")
+    if transfer_id is not None and hdr.transfer != transfer_tag(transfer_id):
+        raise ChunkError(f"misrouted chunk: not part of transfer {transfer_id!r}")
+    if key is not None and hdr.key != key:
+        raise ChunkError(f"misrouted chunk: key {hdr.key.hex()[:16]} != expected {key.hex()[:16]}")
+    if chunk_index is not None and hdr.chunk_index != chunk_index:
+        raise ChunkError(f"misrouted chunk: index {hdr.chunk_index} != expected {chunk_index}")
+    payload = mv[HEADER_SIZE:HEADER_SIZE + hdr.payload_len]
+    if xxhash.xxh3_64_intdigest(payload) != hdr.payload_sum:
+        raise ChecksumError(f"payload checksum mismatch in chunk {hdr.chunk_index} "
+                            f"(key {hdr.key.hex()[:16]})")
+    return hdr
