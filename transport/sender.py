@@ -92,7 +92,7 @@ class Sender:
         mac = P.hello_mac(self.cfg.transport.shared_secret.encode(), self.sender_id, self.fingerprint,
                           backend, nonce)
         hello = P.Hello(sender_id=self.sender_id, fingerprint=self.fingerprint, backend=backend,
-                        nonce=nonce, mac=mac, info=self.backend.local_info())
+                        nonce=nonce, mac=mac, info=self.backend.local_info(self.sender_id))
         ack = self._request(hello, P.HelloAck, "", self.cfg.timeouts.connect_s)
         assert isinstance(ack, P.HelloAck)
         if not ack.ok:

@@ -83,8 +83,8 @@ class SenderBackend(abc.ABC):
 
     in_band_arrival: bool = True
 
-    def local_info(self) -> bytes:
-        """Data for the receiver's ``on_hello`` (e.g. NIXL agent metadata)."""
+    def local_info(self, sender_id: str) -> bytes:
+        """Data for the receiver's ``on_hello`` (e.g. NIXL agent metadata). Called before ``connect``."""
         return b""
 
     @abc.abstractmethod
