@@ -126,7 +126,10 @@ class SharedArena:
             torch.cuda.cudart().cudaHostUnregister(self.address)
             self.pinned = False
         self.buf.release()
-        self.shm.close()
+        try:
+            self.shm.close()
+        except BufferError:     # a view is still exported (e.g. a registered array): unmapped at exit
+            log.warning("shared segment %s still has exported views; unlinking anyway", self.name)
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()
