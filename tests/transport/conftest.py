@@ -1,0 +1,63 @@
+"""Fixtures for the transport conformance suite.
+
+The receiver lives in the pytest process (so tests can inspect its pool and
+events); every sender is a separate, spawned process (:class:`transport.peer.SenderPeer`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import pytest
+
+from kvrelay import config
+from transport.backends import make_receiver_backend
+from transport.peer import SenderPeer
+from transport.receiver import Receiver
+from transport.wire import HEADER_SIZE
+
+BACKENDS = ["tcp", "shm", "nixl", "ucx"]
+FP = hashlib.sha256(b"conformance-fingerprint").digest()
+SLOT = (1 << 20) + HEADER_SIZE
+
+
+def make_cfg(backend: str, **over: object) -> config.KVRelayConfig:
+    items = {"transport.backend": backend, "transport.pool_bytes": "16MiB",
+             "timeouts.peer_s": 1.0, "timeouts.heartbeat_s": 0.1, "timeouts.lease_s": 30,
+             **over}
+    return config.load(overrides=[f"{k}={v}" for k, v in items.items()])
+
+
+def make_receiver(cfg: config.KVRelayConfig, slot_bytes: int = SLOT) -> Receiver:
+    return Receiver(cfg, make_receiver_backend(cfg), FP, slot_bytes=slot_bytes)
+
+
+def assert_no_leases(receiver: Receiver) -> None:
+    st = receiver.pool.stats()
+    assert st.leased == st.filled == st.held == 0, st
+    assert st.free == st.slots
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def pair(backend: str) -> Iterator[tuple[Receiver, SenderPeer]]:
+    """A receiver here and a connected sender process, checked for leaks afterwards."""
+    cfg = make_cfg(backend)
+    receiver = make_receiver(cfg)
+    peer = SenderPeer(cfg, receiver.endpoint, FP)
+    try:
+        peer.call("connect")
+        yield receiver, peer
+        assert_no_leases(receiver)
+    finally:
+        peer.close()
+        receiver.close()
+
+
+def keys_for(tid: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tid}/{i}".encode()).digest() for i in range(n)]

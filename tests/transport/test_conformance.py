@@ -1,0 +1,231 @@
+"""One conformance suite, parametrized over every data-plane backend.
+
+Sender and receiver run in separate processes. Payload integrity is checked by
+sha256 of the source bytes (computed in the sender process) against sha256 of
+the bytes in the receiver's slot - never by the backend's own checksum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pytest
+
+from tests.transport.conftest import (FP, SLOT, assert_no_leases, keys_for, make_cfg,
+                                      make_receiver)
+from transport.errors import TransferTimeout
+from transport.events import ChunkArrival, ChunkRejected, FailReason, TransferDone, TransferFailed
+from transport.peer import RemoteError, SenderPeer
+from transport.wire import HEADER_SIZE
+
+
+def drain(receiver, tid, timeout=10.0):
+    """Collect events until the transfer ends; verify and release every arrival."""
+    out = []
+    while True:
+        ev = receiver.next_event(tid, timeout)
+        if isinstance(ev, ChunkArrival):
+            out.append((ev, hashlib.sha256(receiver.payload(ev)).hexdigest()))
+            receiver.release(ev)
+        else:
+            out.append((ev, None))
+        if isinstance(ev, TransferDone | TransferFailed):
+            receiver.finish(tid)
+            return out
+
+
+SIZES = [1, 4093, 65536, 300_001, 1 << 20]
+
+
+def test_random_payloads_arrive_byte_identical(pair):
+    receiver, peer = pair
+    tid = "intact"
+    peer.call("prepare", "src", sum(SIZES), 1234)
+    offs = [sum(SIZES[:i]) for i in range(len(SIZES))]
+    peer.call("alloc", tid, keys_for(tid, len(SIZES)), [HEADER_SIZE + n for n in SIZES])
+    want = {}
+    for i, (off, n) in enumerate(zip(offs, SIZES, strict=True)):
+        want[i] = peer.call("digest", "src", off, n)
+        peer.call("write", tid, i, "src", off, n, 1 + i % 3)       # 1..3 regions per chunk
+    events = drain(receiver, tid)
+    got = {ev.chunk_index: d for ev, d in events if isinstance(ev, ChunkArrival)}
+    assert got == want
+    assert isinstance(events[-1][0], TransferDone) and events[-1][0].arrived == len(SIZES)
+    assert receiver.stats.checksum_failures == 0
+
+
+def test_arrivals_fire_in_completion_order_while_last_chunk_is_held_back(pair):
+    receiver, peer = pair
+    tid = "pipelined"
+    n, size = 5, 256 * 1024
+    peer.call("prepare", "src", n * size, 7)
+    peer.call("alloc", tid, keys_for(tid, n), [HEADER_SIZE + size] * n)
+    order = [2, 0, 3, 1]                                    # the last chunk (4) is held back
+    for i in order:
+        peer.call("write", tid, i, "src", i * size, size)
+    seen = []
+    for _ in order:
+        ev = receiver.next_event(tid, 10)
+        assert isinstance(ev, ChunkArrival), ev
+        seen.append(ev.chunk_index)
+        receiver.release(ev)
+    assert seen == order
+    with pytest.raises(TransferTimeout):                    # nothing more until chunk 4 is sent
+        receiver.next_event(tid, 0.3)
+    peer.call("write", tid, 4, "src", 4 * size, size)
+    events = drain(receiver, tid)
+    assert [e.chunk_index for e, _ in events if isinstance(e, ChunkArrival)] == [4]
+    assert isinstance(events[-1][0], TransferDone)
+
+
+def test_corrupted_payload_is_rejected_by_checksum(pair):
+    receiver, peer = pair
+    tid = "corrupt"
+    peer.call("prepare", "src", 3 * 65536, 9)
+    peer.call("alloc", tid, keys_for(tid, 3), [HEADER_SIZE + 65536] * 3)
+    peer.call("write", tid, 0, "src", 0, 65536)
+    peer.call("write", tid, 1, "src", 65536, 65536, 1, True)          # corrupted in flight
+    peer.call("write", tid, 2, "src", 2 * 65536, 65536)
+    events = drain(receiver, tid)
+    rejected = [e for e, _ in events if isinstance(e, ChunkRejected)]
+    assert [(e.chunk_index, e.reason) for e in rejected] == [(1, FailReason.CHECKSUM)]
+    assert sorted(e.chunk_index for e, _ in events if isinstance(e, ChunkArrival)) == [0, 2]
+    assert receiver.stats.checksum_failures == 1
+
+
+def test_abort_frees_slots(pair):
+    receiver, peer = pair
+    tid = "aborted"
+    peer.call("prepare", "src", 65536, 3)
+    peer.call("alloc", tid, keys_for(tid, 4), [HEADER_SIZE + 65536] * 4)
+    peer.call("write", tid, 0, "src", 0, 65536)
+    assert receiver.pool.stats().leased >= 3
+    peer.call("abort", tid, "client went away")
+    events = drain(receiver, tid)
+    assert isinstance(events[-1][0], TransferFailed)
+    assert events[-1][0].reason is FailReason.ABORTED
+    assert "client went away" in events[-1][0].detail
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
+def test_expired_lease_frees_slots(backend):
+    cfg = make_cfg(backend, **{"timeouts.lease_s": 0.4})
+    receiver = make_receiver(cfg)
+    peer = SenderPeer(cfg, receiver.endpoint, FP)
+    try:
+        peer.call("connect")
+        peer.call("alloc", "lease", keys_for("lease", 2), [HEADER_SIZE + 4096] * 2)
+        t0 = time.monotonic()
+        events = drain(receiver, "lease")                      # nothing is ever written
+        assert time.monotonic() - t0 < 5
+        assert [e.reason for e, _ in events if isinstance(e, ChunkRejected)] == [FailReason.LEASE_EXPIRED] * 2
+        assert receiver.pool.stats().leases_expired == 2
+        assert_no_leases(receiver)
+    finally:
+        peer.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
+def test_sender_death_mid_transfer_is_detected(backend):
+    cfg = make_cfg(backend, **{"timeouts.peer_s": 1.0})
+    receiver = make_receiver(cfg)
+    peer = SenderPeer(cfg, receiver.endpoint, FP)
+    try:
+        peer.call("connect")
+        peer.call("prepare", "src", 65536, 5)
+        peer.call("alloc", "dies", keys_for("dies", 4), [HEADER_SIZE + 65536] * 4)
+        peer.call("write", "dies", 0, "src", 0, 65536)
+        t0 = time.monotonic()
+        peer.kill()
+        events = drain(receiver, "dies", timeout=5)
+        elapsed = time.monotonic() - t0
+        assert isinstance(events[-1][0], TransferFailed), events
+        assert events[-1][0].reason is FailReason.PEER_DEAD
+        assert elapsed <= cfg.timeouts.peer_s + 1.0, elapsed          # within the timeout (+ poll slack)
+        assert receiver.stats.peers_dead >= 1
+        assert_no_leases(receiver)
+    finally:
+        peer.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
+def test_full_pool_applies_backpressure_then_refuses(backend):
+    cfg = make_cfg(backend, **{"transport.pool_bytes": 4 * SLOT + 4096 * 4})
+    receiver = make_receiver(cfg)
+    assert receiver.pool.num_slots == 4
+    peer = SenderPeer(cfg, receiver.endpoint, FP)
+    try:
+        peer.call("connect")
+        peer.call("prepare", "src", 4096, 1)
+        peer.call("alloc", "fill", keys_for("fill", 4), [HEADER_SIZE + 4096] * 4)
+        # 1) refused: nobody frees a slot within the wait
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as err:
+            peer.call("alloc", "starved", keys_for("starved", 1), [HEADER_SIZE + 4096], 0.5)
+        assert err.value.kind == "PoolFullError" and "pool full" in str(err.value)
+        assert time.monotonic() - t0 >= 0.5
+        assert receiver.stats.alloc_refused == 1
+        # 2) back-pressure: the alloc waits and succeeds once a transfer frees its slots
+        import threading
+
+        threading.Timer(0.4, lambda: peer_abort(receiver, "fill")).start()
+        t0 = time.monotonic()
+        got = peer.call("alloc", "waits", keys_for("waits", 2), [HEADER_SIZE + 4096] * 2, 3.0)
+        assert got["grants"] == [0, 1] and time.monotonic() - t0 >= 0.35
+        for i in range(2):
+            peer.call("write", "waits", i, "src", 0, 4096)
+        events = drain(receiver, "waits")
+        assert isinstance(events[-1][0], TransferDone) and events[-1][0].arrived == 2
+        drain(receiver, "fill")
+        assert_no_leases(receiver)
+    finally:
+        peer.close()
+        receiver.close()
+
+
+def peer_abort(receiver, tid):
+    receiver.abort(tid, "consumer gave up")
+
+
+def test_alloc_skips_keys_the_receiver_holds(backend):
+    cfg = make_cfg(backend)
+    held = set(keys_for("skip", 4)[:2])
+    from transport.backends import make_receiver_backend
+    from transport.receiver import Receiver
+
+    receiver = Receiver(cfg, make_receiver_backend(cfg), FP, slot_bytes=SLOT,
+                        held_keys=lambda ks: [k in held for k in ks])
+    peer = SenderPeer(cfg, receiver.endpoint, FP)
+    try:
+        peer.call("connect")
+        peer.call("prepare", "src", 4096, 2)
+        got = peer.call("alloc", "skip", keys_for("skip", 4), [HEADER_SIZE + 4096] * 4)
+        assert got == {"grants": [2, 3], "held": [0, 1]}
+        for i in (2, 3):
+            peer.call("write", "skip", i, "src", 0, 4096)
+        events = drain(receiver, "skip")
+        assert events[-1][0] == TransferDone("skip", 2, 0, (0, 1))
+        assert_no_leases(receiver)
+    finally:
+        peer.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("what", ["fingerprint", "secret"])
+def test_incompatible_or_unauthenticated_hello_is_refused(what):
+    cfg = make_cfg("tcp")
+    receiver = make_receiver(cfg)
+    fp = hashlib.sha256(b"other model").digest() if what == "fingerprint" else FP
+    scfg = make_cfg("tcp", **{"transport.shared_secret": "wrong"}) if what == "secret" else cfg
+    peer = SenderPeer(scfg, receiver.endpoint, fp)
+    try:
+        with pytest.raises(RemoteError) as err:
+            peer.call("connect")
+        assert err.value.kind == "HandshakeError"
+        assert ("fingerprint" if what == "fingerprint" else "HMAC") in str(err.value)
+    finally:
+        peer.close()
+        receiver.close()

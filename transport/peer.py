@@ -1,0 +1,173 @@
+"""A :class:`~transport.sender.Sender` in a child process, driven by commands over a pipe.
+
+The conformance suite and ``kvrelay bench transfer`` use it so sender and
+receiver always run in separate processes (separate address spaces, real
+sockets, real NIXL/UCX endpoints), the way prefill and decode nodes do.
+Source buffers live in the child and are registered with the backend once,
+like a paged KV cache; digests are computed from those source bytes, not from
+anything the transport produced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import time
+import traceback
+from typing import Any
+
+from kvrelay.config import KVRelayConfig, from_dict, to_dict
+from transport.errors import KVRelayError, TransportError
+
+
+class RemoteError(TransportError):
+    """The child raised; ``kind`` is the exception's class name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class SenderPeer:
+    def __init__(self, cfg: KVRelayConfig, endpoint: str, fingerprint: bytes,
+                 sender_id: str | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_main, args=(child, to_dict(cfg), endpoint, fingerprint, sender_id),
+                                daemon=True, name="kvrelay-sender-peer")
+        self.proc.start()
+        child.close()
+
+    def call(self, cmd: str, *args: Any, timeout: float = 60.0) -> Any:
+        self._conn.send((cmd, args))
+        if not self._conn.poll(timeout):
+            raise TransportError(f"sender peer did not answer {cmd!r} within {timeout}s")
+        ok, value = self._conn.recv()
+        if not ok:
+            raise RemoteError(*value)
+        return value
+
+    def kill(self) -> None:
+        """SIGKILL the child: a sender dying mid-transfer."""
+        self.proc.kill()
+        self.proc.join(5)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("close", timeout=10)
+            except (TransportError, EOFError, OSError):
+                self.proc.kill()
+            self.proc.join(10)
+        self._conn.close()
+
+    def __enter__(self) -> SenderPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Child:
+    def __init__(self, cfg: KVRelayConfig, endpoint: str, fingerprint: bytes, sender_id: str | None) -> None:
+        import numpy as np
+
+        from transport.backends import make_sender_backend
+        from transport.sender import Sender
+
+        self.np = np
+        self.backend = make_sender_backend(cfg)
+        self.sender = Sender(cfg, endpoint, self.backend, fingerprint, sender_id=sender_id)
+        self.sources: dict[str, Any] = {}
+        self.allocs: dict[str, Any] = {}
+
+    def connect(self) -> str:
+        self.sender.connect()
+        return self.sender.sender_id
+
+    def prepare(self, name: str, nbytes: int, seed: int) -> None:
+        buf = self.np.random.default_rng(seed).integers(0, 256, nbytes, dtype=self.np.uint8)
+        self.sources[name] = buf
+        self.backend.register_source(memoryview(buf))
+
+    def digest(self, name: str, offset: int, nbytes: int) -> str:
+        return hashlib.sha256(memoryview(self.sources[name])[offset:offset + nbytes]).hexdigest()
+
+    def alloc(self, tid: str, keys: list[bytes], sizes: list[int], wait_s: float | None = None) -> dict:
+        a = self.sender.alloc(tid, keys, sizes, wait_s)
+        self.allocs[tid] = a
+        return {"grants": sorted(a.grants), "held": a.held}
+
+    def _regions(self, name: str, offset: int, nbytes: int, regions: int) -> list[memoryview]:
+        mv = memoryview(self.sources[name])[offset:offset + nbytes]
+        step = -(-nbytes // regions)
+        return [mv[i:i + step] for i in range(0, nbytes, step)]
+
+    def write(self, tid: str, idx: int, name: str, offset: int, nbytes: int, regions: int = 1,
+              corrupt: bool = False, wait: bool = True) -> float:
+        from transport.wire import make_header
+
+        alloc = self.allocs[tid]
+        regs = self._regions(name, offset, nbytes, regions)
+        header = make_header(alloc.keys[idx], tid, idx, regs).pack()
+        if corrupt:                                   # fault injection: flip a byte after checksumming
+            src = self.sources[name]
+            src[offset + nbytes // 2] ^= 0xFF
+        t0 = time.monotonic()
+        h = self.sender.write_chunk(alloc, idx, regs, header=header)
+        if wait and h is not None:
+            self.sender.wait(h)
+        if corrupt:
+            self.sources[name][offset + nbytes // 2] ^= 0xFF
+        return t0
+
+    def stream(self, tid: str, name: str, nbytes: int, count: int, window: int) -> list[float]:
+        """Push ``count`` chunks of ``nbytes`` in batches of ``window``; return each write's start."""
+        from transport.wire import HEADER_SIZE, make_header
+
+        src = self.sources[name]
+        regs = [memoryview(src)[:nbytes]]
+        starts: list[float] = []
+        for b in range(0, count, window):
+            n = min(window, count - b)
+            btid = f"{tid}.{b}"
+            keys = [hashlib.sha256(f"{btid}/{i}".encode()).digest() for i in range(n)]
+            alloc = self.sender.alloc(btid, keys, [HEADER_SIZE + nbytes] * n)
+            headers = [make_header(keys[i], btid, i, regs).pack() for i in range(n)]
+            handles = []
+            for i in range(n):
+                starts.append(time.monotonic())
+                handles.append(self.sender.write_chunk(alloc, i, regs, header=headers[i]))
+            for h in handles:
+                self.sender.wait(h)
+        return starts
+
+    def abort(self, tid: str, reason: str = "test abort") -> None:
+        self.sender.abort(tid, reason)
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+def _main(conn: Any, cfg_data: dict, endpoint: str, fingerprint: bytes, sender_id: str | None) -> None:
+    try:
+        child = _Child(from_dict(cfg_data), endpoint, fingerprint, sender_id)
+    except Exception as exc:  # noqa: BLE001 - report any start-up failure to the parent
+        conn.recv()
+        conn.send((False, (type(exc).__name__, str(exc))))
+        return
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        try:
+            result = getattr(child, cmd)(*args)
+            conn.send((True, result))
+        except (KVRelayError, ValueError, KeyError, OSError) as exc:
+            conn.send((False, (type(exc).__name__, f"{exc}\n{traceback.format_exc(limit=3)}")))
+        if cmd == "close":
+            break
+    conn.close()
+    os._exit(0)
