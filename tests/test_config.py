@@ -1,0 +1,56 @@
+import pytest
+
+from kvrelay import config
+from kvrelay.config import ConfigError, EvictionPolicy, TransportKind
+
+
+def test_defaults_match_the_design():
+    cfg = config.load()
+    assert cfg.chunk_tokens == 256
+    assert cfg.transport.backend is TransportKind.NIXL
+    assert cfg.store.deferred_bytes == 8 << 20
+    assert cfg.store.prefetch_ahead == 2
+    assert cfg.store.eviction_policy is EvictionPolicy.LRU
+    assert cfg.transport.numa_node == "auto"
+
+
+def test_yaml_then_flags_override(tmp_path):
+    f = tmp_path / "d.yaml"
+    f.write_text("chunk_tokens: 512\ntransport:\n  backend: tcp\n  pool_bytes: 64MiB\n")
+    cfg = config.load(f, ["transport.pool_bytes=1GiB", "store.eviction_policy=lfu"])
+    assert cfg.chunk_tokens == 512 and cfg.transport.backend is TransportKind.TCP
+    assert cfg.transport.pool_bytes == 1 << 30
+    assert cfg.store.eviction_policy is EvictionPolicy.LFU
+
+
+@pytest.mark.parametrize("override, key", [
+    ("transport.pool_byte=1", "pool_byte"),
+    ("transport.backend=rdma", "transport.backend"),
+    ("chunk_tokens=0", "chunk_tokens"),
+    ("store.eviction_policy=mru", "store.eviction_policy"),
+    ("transport.pool_bytes=lots", "pool_bytes"),
+    ("timeouts.lease_s=-1", "timeouts.lease_s"),
+    ("nonsense=1", "nonsense"),
+    ("transport.numa_node=north", "numa_node"),
+])
+def test_bad_keys_and_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        config.load(overrides=[override])
+    assert key.split(".")[-1] in str(err.value)
+
+
+def test_cli_flags_cover_every_leaf():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    config.add_config_args(p)
+    args = p.parse_args(["--transport.backend", "shm", "--chunk_tokens", "128"])
+    cfg = config.config_from_args(args)
+    assert cfg.transport.backend is TransportKind.SHM and cfg.chunk_tokens == 128
+    flags = {a.dest for a in p._actions}
+    assert {f"cfg:{k}" for k, _ in config.leaf_fields()} <= flags
+
+
+@pytest.mark.parametrize("text, value", [("1MiB", 1 << 20), ("2GB", 2 * 10**9), ("4096", 4096), (7, 7)])
+def test_parse_size(text, value):
+    assert config.parse_size(text) == value

@@ -1,0 +1,124 @@
+"""Unit tests of the pieces under the backends: keys, wire format, pool state machine."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from transport.errors import ChecksumError, ChunkError, PoolFullError, TransportError
+from transport.keys import Fingerprint, chunk_keys
+from transport.pool import ReceivePool, SlotRef, SlotState
+from transport.wire import HEADER_SIZE, make_header, parse_header, verify_chunk
+
+FP = Fingerprint("tiny", "bf16", "cpu", 128, 4, 65536)
+
+
+def test_keys_chain_over_the_prefix_and_fingerprint():
+    toks = list(range(1000))
+    k = chunk_keys(toks, FP, 256)
+    assert len(k) == 4 and all(len(x) == 32 for x in k)
+    # independent reference: sha256(prev || int64-le tokens || fp digest)
+    import struct
+
+    prev = b"\0" * 32
+    for i in range(4):
+        part = toks[i * 256:(i + 1) * 256]
+        prev = hashlib.sha256(prev + struct.pack(f"<{len(part)}q", *part) + FP.digest()).digest()
+        assert k[i] == prev
+    other = chunk_keys([5] + toks[1:], FP, 256)
+    assert all(a != b for a, b in zip(k, other, strict=True))          # chained: chunk 0 differs -> all differ
+    assert chunk_keys(toks, FP, 256)[:3] == chunk_keys(toks[:800], FP, 256)[:3]
+    assert chunk_keys(toks, Fingerprint("tiny", "fp16", "cpu", 128, 4, 65536), 256)[0] != k[0]
+    assert chunk_keys(toks[:999], FP, 256)[3] != k[3]                   # tail length matters
+
+
+def _chunk(payload: bytes, **kw) -> bytearray:
+    hdr = make_header(b"k" * 32, "tid", 3, [payload], **kw).pack()
+    return bytearray(hdr + payload)
+
+
+def test_wire_roundtrip_and_detection():
+    payload = os.urandom(4 * 2 * 512)
+    buf = _chunk(payload, num_layers=4, num_blocks=2)
+    hdr = verify_chunk(buf, transfer_id="tid", key=b"k" * 32, chunk_index=3)
+    assert (hdr.num_layers, hdr.num_blocks, hdr.block_bytes) == (4, 2, 512)
+    assert bytes(buf[HEADER_SIZE:]) == payload
+    bad = bytearray(buf)
+    bad[HEADER_SIZE + 100] ^= 1
+    with pytest.raises(ChecksumError):
+        verify_chunk(bad)
+    with pytest.raises(ChunkError, match="misrouted"):
+        verify_chunk(buf, transfer_id="other")
+    with pytest.raises(ChunkError, match="misrouted"):
+        verify_chunk(buf, chunk_index=4)
+    with pytest.raises(ChunkError, match="truncated"):
+        verify_chunk(buf[:-1])
+    with pytest.raises(ChunkError, match="truncated header"):
+        parse_header(buf[:50])
+    hdr_bad = bytearray(buf)
+    hdr_bad[60] ^= 1                                              # inside the header
+    with pytest.raises(ChunkError, match="header checksum"):
+        verify_chunk(hdr_bad)
+    with pytest.raises(ChunkError, match="magic"):
+        verify_chunk(b"XXXX" + bytes(buf[4:]))
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_pool_state_machine_and_leases():
+    clock = FakeClock()
+    pool = ReceivePool(4 * 8192, 8000, lease_s=5, clock=clock, pin=False)
+    try:
+        assert pool.num_slots == 4 and pool.slot_bytes == 8192
+        a = pool.allocate(3, "t1", timeout=0)
+        assert pool.try_allocate(2, "t2") is None
+        with pytest.raises(PoolFullError):
+            pool.allocate(2, "t2", timeout=0)
+        pool.mark_filled(a[0])
+        pool.take(a[0])
+        pool.retain(a[0])
+        assert not pool.release(a[0])
+        assert pool.release(a[0])
+        with pytest.raises(TransportError, match="stale"):
+            pool.release(a[0])                                    # double free is rejected
+        pool.mark_filled(a[1])
+        clock.t = 10                                              # a[1] filled but unconsumed, a[2] unfilled
+        expired = pool.reap_expired()
+        assert {(r, s) for r, _, s in expired} == {(a[1], SlotState.FILLED), (a[2], SlotState.LEASED)}
+        st = pool.stats()
+        assert st.free == 4 and st.leases_expired == 2
+        b = pool.allocate(1, "t3", timeout=0)[0]
+        with pytest.raises(TransportError, match="stale"):
+            pool.mark_filled(SlotRef(b.index, b.generation - 1))  # late write for an old generation
+        pool.begin_write(b)
+        clock.t = 100
+        assert pool.reap_expired() == []                           # in-progress writes are not reaped
+        pool.end_write(b)
+        assert len(pool.reap_expired()) == 1
+        with pytest.raises(PoolFullError):
+            pool.allocate(5, "big", timeout=0)
+    finally:
+        pool.close()
+
+
+def test_release_owner_keeps_held_slots():
+    pool = ReceivePool(3 * 4096, 4096, pin=False)
+    try:
+        r = pool.allocate(3, "t", timeout=0)
+        pool.mark_filled(r[0])
+        pool.take(r[0])
+        pool.mark_filled(r[1])
+        assert pool.release_owner("t") == 2
+        st = pool.stats()
+        assert st.held == 1 and st.free == 2
+        pool.release(r[0])
+    finally:
+        pool.close()
