@@ -48,6 +48,10 @@ class SenderPeer:
             raise RemoteError(*value)
         return value
 
+    def signal(self) -> None:
+        """Release a child blocked between batches in ``stream`` (closed-loop gating)."""
+        self._conn.send(("__next__", ()))
+
     def kill(self) -> None:
         """SIGKILL the child: a sender dying mid-transfer."""
         self.proc.kill()
@@ -70,9 +74,11 @@ class SenderPeer:
 
 
 class _Child:
-    def __init__(self, cfg: KVRelayConfig, endpoint: str, fingerprint: bytes, sender_id: str | None) -> None:
+    def __init__(self, cfg: KVRelayConfig, endpoint: str, fingerprint: bytes, sender_id: str | None,
+                 conn: Any = None) -> None:
         import numpy as np
 
+        self.conn = conn
         from transport.backends import make_sender_backend
         from transport.sender import Sender
 
@@ -123,7 +129,11 @@ class _Child:
         return t0
 
     def stream(self, tid: str, name: str, nbytes: int, count: int, window: int) -> list[float]:
-        """Push ``count`` chunks of ``nbytes`` in batches of ``window``; return each write's start."""
+        """Push ``count`` chunks of ``nbytes`` in batches of ``window``; return each write's start.
+
+        Between batches the child waits for :meth:`SenderPeer.signal` (closed loop), so every
+        batch starts from an idle pipe and latencies do not include queueing behind earlier ones.
+        """
         from transport.wire import HEADER_SIZE, make_header
 
         src = self.sources[name]
@@ -141,6 +151,8 @@ class _Child:
                 handles.append(self.sender.write_chunk(alloc, i, regs, header=headers[i]))
             for h in handles:
                 self.sender.wait(h)
+            if b + n < count and self.conn is not None:
+                self.conn.recv()                      # the parent consumed the batch
         return starts
 
     def abort(self, tid: str, reason: str = "test abort") -> None:
@@ -152,7 +164,7 @@ class _Child:
 
 def _main(conn: Any, cfg_data: dict, endpoint: str, fingerprint: bytes, sender_id: str | None) -> None:
     try:
-        child = _Child(from_dict(cfg_data), endpoint, fingerprint, sender_id)
+        child = _Child(from_dict(cfg_data), endpoint, fingerprint, sender_id, conn)
     except Exception as exc:  # noqa: BLE001 - report any start-up failure to the parent
         conn.recv()
         conn.send((False, (type(exc).__name__, str(exc))))
