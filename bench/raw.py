@@ -31,13 +31,23 @@ from transport.polling import Backoff
 NOTE = struct.Struct("<Q")
 
 
-def memcpy(size: int, count: int) -> tuple[list[float], list[float]]:
-    src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-    dst = np.empty_like(src)
+SOURCE_BYTES = 256 << 20
+
+
+def source(size: int, seed: int) -> np.ndarray:
+    """A source of >= SOURCE_BYTES viewed as ``[n, size]``: chunk i is row ``i % n``, so
+    consecutive chunks stream from DRAM instead of re-reading a cache-hot buffer."""
+    n = max(2, SOURCE_BYTES // size)
+    return np.random.default_rng(seed).integers(0, 256, (n, size), dtype=np.uint8)
+
+
+def memcpy(size: int, count: int, window: int = 1) -> tuple[list[float], list[float]]:
+    src = source(size, 0)
+    dst = np.empty((window, size), dtype=np.uint8)
     starts, arrivals = [], []
-    for _ in range(count):
+    for i in range(count):
         t0 = time.monotonic()
-        np.copyto(dst, src)
+        np.copyto(dst[i % window], src[i % len(src)])
         arrivals.append(time.monotonic())
         starts.append(t0)
     return starts, arrivals
@@ -45,7 +55,7 @@ def memcpy(size: int, count: int) -> tuple[list[float], list[float]]:
 
 # ----------------------------------------------------------------------------- child side
 def _child(kind: str, conn: Any, size: int, count: int, window: int, info: Any) -> None:
-    src = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    src = source(size, 1)
     starts: list[float] = []
     if kind == "raw_tcp":
         s = socket.create_connection(info)
@@ -54,7 +64,7 @@ def _child(kind: str, conn: Any, size: int, count: int, window: int, info: Any) 
         conn.recv()
         for i in range(count):
             starts.append(time.monotonic())
-            s.sendall(src)
+            s.sendall(src[i % len(src)])
             if i % window == window - 1 or i == count - 1:
                 conn.recv()                  # parent saw the batch: closed loop
         conn.recv()
@@ -69,7 +79,7 @@ def _child(kind: str, conn: Any, size: int, count: int, window: int, info: Any) 
         conn.recv()
         for i in range(count):
             starts.append(time.monotonic())
-            np.copyto(dst[i % window], src)
+            np.copyto(dst[i % window], src[i % len(src)])
             s.sendall(NOTE.pack(i))
             if i % window == window - 1 or i == count - 1:
                 conn.recv()                  # parent saw the batch: closed loop
@@ -90,12 +100,14 @@ def _nixl_child(conn: Any, src: np.ndarray, count: int, window: int, info: Any) 
     remote = agent.add_remote_agent(info["meta"])
     conn.send(agent.get_agent_metadata())
     conn.recv()
-    local = agent.get_xfer_descs([(int(src.ctypes.data), src.nbytes, 0)], "DRAM")
+    size = src.shape[1]
     starts = []
     for b in range(0, count, window):
         handles = []
         for i in range(b, min(b + window, count)):
-            rd = agent.get_xfer_descs([(info["base"] + (i % window) * src.nbytes, src.nbytes, 0)], "DRAM")
+            row = src[i % len(src)]
+            local = agent.get_xfer_descs([(int(row.ctypes.data), size, 0)], "DRAM")
+            rd = agent.get_xfer_descs([(info["base"] + (i % window) * size, size, 0)], "DRAM")
             starts.append(time.monotonic())
             h = agent.initialize_xfer("WRITE", local, rd, remote, str(i).encode())
             agent.transfer(h)

@@ -90,11 +90,14 @@ class BackendRun:
         self.peer = SenderPeer(self.cfg, self.receiver.endpoint, fp)
         self.peer.call("connect")
         self.n = 0
+        self.prepared = 0
 
     def measure(self, size: int, window: int, count: int) -> tuple[list[float], list[float]]:
         self.n += 1
         tid = f"b{self.n}"
-        self.peer.call("prepare", "src", size, self.n)
+        if self.prepared != size:
+            self.peer.call("prepare", "src", max(size * 2, raw.SOURCE_BYTES // size * size), self.n)
+            self.prepared = size
         arrivals: list[float] = []
         consumer = threading.Thread(target=self._consume, args=(tid, count, window, arrivals), daemon=True)
         consumer.start()
@@ -142,8 +145,8 @@ def run(cfg: kcfg.KVRelayConfig, backends: list[str], sizes: list[int], windows:
                 warm, n = counts(size, quick)
                 bar.set_postfix_str(f"{kind} {_fmt(size)} w{w}")
                 if kind == "memcpy":
-                    raw.memcpy(size, warm)
-                    s, a = raw.memcpy(size, n)
+                    raw.memcpy(size, warm, w)
+                    s, a = raw.memcpy(size, n, w)
                 else:
                     s, a = raw.two_process(kind, size, warm + n, w)
                     s, a = s[warm:], a[warm:]

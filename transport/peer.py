@@ -131,27 +131,34 @@ class _Child:
     def stream(self, tid: str, name: str, nbytes: int, count: int, window: int) -> list[float]:
         """Push ``count`` chunks of ``nbytes`` in batches of ``window``; return each write's start.
 
-        Between batches the child waits for :meth:`SenderPeer.signal` (closed loop), so every
-        batch starts from an idle pipe and latencies do not include queueing behind earlier ones.
+        Chunk ``i`` is read from offset ``i * nbytes`` of the source (wrapping), so a source
+        larger than the caches streams from DRAM like a paged KV cache does. All headers
+        (checksums) are built before the first write. Between batches the child waits for
+        :meth:`SenderPeer.signal` (closed loop): every batch starts from an idle pipe.
         """
         from transport.wire import HEADER_SIZE, make_header
 
-        src = self.sources[name]
-        regs = [memoryview(src)[:nbytes]]
-        starts: list[float] = []
+        src = memoryview(self.sources[name])
+        slots = max(1, src.nbytes // nbytes)
+        plan = []
         for b in range(0, count, window):
-            n = min(window, count - b)
             btid = f"{tid}.{b}"
+            n = min(window, count - b)
             keys = [hashlib.sha256(f"{btid}/{i}".encode()).digest() for i in range(n)]
-            alloc = self.sender.alloc(btid, keys, [HEADER_SIZE + nbytes] * n)
-            headers = [make_header(keys[i], btid, i, regs).pack() for i in range(n)]
+            regs = [[src[((b + i) % slots) * nbytes:][:nbytes]] for i in range(n)]
+            headers = [make_header(keys[i], btid, i, regs[i]).pack() for i in range(n)]
+            plan.append((btid, keys, regs, headers))
+        starts: list[float] = []
+        for k, (btid, keys, regs, headers) in enumerate(plan):
+            alloc = self.sender.alloc(btid, keys, [HEADER_SIZE + nbytes] * len(keys))
             handles = []
-            for i in range(n):
+            for i in range(len(keys)):
                 starts.append(time.monotonic())
-                handles.append(self.sender.write_chunk(alloc, i, regs, header=headers[i]))
+                handles.append(self.sender.write_chunk(alloc, i, regs[i], header=headers[i]))
             for h in handles:
-                self.sender.wait(h)
-            if b + n < count and self.conn is not None:
+                if h is not None:
+                    self.sender.wait(h)
+            if k + 1 < len(plan) and self.conn is not None:
                 self.conn.recv()                      # the parent consumed the batch
         return starts
 

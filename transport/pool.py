@@ -31,13 +31,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+import mmap
+import os
+from multiprocessing import shared_memory
 
 from transport.errors import PoolFullError, TransportError
 
 log = logging.getLogger(__name__)
 PAGE = 4096
-_CREATED_HERE: set[str] = set()     # segments this process created (and the tracker owns)
 Clock = Callable[[], float]
 
 
@@ -83,21 +84,36 @@ class PoolStats:
 
 
 class SharedArena:
-    """A page-aligned shared-memory segment other processes can attach by name."""
+    """A page-aligned shared-memory segment other processes can attach by name.
+
+    The creator uses :mod:`multiprocessing.shared_memory` (which unlinks the segment
+    if the process dies). Attaching maps ``/dev/shm/<name>`` directly, so the
+    attaching process never registers the segment with its resource tracker - in
+    Python 3.11 that registration would unlink the receiver's pool at exit.
+    """
 
     def __init__(self, nbytes: int, *, name: str | None = None, create: bool = True) -> None:
-        self.shm = shared_memory.SharedMemory(name=name, create=create, size=nbytes if create else 0)
         self.owner = create
-        if create:
-            _CREATED_HERE.add(self.shm.name)
-        elif self.shm.name not in _CREATED_HERE:
-            # Python 3.11 registers attached segments with the resource tracker, which
-            # would unlink the receiver's pool when this process exits.
-            with contextlib.suppress(Exception):
-                resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
-        self.buf: memoryview = self.shm.buf
-        self.name: str = self.shm.name
         self.pinned = False
+        self.shm: shared_memory.SharedMemory | None = None
+        self._mmap: mmap.mmap | None = None
+        if create:
+            self.shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+            self.buf: memoryview = self.shm.buf
+            self.name: str = self.shm.name
+            return
+        if not name:
+            raise TransportError("attaching a shared arena needs its name")
+        try:
+            fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
+        except OSError as exc:
+            raise TransportError(f"cannot attach shared memory {name!r}: {exc}") from exc
+        try:
+            self._mmap = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+        self.name = name
 
     @property
     def address(self) -> int:
@@ -127,10 +143,13 @@ class SharedArena:
             self.pinned = False
         self.buf.release()
         try:
-            self.shm.close()
+            if self.shm is not None:
+                self.shm.close()
+            if self._mmap is not None:
+                self._mmap.close()
         except BufferError:     # a view is still exported (e.g. a registered array): unmapped at exit
             log.warning("shared segment %s still has exported views; unlinking anyway", self.name)
-        if self.owner:
+        if self.owner and self.shm is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.shm.unlink()
 

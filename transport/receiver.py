@@ -325,7 +325,8 @@ class Receiver:
                       SlotRef(msg.slot, msg.generation))
 
     # ------------------------------------------------------------------ data-plane callbacks
-    def _deliver(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef) -> None:
+    def _deliver(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef,
+                 payload_sum: int | None = None) -> None:
         """A backend says the bytes of ``chunk_index`` are complete in ``ref``. Any thread."""
         with self._lock:
             tid = self._by_tag.get(tag)
@@ -339,8 +340,11 @@ class Receiver:
             key = t.keys[chunk_index]
             self._peers[sender] = self._clock()
         try:
-            hdr = verify_chunk(self.pool.view(ref), transfer_id=t.transfer_id, key=key,
-                               chunk_index=chunk_index)
+            view = self.pool.view(ref)
+            if payload_sum is not None:         # the backend hashed exactly the bytes it received
+                view = view[:HEADER_SIZE + _payload_len(view)]
+            hdr = verify_chunk(view, transfer_id=t.transfer_id, key=key, chunk_index=chunk_index,
+                               payload_sum=payload_sum)
         except ChunkError as exc:
             self._reject(t, chunk_index, exc)
             return
@@ -456,6 +460,12 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _payload_len(view: memoryview) -> int:
+    from transport.wire import parse_header
+
+    return parse_header(view).payload_len
 
 
 def _invalid(code: P.ErrorCode, reason: str) -> ProtocolError:

@@ -135,12 +135,14 @@ def parse_header(buf: Buffer) -> ChunkHeader:
 
 
 def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | None = None,
-                 chunk_index: int | None = None) -> ChunkHeader:
+                 chunk_index: int | None = None, payload_sum: int | None = None) -> ChunkHeader:
     """Validate a whole received chunk (header + payload) in place.
 
     Checks the header, that the payload fits, the payload checksum, and - when
     given - that the chunk belongs to ``transfer_id`` / ``key`` / ``chunk_index``
-    (a misrouted chunk). Raises :class:`ChunkError` or :class:`ChecksumError`.
+    (a misrouted chunk). ``payload_sum``, when given, is the xxh3_64 a backend already
+    computed over these payload bytes as they landed; it replaces re-hashing them.
+    Raises :class:`ChunkError` or :class:`ChecksumError`.
     """
     mv = memoryview(buf)
     hdr = parse_header(mv)
@@ -153,8 +155,9 @@ def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | No
         raise ChunkError(f"misrouted chunk: key {hdr.key.hex()[:16]} != expected {key.hex()[:16]}")
     if chunk_index is not None and hdr.chunk_index != chunk_index:
         raise ChunkError(f"misrouted chunk: index {hdr.chunk_index} != expected {chunk_index}")
-    payload = mv[HEADER_SIZE:HEADER_SIZE + hdr.payload_len]
-    if xxhash.xxh3_64_intdigest(payload) != hdr.payload_sum:
+    if payload_sum is None or HEADER_SIZE + hdr.payload_len != mv.nbytes:
+        payload_sum = xxhash.xxh3_64_intdigest(mv[HEADER_SIZE:HEADER_SIZE + hdr.payload_len])
+    if payload_sum != hdr.payload_sum:
         raise ChecksumError(f"payload checksum mismatch in chunk {hdr.chunk_index} "
                             f"(key {hdr.key.hex()[:16]})")
     return hdr

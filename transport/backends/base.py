@@ -4,8 +4,11 @@ A backend has two halves that live in different processes:
 
 * :class:`ReceiverBackend` on the decode node, bound to the :class:`ReceivePool`.
   It learns that a chunk's bytes are complete in a slot and reports it by calling
-  ``deliver(sender_id, transfer_tag, chunk_index, SlotRef)`` (any thread). The
-  receiver then verifies and publishes the arrival. A broken data connection is
+  ``deliver(sender_id, transfer_tag, chunk_index, SlotRef, payload_sum)`` (any
+  thread). ``payload_sum`` is the xxh3_64 the backend computed over the payload
+  bytes *in the slot* as they landed (tcp hashes each received piece while it
+  is hot in cache), or None; the receiver then verifies - hashing the slot
+  itself when no sum was given - and publishes the arrival. A broken data connection is
   reported with ``peer_lost(sender_id, reason)``.
 * :class:`SenderBackend` on the prefill node. ``write`` posts one chunk
   (header + ``[layer][block]`` payload regions) into a granted slot and returns a
@@ -25,12 +28,18 @@ import abc
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from transport.pool import ReceivePool, SlotRef
 from transport.protocol import Grant
 
 Buffer = bytes | bytearray | memoryview
-DeliverFn = Callable[[str, bytes, int, SlotRef], None]
+class DeliverFn(Protocol):
+    def __call__(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef,
+                 payload_sum: int | None = None, /) -> None: ...
+
+
+
 PeerLostFn = Callable[[str, str], None]
 
 

@@ -24,12 +24,14 @@ import threading
 from collections.abc import Sequence
 
 import msgspec
+import xxhash
 
 from transport.backends.base import (Buffer, DeliverFn, PeerLostFn, ReceiverBackend, SenderBackend,
                                      WriteHandle, WriteState)
 from transport.errors import PeerDeadError, ProtocolError, TransportError
 from transport.pool import ReceivePool, SharedArena, SlotRef
 from transport.protocol import Grant
+from transport.wire import HEADER_SIZE
 
 log = logging.getLogger(__name__)
 FRAME = struct.Struct("<4sBBH16sIIIQ")   # magic, version, kind, pad, transfer tag, chunk, slot, gen, nbytes
@@ -38,6 +40,7 @@ FRAME_VERSION = 1
 KIND_HELLO, KIND_CHUNK = 0, 1
 MAX_SENDER_ID = 512
 _DRAIN = 1 << 20
+_PIECE = 256 << 10          # receive granularity: hash each piece while it is hot in cache
 
 
 class SocketInfo(msgspec.Struct, frozen=True):
@@ -58,6 +61,26 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
             raise PeerDeadError(f"connection closed mid-frame ({got}/{view.nbytes} bytes)")
         got += n
     return True
+
+
+def _recv_hashed(sock: socket.socket, view: memoryview, skip: int) -> int | None:
+    """``_recv_exact`` that also hashes bytes past ``skip`` (the payload) while they are
+    still in cache. Returns the xxh3_64 of ``view[skip:]``, or None on EOF before any byte."""
+    h = xxhash.xxh3_64()
+    got = hashed = 0
+    total = view.nbytes
+    while got < total:
+        n = sock.recv_into(view[got:], min(total - got, _PIECE))
+        if n == 0:
+            if got == 0:
+                return None
+            raise PeerDeadError(f"connection closed mid-chunk ({got}/{total} bytes)")
+        got += n
+        if got > skip:
+            start = max(hashed, skip)
+            h.update(view[start:got])
+            hashed = got
+    return h.intdigest()
 
 
 def _sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
@@ -150,22 +173,25 @@ class SocketReceiver(ReceiverBackend):
         if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_CHUNK:
             raise ProtocolError(f"bad data frame (magic {magic!r}, version {ver}, kind {kind})")
         ref = SlotRef(slot, gen)
+        if not self.inline:                 # shm: the bytes are already in the slot
+            self._deliver(sender, tag, chunk, ref)
+            return True
         try:
             self._pool.begin_write(ref)
         except TransportError as exc:
             log.info("data frame for stale slot from %s: %s", sender, exc)
-            if self.inline:
-                self._drain(conn, nbytes)
+            self._drain(conn, nbytes)
             self._deliver(sender, tag, chunk, ref)      # counted as stale by the receiver
             return True
         try:
-            if nbytes > self._pool.slot_bytes:
-                raise ProtocolError(f"frame of {nbytes} bytes exceeds slot size {self._pool.slot_bytes}")
-            if self.inline and not _recv_exact(conn, self._pool.view(ref, nbytes)):
+            if not HEADER_SIZE <= nbytes <= self._pool.slot_bytes:
+                raise ProtocolError(f"frame of {nbytes} bytes does not fit a {self._pool.slot_bytes}-byte slot")
+            payload_sum = _recv_hashed(conn, self._pool.view(ref, nbytes), HEADER_SIZE)
+            if payload_sum is None:
                 raise PeerDeadError("connection closed before payload")
         finally:
             self._pool.end_write(ref)
-        self._deliver(sender, tag, chunk, ref)
+        self._deliver(sender, tag, chunk, ref, payload_sum)
         return True
 
     def _drain(self, conn: socket.socket, nbytes: int) -> None:
@@ -255,6 +281,5 @@ class SocketSender(SenderBackend):
                 self._sock.close()
             self._sock = None
         if self._arena is not None:
-            self._arena.buf.release()
-            self._arena.shm.close()
+            self._arena.close()
             self._arena = None

@@ -116,7 +116,7 @@ class UcxReceiver(ReceiverBackend):
                                      for s, c, r, h, p in entries]
 
     def _poll_loop(self) -> None:
-        backoff = Backoff(spin=2000, max_sleep=200e-6)
+        backoff = Backoff(spin=50, max_sleep=100e-6)
         while not self._closed.is_set():
             if not self._posted and not self._wake.wait(0.05):
                 continue
