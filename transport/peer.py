@@ -169,7 +169,17 @@ class _Child:
         self.sender.close()
 
 
+def _orphan_watchdog(parent: int) -> None:
+    """Exit when the parent dies (SIGKILLed test runners must not leave senders behind)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(3)
+
+
 def _main(conn: Any, cfg_data: dict, endpoint: str, fingerprint: bytes, sender_id: str | None) -> None:
+    import threading
+
+    threading.Thread(target=_orphan_watchdog, args=(os.getppid(),), daemon=True).start()
     try:
         child = _Child(from_dict(cfg_data), endpoint, fingerprint, sender_id, conn)
     except Exception as exc:  # noqa: BLE001 - report any start-up failure to the parent

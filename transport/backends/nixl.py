@@ -125,7 +125,7 @@ class NixlReceiver(ReceiverBackend):
             self._active = max(0, self._active - 1)
 
     def _poll_loop(self) -> None:
-        backoff = Backoff(spin=50, max_sleep=100e-6)
+        backoff = Backoff(spin=0, max_sleep=100e-6)
         while not self._closed.is_set():
             if self._active == 0 and not self._wake.wait(0.05):
                 continue

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Install kvrelay and its CPU transport stack into ./.venv (idempotent, quiet when up to date).
+#
+#   bash deploy/setup.sh            # transport stack + dev tools
+#
+# What it does, in order (FACTS.md explains why):
+#   1. torch 2.13.0 CPU build first, so nothing later pulls a multi-GB CUDA torch;
+#   2. kvrelay itself (editable) with the `transport` and `dev` extras
+#      (pyzmq, msgspec, xxhash, nixl-cu12, ucxx-cu12, pytest, hypothesis, ruff, mypy, ...);
+#   3. the small `nixl` wheel that provides `nixl._api`, with --no-deps (its metadata
+#      would pull the cu13 library as well);
+#   4. removes torchvision/torchaudio/torchcodec if anything pulled them in: next to
+#      the CPU torch they break `import transformers`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.kvrelay-setup
+want=$(cat pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)
+if [ -x "$VENV/bin/python" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    exit 0
+fi
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+LOG=$VENV/setup.log
+: > "$LOG"
+pip_step() {   # pip_step DESCRIPTION ARGS...: quiet unless it fails
+    local what=$1; shift
+    echo "kvrelay setup: $what" >&2
+    if ! "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@" >>"$LOG" 2>&1; then
+        tail -n 40 "$LOG" >&2
+        echo "kvrelay setup: '$what' failed; full log in $LOG" >&2
+        exit 1
+    fi
+}
+pip_step "torch 2.13.0 (CPU build)" install "torch==2.13.0"
+pip_step "kvrelay + transport/dev extras" install -e ".[transport,dev]"
+pip_step "nixl._api wrapper (no deps)" install --no-deps "nixl==1.5.1"
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
+"$VENV/bin/python" - <<'PYCHECK'
+import importlib, sys
+missing = []
+for mod in ("torch", "zmq", "msgspec", "xxhash", "nixl._api", "ucxx", "pytest", "hypothesis", "transport", "kvrelay"):
+    try:
+        importlib.import_module(mod)
+    except Exception as exc:  # report every missing piece at once
+        missing.append(f"{mod}: {exc}")
+if missing:
+    sys.exit("kvrelay setup: incomplete install:\n  " + "\n  ".join(missing))
+PYCHECK
+echo "$want" > "$STAMP"
+echo "kvrelay setup: done" >&2

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The whole test suite on a fresh machine: install, then pytest. `.ci/run` calls exactly this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash deploy/setup.sh
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+set +e
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+    echo "tests/run.sh: pytest collected no tests" >&2
+    exit 1
+fi
+exit "$rc"
