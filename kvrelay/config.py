@@ -207,4 +207,5 @@ def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
 
 
 def to_dict(cfg: KVRelayConfig) -> dict[str, Any]:
-    return msgspec.to_builtins(cfg)  # type: ignore[no-any-return]
+    data: dict[str, Any] = msgspec.to_builtins(cfg)
+    return data

@@ -95,7 +95,7 @@ class _Child:
     def prepare(self, name: str, nbytes: int, seed: int) -> None:
         buf = self.np.random.default_rng(seed).integers(0, 256, nbytes, dtype=self.np.uint8)
         self.sources[name] = buf
-        self.backend.register_source(memoryview(buf))
+        self.backend.register_source(memoryview(buf.data))
 
     def digest(self, name: str, offset: int, nbytes: int) -> str:
         return hashlib.sha256(memoryview(self.sources[name])[offset:offset + nbytes]).hexdigest()

@@ -27,12 +27,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-import mmap
-import os
 from multiprocessing import shared_memory
 
 from transport.errors import PoolFullError, TransportError
@@ -99,6 +99,7 @@ class SharedArena:
         self._mmap: mmap.mmap | None = None
         if create:
             self.shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
+            assert self.shm.buf is not None
             self.buf: memoryview = self.shm.buf
             self.name: str = self.shm.name
             return
@@ -295,7 +296,7 @@ class ReceivePool:
     def reap_expired(self) -> list[tuple[SlotRef, str, SlotState]]:
         """Reclaim LEASED/FILLED slots past their deadline; returns (ref, owner, old state)."""
         now = self._clock()
-        out = []
+        out: list[tuple[SlotRef, str, SlotState]] = []
         with self._cond:
             for i, s in enumerate(self._slots):
                 if s.state in (SlotState.LEASED, SlotState.FILLED) and s.deadline <= now and not s.writing:

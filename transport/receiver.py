@@ -38,8 +38,7 @@ from kvrelay.config import KVRelayConfig
 from transport import protocol as P
 from transport.backends.base import ReceiverBackend
 from transport.errors import ChecksumError, ChunkError, ProtocolError, TransferTimeout, TransportError
-from transport.events import (ChunkArrival, ChunkRejected, Event, FailReason, TransferDone,
-                              TransferFailed)
+from transport.events import ChunkArrival, ChunkRejected, Event, FailReason, TransferDone, TransferFailed
 from transport.keys import KEY_BYTES
 from transport.pool import ReceivePool, SlotRef
 from transport.wire import HEADER_SIZE, transfer_tag, verify_chunk
@@ -97,7 +96,7 @@ class Receiver:
         self.backend = backend
         self.fingerprint = fingerprint
         self.receiver_id = receiver_id or f"recv-{uuid.uuid4().hex[:8]}"
-        self.pool = ReceivePool(cfg.transport.pool_bytes, slot_bytes, lease_s=cfg.timeouts.lease_s,
+        self.pool = ReceivePool(int(cfg.transport.pool_bytes), slot_bytes, lease_s=cfg.timeouts.lease_s,
                                 clock=clock)
         self.stats = ReceiverStats()
         self._clock = clock
@@ -110,7 +109,7 @@ class Receiver:
         self._slot_owner: dict[int, tuple[str, int]] = {}          # slot index -> (transfer, chunk)
         self._peers: dict[str, float] = {}                          # sender id -> last seen
         self._pending: list[_Pending] = []
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)

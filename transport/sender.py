@@ -30,8 +30,14 @@ import zmq
 from kvrelay.config import KVRelayConfig
 from transport import protocol as P
 from transport.backends.base import Buffer, SenderBackend, WriteHandle, WriteState
-from transport.errors import (HandshakeError, PeerDeadError, PoolFullError, ProtocolError,
-                              TransferTimeout, TransportError)
+from transport.errors import (
+    HandshakeError,
+    PeerDeadError,
+    PoolFullError,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
 from transport.wire import HEADER_SIZE, DType, make_header
 
 log = logging.getLogger(__name__)
@@ -56,7 +62,7 @@ class Sender:
         self.sender_id = sender_id or f"send-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.slot_bytes = 0
         self.receiver_id = ""
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._socket(self.sender_id)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None

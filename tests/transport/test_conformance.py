@@ -12,8 +12,7 @@ import time
 
 import pytest
 
-from tests.transport.conftest import (FP, SLOT, assert_no_leases, keys_for, make_cfg,
-                                      make_receiver)
+from tests.transport.conftest import FP, SLOT, assert_no_leases, keys_for, make_cfg, make_receiver
 from transport.errors import TransferTimeout
 from transport.events import ChunkArrival, ChunkRejected, FailReason, TransferDone, TransferFailed
 from transport.peer import RemoteError, SenderPeer

@@ -31,8 +31,15 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from transport.backends.base import (Buffer, DeliverFn, PeerLostFn, ReceiverBackend, SenderBackend,
-                                     WriteHandle, WriteState)
+from transport.backends.base import (
+    Buffer,
+    DeliverFn,
+    PeerLostFn,
+    ReceiverBackend,
+    SenderBackend,
+    WriteHandle,
+    WriteState,
+)
 from transport.errors import HandshakeError, TransportError
 from transport.polling import Backoff
 from transport.pool import ReceivePool, SlotRef
@@ -255,7 +262,8 @@ class NixlSender(SenderBackend):
     def _settle(self, handle: WriteHandle, state: str) -> None:
         if state == "PROC":
             return
-        xfer, temp = handle.native  # type: ignore[misc]
+        assert isinstance(handle.native, tuple)
+        xfer, temp = handle.native
         handle.state = WriteState.DONE if state == "DONE" else WriteState.FAILED
         if state != "DONE":
             handle.error = f"NIXL transfer state {state}"
@@ -270,7 +278,7 @@ class NixlSender(SenderBackend):
                 self.agent.deregister_memory(reg)
 
     def poll(self, handle: WriteHandle) -> WriteState:
-        if handle.state is WriteState.POSTED and handle.native is not None:
+        if handle.state is WriteState.POSTED and isinstance(handle.native, tuple):
             self._settle(handle, self.agent.check_xfer_state(handle.native[0]))
         return handle.state
 

@@ -26,8 +26,15 @@ from collections.abc import Sequence
 import msgspec
 import xxhash
 
-from transport.backends.base import (Buffer, DeliverFn, PeerLostFn, ReceiverBackend, SenderBackend,
-                                     WriteHandle, WriteState)
+from transport.backends.base import (
+    Buffer,
+    DeliverFn,
+    PeerLostFn,
+    ReceiverBackend,
+    SenderBackend,
+    WriteHandle,
+    WriteState,
+)
 from transport.errors import PeerDeadError, ProtocolError, TransportError
 from transport.pool import ReceivePool, SharedArena, SlotRef
 from transport.protocol import Grant

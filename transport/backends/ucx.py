@@ -28,8 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from transport.backends.base import (Buffer, DeliverFn, PeerLostFn, ReceiverBackend, SenderBackend,
-                                     WriteHandle, WriteState)
+from transport.backends.base import (
+    Buffer,
+    DeliverFn,
+    PeerLostFn,
+    ReceiverBackend,
+    SenderBackend,
+    WriteHandle,
+    WriteState,
+)
 from transport.errors import HandshakeError, TransportError
 from transport.polling import Backoff
 from transport.pool import ReceivePool, SlotRef
