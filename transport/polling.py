@@ -4,13 +4,33 @@ NIXL and UCX completions must be polled from our own thread (their progress
 threads busy-poll a core and starve the model). Polling forever with
 ``sched_yield`` would do the same, so :class:`Backoff` yields for the first
 ``spin`` polls (microsecond latency for a transfer that is about to finish)
-and then sleeps with exponentially growing intervals up to ``max_sleep``.
+and then sleeps with exponentially growing intervals up to ``max_sleep``. The
+polling thread's timer slack is reduced to 1 us, so a 20 us sleep is ~20 us
+rather than the default ~70 us: low latency without spinning.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import threading
 import time
+
+_PR_SET_TIMERSLACK = 29
+_slack = threading.local()
+
+
+def fine_timer_slack(ns: int = 1000) -> None:
+    """Shrink this thread's timer slack (Linux default 50 us) so short sleeps stay short.
+
+    Per-thread and idempotent; a no-op where prctl is unavailable.
+    """
+    if getattr(_slack, "done", False):
+        return
+    _slack.done = True
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_TIMERSLACK, ns, 0, 0, 0)
 
 
 class Backoff:
@@ -19,6 +39,7 @@ class Backoff:
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.spin, self.min_sleep, self.max_sleep = spin, min_sleep, max_sleep
         self.polls = 0
+        fine_timer_slack()
 
     def reset(self) -> None:
         self.polls = 0

@@ -97,7 +97,7 @@ class Receiver:
         self.fingerprint = fingerprint
         self.receiver_id = receiver_id or f"recv-{uuid.uuid4().hex[:8]}"
         self.pool = ReceivePool(int(cfg.transport.pool_bytes), slot_bytes, lease_s=cfg.timeouts.lease_s,
-                                clock=clock)
+                                clock=clock, shared=backend.needs_shared_pool)
         self.stats = ReceiverStats()
         self._clock = clock
         self._held_keys = held_keys

@@ -64,6 +64,7 @@ class ReceiverBackend(abc.ABC):
     """Decode-node half. Created by :class:`transport.receiver.Receiver`."""
 
     in_band_arrival: bool = True
+    needs_shared_pool: bool = False     # peers map the pool by name (shm)
 
     @abc.abstractmethod
     def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn) -> None:

@@ -3,12 +3,15 @@
 * The receiver registers the whole pool once (DRAM here; the pool is pinned on
   CUDA hosts) and ships its agent metadata in ``HelloAck.info``.
 * The sender registers its long-lived sources once (:meth:`NixlSender.register_source`,
-  e.g. the paged KV cache; DRAM or VRAM) plus a small header ring, and posts
-  each chunk as a descriptor list ``[header, region_0, region_1, ...]`` against
-  matching consecutive ranges of the remote slot - no sender-side copy. A
-  region outside registered memory is registered for the duration of that write.
-* Each WRITE carries the notification ``"<transfer tag hex>:<chunk>:<slot>:<gen>"``;
-  the receiver's poller turns it into an arrival.
+  e.g. the paged KV cache; DRAM or VRAM) and posts each chunk's payload as a
+  descriptor list ``[region_0, region_1, ...]`` against consecutive ranges of the
+  remote slot after its header - no sender-side copy. A region outside
+  registered memory is registered for the duration of that write.
+* The 128-byte chunk header does not travel as data: it rides in the WRITE's
+  notification (``NOTIF``: slot, generation, chunk index, then the header),
+  which NIXL delivers only after the payload is complete. The receiver's poller
+  writes the header into the slot and reports the arrival. One descriptor less
+  per chunk, and no header staging memory on the sender.
 
 Per FACTS.md: agents are created with the progress thread off and ``backends=[]``,
 the UCX backend with the same ``ucx_error_handling_mode`` on both sides, and
@@ -22,6 +25,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import struct
 import threading
 import uuid
 from collections.abc import Sequence
@@ -47,7 +51,8 @@ from transport.protocol import Grant
 from transport.wire import HEADER_SIZE
 
 log = logging.getLogger(__name__)
-HEADER_RING = 1024
+NOTIF = struct.Struct("<4sIIQ")          # magic, chunk index, slot, generation; then the header
+NOTIF_MAGIC = b"KVRN"
 
 
 @dataclass(frozen=True)
@@ -147,15 +152,22 @@ class NixlReceiver(ReceiverBackend):
                     self._on_notif(agent_name, raw)
 
     def _on_notif(self, agent_name: str, raw: bytes) -> None:
-        try:
-            tag_hex, chunk, slot, gen = raw.decode().split(":")
-            tag = bytes.fromhex(tag_hex)
-            ref = SlotRef(int(slot), int(gen))
-            chunk_index = int(chunk)
-        except ValueError:
-            log.warning("ignored malformed NIXL notification %r from %s", raw[:64], agent_name)
+        if len(raw) != NOTIF.size + HEADER_SIZE or raw[:4] != NOTIF_MAGIC:
+            log.warning("ignored malformed NIXL notification (%d bytes) from %s", len(raw), agent_name)
             return
-        self._deliver(agent_name, tag, chunk_index, ref)
+        _, chunk_index, slot, gen = NOTIF.unpack_from(raw)
+        ref = SlotRef(slot, gen)
+        header = raw[NOTIF.size:]
+        try:
+            self._pool.begin_write(ref)         # the slot must still be leased to this chunk
+        except TransportError:
+            self._deliver(agent_name, header[40:56], chunk_index, ref)   # counted as stale
+            return
+        try:
+            self._pool.view(ref, HEADER_SIZE)[:] = header
+        finally:
+            self._pool.end_write(ref)
+        self._deliver(agent_name, header[40:56], chunk_index, ref)
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -182,10 +194,6 @@ class NixlSender(SenderBackend):
     def _ensure_agent(self, name: str) -> None:
         if self.agent is None:
             self.agent = make_agent(name, self.error_mode)
-            self._hdr = np.zeros(HEADER_RING * HEADER_SIZE, dtype=np.uint8)
-            self._hdr_addr = int(self._hdr.ctypes.data)
-            self._hdr_next = 0
-            self._register(self._hdr_addr, self._hdr.nbytes)
 
     def local_info(self, sender_id: str) -> bytes:
         self._ensure_agent(sender_id)          # agent name == sender id: notifications name us
@@ -221,10 +229,7 @@ class NixlSender(SenderBackend):
 
     def write(self, transfer_id: str, chunk_index: int, header: bytes, regions: Sequence[Buffer],
               grant: Grant) -> WriteHandle:
-        hdr_off = self._hdr_next * HEADER_SIZE
-        self._hdr_next = (self._hdr_next + 1) % HEADER_RING
-        self._hdr[hdr_off:hdr_off + len(header)] = np.frombuffer(header, dtype=np.uint8)
-        local = [(self._hdr_addr + hdr_off, HEADER_SIZE, 0)]
+        local: list[tuple[int, int, int]] = []
         mem_type, temp = "DRAM", []
         for r in regions:
             if isinstance(r, DeviceRegion):
@@ -235,13 +240,13 @@ class NixlSender(SenderBackend):
                 self.dynamic_registrations += 1
                 temp.append(self.agent.register_memory([(addr, n, dev, "")], mem_type))
             local.append((addr, n, dev))
-        dst = self._remote_base + grant.offset
+        dst = self._remote_base + grant.offset + HEADER_SIZE
         remote, off = [], 0
         for _, n, _ in local:
             remote.append((dst + off, n, 0))
             off += n
-        notif = f"{header[40:56].hex()}:{chunk_index}:{grant.slot}:{grant.generation}".encode()
-        handle = WriteHandle(transfer_id, chunk_index, grant, off)
+        notif = NOTIF.pack(NOTIF_MAGIC, chunk_index, grant.slot, grant.generation) + header
+        handle = WriteHandle(transfer_id, chunk_index, grant, HEADER_SIZE + off)
         try:
             xfer = self.agent.initialize_xfer("WRITE", self._descs(local, mem_type),
                                               self.agent.get_xfer_descs(remote, "DRAM"), self._remote, notif)
@@ -254,10 +259,7 @@ class NixlSender(SenderBackend):
         return handle
 
     def _descs(self, local: list[tuple[int, int, int]], mem_type: str) -> Any:
-        if mem_type == "DRAM":
-            return self.agent.get_xfer_descs(local, "DRAM")
-        # header lives in DRAM, payload on the device: NIXL needs one memory type per list
-        raise TransportError("mixed DRAM/VRAM descriptor lists: stage headers on the device")
+        return self.agent.get_xfer_descs(local, mem_type)
 
     def _settle(self, handle: WriteHandle, state: str) -> None:
         if state == "PROC":

@@ -109,6 +109,7 @@ class SocketReceiver(ReceiverBackend):
 
     def __init__(self, *, inline_payload: bool, host: str = "127.0.0.1", port: int = 0) -> None:
         self.inline = inline_payload
+        self.needs_shared_pool = not inline_payload
         if inline_payload:
             self._lsock = socket.create_server((host, port), backlog=64)
             self._info = SocketInfo("inet", host, self._lsock.getsockname()[1])
