@@ -42,6 +42,7 @@ BACKENDS = ["shm", "tcp", "nixl", "ucx"]
 CEILING_OF = {"shm": "memcpy", "tcp": "raw_tcp", "nixl": "raw_nixl", "ucx": "raw_nixl"}
 TARGETS = {"shm": 0.70, "tcp": 0.90, "nixl": 0.90}       # at 1-16 MiB, vs CEILING_OF
 SHM_64K_P50_US = 100.0
+MAX_BATCH_BYTES = 256 * MiB
 
 
 @dataclass
@@ -89,7 +90,8 @@ class BackendRun:
         from transport.receiver import Receiver
 
         slot = HEADER_SIZE + max_size
-        over = [f"transport.backend={backend}", f"transport.pool_bytes={(max_window + 1) * (slot + 4096)}"]
+        slots = max_window + 1
+        over = [f"transport.backend={backend}", f"transport.pool_bytes={slots * (slot + 4096)}"]
         self.cfg = kcfg.load(None, over + [f"{k}={v}" for k, v in _cfg_overrides(cfg).items()])
         fp = hashlib.sha256(b"bench").digest()
         self.receiver = Receiver(self.cfg, make_receiver_backend(self.cfg), fp, slot_bytes=slot)
@@ -140,6 +142,12 @@ def _cfg_overrides(cfg: kcfg.KVRelayConfig) -> dict[str, Any]:
 Path_ = Any   # Memcpy | RawPath | BackendRun: anything with measure(size, window, count)
 
 
+def windows_for(size: int, windows: list[int]) -> list[int]:
+    """Windows to measure at ``size``: at most MAX_BATCH_BYTES in flight (pool memory)."""
+    cap = max(1, MAX_BATCH_BYTES // size)
+    return sorted({min(w, cap) for w in windows})
+
+
 def open_paths(cfg: kcfg.KVRelayConfig, names: list[str], max_size: int, max_window: int) -> dict[str, Path_]:
     paths: dict[str, Path_] = {}
     for name in names:
@@ -163,18 +171,21 @@ def run(cfg: kcfg.KVRelayConfig, backends: list[str], sizes: list[int], windows:
     from tqdm import tqdm
 
     names = (["memcpy", *raw.RAW_KINDS] if ceilings else []) + backends
-    paths = open_paths(cfg, names, max(sizes), max(windows))
-    bar = tqdm(total=len(sizes) * len(windows) * reps * len(names), desc="bench transfer", unit="run",
-               file=sys.stderr)
+    plan = {size: windows_for(size, windows) for size in sizes}
+    total = sum(len(ws) for ws in plan.values()) * reps * len(names)
+    bar = tqdm(total=total, desc="bench transfer", unit="run", file=sys.stderr)
     points: list[Point] = []
     try:
-        for size in sizes:
-            for w in windows:
-                points += _measure_point(paths, size, w, reps, quick, bar)
+        for size, ws in plan.items():             # pools and slots sized for this chunk size
+            paths = open_paths(cfg, names, size, max(ws))
+            try:
+                for w in ws:
+                    points += _measure_point(paths, size, w, reps, quick, bar)
+            finally:
+                for p in paths.values():
+                    p.close()
     finally:
         bar.close()
-        for p in paths.values():
-            p.close()
     return points
 
 
@@ -268,7 +279,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default=",".join(BACKENDS), help="comma list of nixl,tcp,shm,ucx")
     p.add_argument("--sizes", default=",".join(_fmt(s).replace(" ", "") for s in DEFAULT_SIZES),
                    help="comma list of chunk sizes, e.g. 64KiB,1MiB,16MiB")
-    p.add_argument("--windows", default="1,8", help="chunks in flight per batch (concurrency)")
+    p.add_argument("--windows", default="1,4,16",
+                   help="chunks in flight per batch (concurrency); capped so a batch is <= 256 MiB")
     p.add_argument("--reps", type=int, default=5, help="interleaved repetitions per point (median reported)")
     p.add_argument("--out", default="bench_results", help="directory for transfer.json and transfer.png")
     p.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
