@@ -18,7 +18,7 @@ class FailReason(enum.Enum):
     POOL_FULL = "pool_full"          # Alloc refused after back-pressure
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkArrival:
     """Chunk bytes are in ``slot`` and verified. The consumer holds the slot until ``release``."""
 

@@ -40,6 +40,7 @@ from transport.backends.base import ReceiverBackend
 from transport.errors import ChecksumError, ChunkError, ProtocolError, TransferTimeout, TransportError
 from transport.events import ChunkArrival, ChunkRejected, Event, FailReason, TransferDone, TransferFailed
 from transport.keys import KEY_BYTES
+from transport.polling import Backoff
 from transport.pool import ReceivePool, SlotRef
 from transport.wire import HEADER_SIZE, transfer_tag, verify_chunk
 
@@ -71,6 +72,7 @@ class _Transfer:
     sender_id: str
     keys: list[bytes]
     held: tuple[int, ...]
+    tag: bytes
     slots: dict[int, SlotRef] = field(default_factory=dict)      # chunk index -> slot
     resolved: set[int] = field(default_factory=set)
     arrived: int = 0
@@ -136,16 +138,35 @@ class Receiver:
         by the caller, who must :meth:`release` it. Raises TransferTimeout."""
         self.expect(transfer_id)
         q = self._queues[transfer_id]
-        try:
-            ev = q.get(timeout=timeout)
-        except queue.Empty:
-            raise TransferTimeout(f"no event for transfer {transfer_id!r} in {timeout:.3g}s") from None
+        ev = self._poll_for(q, timeout) if self.backend.poll_driven else self._wait_for(q, timeout)
+        if ev is None:
+            raise TransferTimeout(f"no event for transfer {transfer_id!r} in {timeout:.3g}s")
         if isinstance(ev, ChunkArrival):
             try:
                 self.pool.take(ev.slot)
             except TransportError as exc:   # lease expired between arrival and take
                 return ChunkRejected(transfer_id, ev.chunk_index, FailReason.LEASE_EXPIRED, str(exc))
         return ev
+
+    @staticmethod
+    def _wait_for(q: queue.SimpleQueue[Event], timeout: float) -> Event | None:
+        try:
+            return q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def _poll_for(self, q: queue.SimpleQueue[Event], timeout: float) -> Event | None:
+        """Drive the backend's progress from the caller's thread until an event is queued."""
+        backoff = Backoff(timeout, spin=50, max_sleep=50e-6)
+        while True:
+            try:
+                return q.get_nowait()
+            except queue.Empty:
+                pass
+            if self.backend.progress():
+                backoff.reset()
+            elif not backoff.wait():
+                return None
 
     def payload(self, arrival: ChunkArrival) -> memoryview:
         """The chunk's ``[layer][block]`` payload bytes inside the pool (zero-copy)."""
@@ -292,13 +313,13 @@ class Receiver:
         if refs is None:
             return False
         held = tuple(i for i, h in enumerate(held_flags) if h)
-        t = _Transfer(msg.transfer_id, p.sender_id, list(msg.keys), held)
+        t = _Transfer(msg.transfer_id, p.sender_id, list(msg.keys), held, transfer_tag(msg.transfer_id))
         with self._lock:
             for i, ref in zip(want, refs, strict=True):
                 t.slots[i] = ref
                 self._slot_owner[ref.index] = (msg.transfer_id, i)
             self._transfers[msg.transfer_id] = t
-            self._by_tag[transfer_tag(msg.transfer_id)] = msg.transfer_id
+            self._by_tag[t.tag] = msg.transfer_id
             self._queues.setdefault(msg.transfer_id, queue.SimpleQueue())
         self.backend.on_grants(p.sender_id, msg.transfer_id, [(i, t.slots[i]) for i in want])
         grants = [P.Grant(chunk_index=i, slot=r.index, generation=r.generation,
@@ -342,8 +363,7 @@ class Receiver:
             view = self.pool.view(ref)
             if payload_sum is not None:         # the backend hashed exactly the bytes it received
                 view = view[:HEADER_SIZE + _payload_len(view)]
-            hdr = verify_chunk(view, transfer_id=t.transfer_id, key=key, chunk_index=chunk_index,
-                               payload_sum=payload_sum)
+            hdr = verify_chunk(view, tag=t.tag, key=key, chunk_index=chunk_index, payload_sum=payload_sum)
         except ChunkError as exc:
             self._reject(t, chunk_index, exc)
             return

@@ -59,7 +59,7 @@ def transfer_tag(transfer_id: str) -> bytes:
     return hashlib.sha256(transfer_id.encode()).digest()[:16]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkHeader:
     key: bytes
     transfer: bytes
@@ -135,11 +135,12 @@ def parse_header(buf: Buffer) -> ChunkHeader:
 
 
 def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | None = None,
-                 chunk_index: int | None = None, payload_sum: int | None = None) -> ChunkHeader:
+                 chunk_index: int | None = None, payload_sum: int | None = None,
+                 tag: bytes | None = None) -> ChunkHeader:
     """Validate a whole received chunk (header + payload) in place.
 
     Checks the header, that the payload fits, the payload checksum, and - when
-    given - that the chunk belongs to ``transfer_id`` / ``key`` / ``chunk_index``
+    given - that the chunk belongs to ``transfer_id`` (or its precomputed ``tag``) / ``key`` / ``chunk_index``
     (a misrouted chunk). ``payload_sum``, when given, is the xxh3_64 a backend already
     computed over these payload bytes as they landed; it replaces re-hashing them.
     Raises :class:`ChunkError` or :class:`ChecksumError`.
@@ -149,7 +150,9 @@ def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | No
     if HEADER_SIZE + hdr.payload_len > mv.nbytes:
         raise ChunkError(f"truncated chunk: header says {hdr.payload_len} payload bytes, "
                          f"{mv.nbytes - HEADER_SIZE} available")
-    if transfer_id is not None and hdr.transfer != transfer_tag(transfer_id):
+    if tag is None and transfer_id is not None:
+        tag = transfer_tag(transfer_id)
+    if tag is not None and hdr.transfer != tag:
         raise ChunkError(f"misrouted chunk: not part of transfer {transfer_id!r}")
     if key is not None and hdr.key != key:
         raise ChunkError(f"misrouted chunk: key {hdr.key.hex()[:16]} != expected {key.hex()[:16]}")

@@ -83,6 +83,15 @@ class ReceiverBackend(abc.ABC):
     def on_release(self, sender_id: str, transfer_id: str) -> None:  # noqa: B027
         """The transfer ended (complete, aborted or failed); drop per-transfer state."""
 
+    poll_driven: bool = False
+
+    def progress(self) -> int:
+        """Poll-driven backends (``poll_driven = True``: nixl, ucx) drain completions here and
+        ``deliver`` them; returns how many. Called from the consumer's own thread while it
+        waits in ``Receiver.next_event`` (no thread hand-off on the hot path); a background
+        thread polls only while no consumer does. Non-blocking; thread-safe."""
+        return 0
+
     @abc.abstractmethod
     def close(self) -> None:
         """Stop threads, deregister memory. Idempotent."""

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from transport.wire import HEADER_SIZE
 log = logging.getLogger(__name__)
 NOTIF = struct.Struct("<4sIIQ")          # magic, chunk index, slot, generation; then the header
 NOTIF_MAGIC = b"KVRN"
+CONSUMER_GRACE_S = 2e-3     # background polling backs off while a consumer polled this recently
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,10 @@ class NixlReceiver(ReceiverBackend):
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self._reg: Any = None
+        self._poll_lock = threading.Lock()
+        self._consumer_polled = 0.0
+
+    poll_driven = True
 
     def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn) -> None:
         self._pool, self._deliver = pool, deliver
@@ -136,20 +142,38 @@ class NixlReceiver(ReceiverBackend):
         with self._lock:
             self._active = max(0, self._active - 1)
 
+    def progress(self) -> int:
+        self._consumer_polled = time.monotonic()
+        return self._drain()
+
+    def _drain(self) -> int:
+        if not self._poll_lock.acquire(blocking=False):
+            return 0                                  # another thread is draining right now
+        try:
+            notifs = self.agent.get_new_notifs()
+            n = 0
+            for agent_name, msgs in notifs.items():
+                for raw in msgs:
+                    self._on_notif(agent_name, raw)
+                    n += 1
+            return n
+        finally:
+            self._poll_lock.release()
+
     def _poll_loop(self) -> None:
+        """Background progress while transfers are active and no consumer is polling."""
         backoff = Backoff(spin=0, max_sleep=100e-6)
         while not self._closed.is_set():
             if self._active == 0 and not self._wake.wait(0.05):
                 continue
             self._wake.clear()
-            notifs = self.agent.get_new_notifs()
-            if not notifs:
-                backoff.wait()
+            if time.monotonic() - self._consumer_polled < CONSUMER_GRACE_S:
+                time.sleep(CONSUMER_GRACE_S)          # a consumer is driving progress
                 continue
-            backoff.reset()
-            for agent_name, msgs in notifs.items():
-                for raw in msgs:
-                    self._on_notif(agent_name, raw)
+            if self._drain():
+                backoff.reset()
+            else:
+                backoff.wait()
 
     def _on_notif(self, agent_name: str, raw: bytes) -> None:
         if len(raw) != NOTIF.size + HEADER_SIZE or raw[:4] != NOTIF_MAGIC:

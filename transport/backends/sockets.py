@@ -175,8 +175,11 @@ class SocketReceiver(ReceiverBackend):
     def _read_chunk(self, conn: socket.socket, sender: str) -> bool:
         assert self._pool is not None
         frame = bytearray(FRAME.size)
-        if not _recv_exact(conn, memoryview(frame)):
+        got = conn.recv_into(frame, FRAME.size, socket.MSG_WAITALL)
+        if got == 0:
             return False
+        if got < FRAME.size:
+            raise PeerDeadError(f"connection closed mid-frame ({got}/{FRAME.size} bytes)")
         magic, ver, kind, _, tag, chunk, slot, gen, nbytes = FRAME.unpack(frame)
         if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_CHUNK:
             raise ProtocolError(f"bad data frame (magic {magic!r}, version {ver}, kind {kind})")
