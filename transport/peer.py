@@ -86,6 +86,7 @@ class _Child:
         self.backend = make_sender_backend(cfg)
         self.sender = Sender(cfg, endpoint, self.backend, fingerprint, sender_id=sender_id)
         self.sources: dict[str, Any] = {}
+        self.retired: list[Any] = []
         self.allocs: dict[str, Any] = {}
 
     def connect(self) -> str:
@@ -94,6 +95,8 @@ class _Child:
 
     def prepare(self, name: str, nbytes: int, seed: int) -> None:
         buf = self.np.random.default_rng(seed).integers(0, 256, nbytes, dtype=self.np.uint8)
+        if name in self.sources:                  # registered memory must outlive its registration
+            self.retired.append(self.sources[name])
         self.sources[name] = buf
         self.backend.register_source(memoryview(buf.data))
 

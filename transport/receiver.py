@@ -157,7 +157,7 @@ class Receiver:
 
     def _poll_for(self, q: queue.SimpleQueue[Event], timeout: float) -> Event | None:
         """Drive the backend's progress from the caller's thread until an event is queued."""
-        backoff = Backoff(timeout, spin=50, max_sleep=50e-6)
+        backoff = Backoff(timeout, spin=0, max_sleep=50e-6)
         while True:
             try:
                 return q.get_nowait()
