@@ -126,11 +126,14 @@ class PrivateArena(Arena):
     """Anonymous private memory: for backends whose peers never map the pool (nixl, tcp, ucx).
 
     Measured here: NIXL/UCX CMA writes into private pages run ~20 % faster than into
-    tmpfs-backed shared pages.
+    tmpfs-backed shared pages, and faster again with transparent huge pages
+    (``MADV_HUGEPAGE``; the kernel walks one 2 MiB page instead of 512 small ones).
     """
 
     def __init__(self, nbytes: int) -> None:
         self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(AttributeError, OSError):    # fewer page walks for CMA/RDMA
+            self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self.buf = memoryview(self._mmap)
 
     def close(self) -> None:
