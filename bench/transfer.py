@@ -58,11 +58,11 @@ class Point:
     ceiling: str | None = None
 
 
-def summarize(path: str, size: int, window: int, starts: list[float], arrivals: list[float]) -> Point:
-    s, a = np.asarray(starts), np.asarray(arrivals)
-    lat = (a - s) * 1e6
-    return Point(path, size, window, len(s), float(np.percentile(lat, 50)), float(np.percentile(lat, 99)),
-                 batch_rate(size, window, s, a))
+def summarize(path: str, size: int, window: int, starts: list[float], arrivals: list[float],
+              gbps: float) -> Point:
+    lat = (np.asarray(arrivals) - np.asarray(starts)) * 1e6
+    return Point(path, size, window, len(starts), float(np.percentile(lat, 50)),
+                 float(np.percentile(lat, 99)), gbps)
 
 
 def batch_rate(size: int, window: int, s: np.ndarray, a: np.ndarray) -> float:
@@ -198,15 +198,15 @@ def _measure_point(paths: dict[str, Path_], size: int, w: int, reps: int, quick:
             path.measure(size, w, warm)
             samples[name].append(path.measure(size, w, n))
             bar.update()
+    rates = {name: [batch_rate(size, w, np.asarray(s), np.asarray(a)) for s, a in runs]
+             for name, runs in samples.items()}
     out = []
     for name, runs in samples.items():
-        rates = [batch_rate(size, w, np.asarray(s), np.asarray(a)) for s, a in runs]
-        p = summarize(name, size, w, sum((s for s, _ in runs), []), sum((a for _, a in runs), []))
-        p.gbps = float(np.median(rates))
+        p = summarize(name, size, w, sum((s for s, _ in runs), []), sum((a for _, a in runs), []),
+                      float(np.median(rates[name])))
         ceil = CEILING_OF.get(name)
-        if ceil in samples:
-            ceil_rates = [batch_rate(size, w, np.asarray(s), np.asarray(a)) for s, a in samples[ceil]]
-            p.ratio = float(np.median([r / c for r, c in zip(rates, ceil_rates, strict=True)]))
+        if ceil in rates:
+            p.ratio = float(np.median([r / c for r, c in zip(rates[name], rates[ceil], strict=True)]))
             p.ceiling = ceil
         out.append(p)
     return out

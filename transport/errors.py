@@ -9,7 +9,8 @@ Backends translate their library's exceptions (``zmq.ZMQError``,
         ├── ProtocolError        malformed / oversize / wrong-version message
         ├── HandshakeError       Hello refused: fingerprint mismatch, bad HMAC
         ├── ChunkError           chunk failed validation (never installed)
-        │   └── ChecksumError    payload checksum mismatch
+        │   ├── ChecksumError    payload checksum mismatch
+        │   └── MisroutedChunk   header names another transfer / key / index
         ├── PoolFullError        back-pressure deadline passed without free slots
         ├── TransferAborted      the transfer was aborted by either side
         ├── TransferTimeout      a deadline passed (lease, write, handshake)
@@ -41,6 +42,10 @@ class ChunkError(TransportError):
 
 class ChecksumError(ChunkError):
     """A chunk's payload does not match its header checksum."""
+
+
+class MisroutedChunk(ChunkError):
+    """A chunk's header names another transfer, key or chunk index than the slot expects."""
 
 
 class PoolFullError(TransportError):

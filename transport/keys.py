@@ -61,7 +61,3 @@ def chunk_keys(token_ids: Sequence[int] | np.ndarray, fingerprint: Fingerprint,
         prev = h.digest()
         keys.append(prev)
     return keys
-
-
-def num_chunks(num_tokens: int, chunk_tokens: int) -> int:
-    return -(-num_tokens // chunk_tokens)

@@ -79,10 +79,6 @@ class PoolStats:
     allocations: int
     refusals: int
 
-    @property
-    def in_use(self) -> int:
-        return self.slots - self.free
-
 
 class Arena:
     """Page-aligned memory behind the pool. Subclasses: shared (``shm``) or private."""
@@ -278,11 +274,6 @@ class ReceivePool:
                                  f"(now {slot.state.value}@{slot.generation})")
         return slot
 
-    def check_leased(self, ref: SlotRef) -> str:
-        """Return the owner of a LEASED slot, or raise if the ref is stale/invalid."""
-        with self._cond:
-            return self._get(ref, SlotState.LEASED).owner
-
     def begin_write(self, ref: SlotRef) -> str:
         """Pin a LEASED slot while bytes stream into it; returns its owner."""
         with self._cond:
@@ -361,11 +352,6 @@ class ReceivePool:
                              leased=counts[SlotState.LEASED], filled=counts[SlotState.FILLED],
                              held=counts[SlotState.HELD], leases_expired=self._expired,
                              allocations=self._allocations, refusals=self._refusals)
-
-    def next_deadline(self) -> float | None:
-        with self._cond:
-            ds = [s.deadline for s in self._slots if s.state in (SlotState.LEASED, SlotState.FILLED)]
-            return min(ds) if ds else None
 
     def _check_open(self) -> None:
         if self._closed:

@@ -37,7 +37,14 @@ import zmq
 from kvrelay.config import KVRelayConfig
 from transport import protocol as P
 from transport.backends.base import ReceiverBackend
-from transport.errors import ChecksumError, ChunkError, ProtocolError, TransferTimeout, TransportError
+from transport.errors import (
+    ChecksumError,
+    ChunkError,
+    MisroutedChunk,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
 from transport.events import ChunkArrival, ChunkRejected, Event, FailReason, TransferDone, TransferFailed
 from transport.keys import KEY_BYTES
 from transport.polling import Backoff
@@ -108,7 +115,6 @@ class Receiver:
         self._transfers: dict[str, _Transfer] = {}
         self._by_tag: dict[bytes, str] = {}
         self._queues: dict[str, queue.SimpleQueue[Event]] = {}
-        self._slot_owner: dict[int, tuple[str, int]] = {}          # slot index -> (transfer, chunk)
         self._peers: dict[str, float] = {}                          # sender id -> last seen
         self._pending: list[_Pending] = []
         self._ctx: zmq.Context = zmq.Context.instance()
@@ -174,8 +180,6 @@ class Receiver:
         return self.pool.arena.buf[off:off + arrival.header.payload_len]
 
     def release(self, arrival: ChunkArrival) -> None:
-        with self._lock:
-            self._slot_owner.pop(arrival.slot.index, None)
         self.pool.release(arrival.slot)
 
     def finish(self, transfer_id: str) -> None:
@@ -317,7 +321,6 @@ class Receiver:
         with self._lock:
             for i, ref in zip(want, refs, strict=True):
                 t.slots[i] = ref
-                self._slot_owner[ref.index] = (msg.transfer_id, i)
             self._transfers[msg.transfer_id] = t
             self._by_tag[t.tag] = msg.transfer_id
             self._queues.setdefault(msg.transfer_id, queue.SimpleQueue())
@@ -360,10 +363,8 @@ class Receiver:
             key = t.keys[chunk_index]
             self._peers[sender] = self._clock()
         try:
-            view = self.pool.view(ref)
-            if payload_sum is not None:         # the backend hashed exactly the bytes it received
-                view = view[:HEADER_SIZE + _payload_len(view)]
-            hdr = verify_chunk(view, tag=t.tag, key=key, chunk_index=chunk_index, payload_sum=payload_sum)
+            hdr = verify_chunk(self.pool.view(ref), tag=t.tag, key=key, chunk_index=chunk_index,
+                               payload_sum=payload_sum)
         except ChunkError as exc:
             self._reject(t, chunk_index, exc)
             return
@@ -385,7 +386,7 @@ class Receiver:
         reason = FailReason.CHECKSUM if isinstance(exc, ChecksumError) else FailReason.INVALID_CHUNK
         if isinstance(exc, ChecksumError):
             self.stats.checksum_failures += 1
-        elif "misrouted" in str(exc):
+        elif isinstance(exc, MisroutedChunk):
             self.stats.misrouted += 1
         log.warning("rejected chunk %d of %r: %s", chunk_index, t.transfer_id, exc)
         with self._lock:
@@ -394,7 +395,6 @@ class Receiver:
             if ref is not None and chunk_index not in t.resolved:
                 with contextlib.suppress(TransportError):
                     self.pool.release(ref)
-                self._slot_owner.pop(ref.index, None)
             t.resolved.add(chunk_index)
             t.rejected += 1
             self._queues[t.transfer_id].put(ChunkRejected(t.transfer_id, chunk_index, reason, str(exc)))
@@ -422,9 +422,6 @@ class Receiver:
             return
         t.done = True
         freed = self.pool.release_owner(transfer_id, include_filled=False)
-        for i, ref in t.slots.items():
-            if i not in t.resolved:
-                self._slot_owner.pop(ref.index, None)
         log.warning("transfer %r failed (%s): %s; %d slots freed", transfer_id, reason.value, detail, freed)
         self._queues[transfer_id].put(TransferFailed(transfer_id, reason, detail))
         self.backend.on_release(t.sender_id, transfer_id)
@@ -438,8 +435,6 @@ class Receiver:
             t.done = True
             self.backend.on_release(t.sender_id, transfer_id)
         self.pool.release_owner(transfer_id)
-        for ref in t.slots.values():
-            self._slot_owner.pop(ref.index, None)
 
     def _housekeeping(self) -> None:
         now = self._clock()
@@ -455,8 +450,8 @@ class Receiver:
         for ref, owner, _state in self.pool.reap_expired():
             with self._lock:
                 t = self._transfers.get(owner)
-                chunk = self._slot_owner.pop(ref.index, (owner, -1))[1]
-                if t is not None and chunk in t.slots and chunk not in t.resolved:
+                chunk = next((i for i, r in t.slots.items() if r == ref), None) if t else None
+                if t is not None and chunk is not None and chunk not in t.resolved:
                     t.resolved.add(chunk)
                     t.rejected += 1
                     self._queues[owner].put(ChunkRejected(owner, chunk, FailReason.LEASE_EXPIRED,
@@ -479,12 +474,6 @@ class Receiver:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _payload_len(view: memoryview) -> int:
-    from transport.wire import parse_header
-
-    return parse_header(view).payload_len
 
 
 def _invalid(code: P.ErrorCode, reason: str) -> ProtocolError:

@@ -160,8 +160,8 @@ class Sender:
         return handle
 
     def _after_done(self, handle: WriteHandle) -> None:
-        if not self.backend.in_band_arrival and not getattr(handle, "_notified", False):
-            handle._notified = True  # type: ignore[attr-defined]
+        if not self.backend.in_band_arrival and not handle.notified:
+            handle.notified = True
             g = handle.grant
             self._sock.send(P.encode(P.ChunkDone(transfer_id=handle.transfer_id, chunk_index=g.chunk_index,
                                                  slot=g.slot, generation=g.generation)))

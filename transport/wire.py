@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from transport.errors import ChecksumError, ChunkError
+from transport.errors import ChecksumError, ChunkError, MisroutedChunk
 from transport.keys import KEY_BYTES
 
 MAGIC = b"KVRC"
@@ -153,12 +153,12 @@ def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | No
     if tag is None and transfer_id is not None:
         tag = transfer_tag(transfer_id)
     if tag is not None and hdr.transfer != tag:
-        raise ChunkError(f"misrouted chunk: not part of transfer {transfer_id!r}")
+        raise MisroutedChunk(f"misrouted chunk: transfer tag {hdr.transfer.hex()} != expected {tag.hex()}")
     if key is not None and hdr.key != key:
-        raise ChunkError(f"misrouted chunk: key {hdr.key.hex()[:16]} != expected {key.hex()[:16]}")
+        raise MisroutedChunk(f"misrouted chunk: key {hdr.key.hex()[:16]} != expected {key.hex()[:16]}")
     if chunk_index is not None and hdr.chunk_index != chunk_index:
-        raise ChunkError(f"misrouted chunk: index {hdr.chunk_index} != expected {chunk_index}")
-    if payload_sum is None or HEADER_SIZE + hdr.payload_len != mv.nbytes:
+        raise MisroutedChunk(f"misrouted chunk: index {hdr.chunk_index} != expected {chunk_index}")
+    if payload_sum is None:
         payload_sum = xxhash.xxh3_64_intdigest(mv[HEADER_SIZE:HEADER_SIZE + hdr.payload_len])
     if payload_sum != hdr.payload_sum:
         raise ChecksumError(f"payload checksum mismatch in chunk {hdr.chunk_index} "

@@ -57,6 +57,7 @@ class WriteHandle:
     nbytes: int
     state: WriteState = WriteState.POSTED
     error: str = ""
+    notified: bool = False                             # ChunkDone sent (out-of-band backends)
     native: object = field(default=None, repr=False)   # backend's own request object
 
 

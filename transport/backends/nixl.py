@@ -272,7 +272,7 @@ class NixlSender(SenderBackend):
         notif = NOTIF.pack(NOTIF_MAGIC, chunk_index, grant.slot, grant.generation) + header
         handle = WriteHandle(transfer_id, chunk_index, grant, HEADER_SIZE + off)
         try:
-            xfer = self.agent.initialize_xfer("WRITE", self._descs(local, mem_type),
+            xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, mem_type),
                                               self.agent.get_xfer_descs(remote, "DRAM"), self._remote, notif)
             state = self.agent.transfer(xfer)
         except Exception as exc:  # noqa: BLE001 - nixl binding errors
@@ -281,9 +281,6 @@ class NixlSender(SenderBackend):
         handle.native = (xfer, temp)
         self._settle(handle, state)
         return handle
-
-    def _descs(self, local: list[tuple[int, int, int]], mem_type: str) -> Any:
-        return self.agent.get_xfer_descs(local, mem_type)
 
     def _settle(self, handle: WriteHandle, state: str) -> None:
         if state == "PROC":
