@@ -6,8 +6,10 @@ events); every sender is a separate, spawned process (:class:`transport.peer.Sen
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -29,8 +31,24 @@ def make_cfg(backend: str, **over: object) -> config.KVRelayConfig:
     return config.load(overrides=[f"{k}={v}" for k, v in items.items()])
 
 
-def make_receiver(cfg: config.KVRelayConfig, slot_bytes: int = SLOT) -> Receiver:
-    return Receiver(cfg, make_receiver_backend(cfg), FP, slot_bytes=slot_bytes)
+def make_receiver(cfg: config.KVRelayConfig, slot_bytes: int = SLOT, **kw: Any) -> Receiver:
+    return Receiver(cfg, make_receiver_backend(cfg), FP, slot_bytes=slot_bytes, **kw)
+
+
+@contextlib.contextmanager
+def open_pair(cfg: config.KVRelayConfig, *, sender_cfg: config.KVRelayConfig | None = None,
+              sender_fp: bytes = FP, connect: bool = True,
+              **receiver_kw: Any) -> Iterator[tuple[Receiver, SenderPeer]]:
+    """A receiver here and a sender in a spawned process; both closed on exit."""
+    receiver = make_receiver(cfg, **receiver_kw)
+    peer = SenderPeer(sender_cfg or cfg, receiver.endpoint, sender_fp)
+    try:
+        if connect:
+            peer.call("connect")
+        yield receiver, peer
+    finally:
+        peer.close()
+        receiver.close()
 
 
 def assert_no_leases(receiver: Receiver) -> None:
@@ -47,16 +65,9 @@ def backend(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def pair(backend: str) -> Iterator[tuple[Receiver, SenderPeer]]:
     """A receiver here and a connected sender process, checked for leaks afterwards."""
-    cfg = make_cfg(backend)
-    receiver = make_receiver(cfg)
-    peer = SenderPeer(cfg, receiver.endpoint, FP)
-    try:
-        peer.call("connect")
+    with open_pair(make_cfg(backend)) as (receiver, peer):
         yield receiver, peer
         assert_no_leases(receiver)
-    finally:
-        peer.close()
-        receiver.close()
 
 
 def keys_for(tid: str, n: int) -> list[bytes]:

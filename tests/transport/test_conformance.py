@@ -8,14 +8,15 @@ the bytes in the receiver's slot - never by the backend's own checksum.
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 
 import pytest
 
-from tests.transport.conftest import FP, SLOT, assert_no_leases, keys_for, make_cfg, make_receiver
+from tests.transport.conftest import SLOT, assert_no_leases, keys_for, make_cfg, open_pair
 from transport.errors import TransferTimeout
 from transport.events import ChunkArrival, ChunkRejected, FailReason, TransferDone, TransferFailed
-from transport.peer import RemoteError, SenderPeer
+from transport.peer import RemoteError
 from transport.wire import HEADER_SIZE
 
 
@@ -107,13 +108,8 @@ def test_abort_frees_slots(pair):
     assert "client went away" in events[-1][0].detail
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
 def test_expired_lease_frees_slots(backend):
-    cfg = make_cfg(backend, **{"timeouts.lease_s": 0.4})
-    receiver = make_receiver(cfg)
-    peer = SenderPeer(cfg, receiver.endpoint, FP)
-    try:
-        peer.call("connect")
+    with open_pair(make_cfg(backend, **{"timeouts.lease_s": 0.4})) as (receiver, peer):
         peer.call("alloc", "lease", keys_for("lease", 2), [HEADER_SIZE + 4096] * 2)
         t0 = time.monotonic()
         events = drain(receiver, "lease")                      # nothing is ever written
@@ -121,18 +117,11 @@ def test_expired_lease_frees_slots(backend):
         assert [e.reason for e, _ in events if isinstance(e, ChunkRejected)] == [FailReason.LEASE_EXPIRED] * 2
         assert receiver.pool.stats().leases_expired == 2
         assert_no_leases(receiver)
-    finally:
-        peer.close()
-        receiver.close()
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
 def test_sender_death_mid_transfer_is_detected(backend):
     cfg = make_cfg(backend, **{"timeouts.peer_s": 1.0})
-    receiver = make_receiver(cfg)
-    peer = SenderPeer(cfg, receiver.endpoint, FP)
-    try:
-        peer.call("connect")
+    with open_pair(cfg) as (receiver, peer):
         peer.call("prepare", "src", 65536, 5)
         peer.call("alloc", "dies", keys_for("dies", 4), [HEADER_SIZE + 65536] * 4)
         peer.call("write", "dies", 0, "src", 0, 65536)
@@ -145,19 +134,12 @@ def test_sender_death_mid_transfer_is_detected(backend):
         assert elapsed <= cfg.timeouts.peer_s + 1.0, elapsed          # within the timeout (+ poll slack)
         assert receiver.stats.peers_dead >= 1
         assert_no_leases(receiver)
-    finally:
-        peer.close()
-        receiver.close()
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm", "nixl", "ucx"])
 def test_full_pool_applies_backpressure_then_refuses(backend):
     cfg = make_cfg(backend, **{"transport.pool_bytes": 4 * SLOT + 4096 * 4})
-    receiver = make_receiver(cfg)
-    assert receiver.pool.num_slots == 4
-    peer = SenderPeer(cfg, receiver.endpoint, FP)
-    try:
-        peer.call("connect")
+    with open_pair(cfg) as (receiver, peer):
+        assert receiver.pool.num_slots == 4
         peer.call("prepare", "src", 4096, 1)
         peer.call("alloc", "fill", keys_for("fill", 4), [HEADER_SIZE + 4096] * 4)
         # 1) refused: nobody frees a slot within the wait
@@ -168,9 +150,7 @@ def test_full_pool_applies_backpressure_then_refuses(backend):
         assert time.monotonic() - t0 >= 0.5
         assert receiver.stats.alloc_refused == 1
         # 2) back-pressure: the alloc waits and succeeds once a transfer frees its slots
-        import threading
-
-        threading.Timer(0.4, lambda: peer_abort(receiver, "fill")).start()
+        threading.Timer(0.4, lambda: receiver.abort("fill", "consumer gave up")).start()
         t0 = time.monotonic()
         got = peer.call("alloc", "waits", keys_for("waits", 2), [HEADER_SIZE + 4096] * 2, 3.0)
         assert got["grants"] == [0, 1] and time.monotonic() - t0 >= 0.35
@@ -180,26 +160,11 @@ def test_full_pool_applies_backpressure_then_refuses(backend):
         assert isinstance(events[-1][0], TransferDone) and events[-1][0].arrived == 2
         drain(receiver, "fill")
         assert_no_leases(receiver)
-    finally:
-        peer.close()
-        receiver.close()
-
-
-def peer_abort(receiver, tid):
-    receiver.abort(tid, "consumer gave up")
 
 
 def test_alloc_skips_keys_the_receiver_holds(backend):
-    cfg = make_cfg(backend)
     held = set(keys_for("skip", 4)[:2])
-    from transport.backends import make_receiver_backend
-    from transport.receiver import Receiver
-
-    receiver = Receiver(cfg, make_receiver_backend(cfg), FP, slot_bytes=SLOT,
-                        held_keys=lambda ks: [k in held for k in ks])
-    peer = SenderPeer(cfg, receiver.endpoint, FP)
-    try:
-        peer.call("connect")
+    with open_pair(make_cfg(backend), held_keys=lambda ks: [k in held for k in ks]) as (receiver, peer):
         peer.call("prepare", "src", 4096, 2)
         got = peer.call("alloc", "skip", keys_for("skip", 4), [HEADER_SIZE + 4096] * 4)
         assert got == {"grants": [2, 3], "held": [0, 1]}
@@ -208,23 +173,15 @@ def test_alloc_skips_keys_the_receiver_holds(backend):
         events = drain(receiver, "skip")
         assert events[-1][0] == TransferDone("skip", 2, 0, (0, 1))
         assert_no_leases(receiver)
-    finally:
-        peer.close()
-        receiver.close()
 
 
 @pytest.mark.parametrize("what", ["fingerprint", "secret"])
 def test_incompatible_or_unauthenticated_hello_is_refused(what):
     cfg = make_cfg("tcp")
-    receiver = make_receiver(cfg)
-    fp = hashlib.sha256(b"other model").digest() if what == "fingerprint" else FP
-    scfg = make_cfg("tcp", **{"transport.shared_secret": "wrong"}) if what == "secret" else cfg
-    peer = SenderPeer(scfg, receiver.endpoint, fp)
-    try:
+    kw = ({"sender_fp": hashlib.sha256(b"other model").digest()} if what == "fingerprint"
+          else {"sender_cfg": make_cfg("tcp", **{"transport.shared_secret": "wrong"})})
+    with open_pair(cfg, connect=False, **kw) as (_receiver, peer):
         with pytest.raises(RemoteError) as err:
             peer.call("connect")
         assert err.value.kind == "HandshakeError"
         assert ("fingerprint" if what == "fingerprint" else "HMAC") in str(err.value)
-    finally:
-        peer.close()
-        receiver.close()
