@@ -21,7 +21,7 @@ import logging
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import xxhash
@@ -57,37 +57,37 @@ class SocketInfo(msgspec.Struct, frozen=True):
     shm_name: str = ""
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> bool:
-    """Fill ``view`` from the stream. False on EOF before the first byte; raises on EOF mid-way."""
-    got = 0
-    while got < view.nbytes:
-        n = sock.recv_into(view[got:])
+def _recv_exact(sock: socket.socket, view: memoryview, *, piece: int = 0,
+                on_data: Callable[[int], None] | None = None) -> bool:
+    """Fill ``view`` from the stream, at most ``piece`` bytes per read (0: no limit), calling
+    ``on_data(bytes_so_far)`` after each read. False on EOF before the first byte; raises
+    PeerDeadError on EOF mid-way."""
+    got, total = 0, view.nbytes
+    while got < total:
+        n = sock.recv_into(view[got:], min(total - got, piece) if piece else 0)
         if n == 0:
             if got == 0:
                 return False
-            raise PeerDeadError(f"connection closed mid-frame ({got}/{view.nbytes} bytes)")
+            raise PeerDeadError(f"connection closed mid-frame ({got}/{total} bytes)")
         got += n
+        if on_data is not None:
+            on_data(got)
     return True
 
 
 def _recv_hashed(sock: socket.socket, view: memoryview, skip: int) -> int | None:
-    """``_recv_exact`` that also hashes bytes past ``skip`` (the payload) while they are
-    still in cache. Returns the xxh3_64 of ``view[skip:]``, or None on EOF before any byte."""
+    """``_recv_exact`` in pieces that hashes the bytes past ``skip`` (the payload) while they
+    are still in cache. Returns the xxh3_64 of ``view[skip:]``, or None on EOF before any byte."""
     h = xxhash.xxh3_64()
-    got = hashed = 0
-    total = view.nbytes
-    while got < total:
-        n = sock.recv_into(view[got:], min(total - got, _PIECE))
-        if n == 0:
-            if got == 0:
-                return None
-            raise PeerDeadError(f"connection closed mid-chunk ({got}/{total} bytes)")
-        got += n
-        if got > skip:
-            start = max(hashed, skip)
-            h.update(view[start:got])
+    hashed = skip
+
+    def feed(got: int) -> None:
+        nonlocal hashed
+        if got > hashed:
+            h.update(view[hashed:got])
             hashed = got
-    return h.intdigest()
+
+    return h.intdigest() if _recv_exact(sock, view, piece=_PIECE, on_data=feed) else None
 
 
 def _sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
