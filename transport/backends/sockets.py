@@ -90,9 +90,14 @@ def _recv_hashed(sock: socket.socket, view: memoryview, skip: int) -> int | None
     return h.intdigest() if _recv_exact(sock, view, piece=_PIECE, on_data=feed) else None
 
 
+def _as_bytes(view: memoryview) -> memoryview:
+    """A flat byte view of ``view`` (typed or multi-dimensional regions, e.g. tensors)."""
+    return view if view.ndim == 1 and view.format == "B" else view.cast("B")
+
+
 def _sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
     """``sendmsg`` a buffer list completely, resuming after partial sends (no copies)."""
-    bufs = [b.cast("B") if b.ndim != 1 or b.format != "B" else b for b in bufs]
+    bufs = [_as_bytes(b) for b in bufs]
     while bufs:
         sent = sock.sendmsg(bufs[:512])
         while sent and bufs:
@@ -280,7 +285,7 @@ class SocketSender(SenderBackend):
         dst = self._arena.buf
         for v in views:
             n = v.nbytes
-            dst[offset:offset + n] = v.cast("B") if v.format != "B" or v.ndim != 1 else v
+            dst[offset:offset + n] = _as_bytes(v)
             offset += n
 
     def poll(self, handle: WriteHandle) -> WriteState:
