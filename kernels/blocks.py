@@ -1,0 +1,141 @@
+"""Gather (engine blocks -> chunk) and scatter (chunk -> engine blocks), all layers at once.
+
+vLLM hands a connector one KV tensor per attention layer, each shaped
+``[num_blocks, ...]`` with a contiguous block (CPU: ``[num_blocks, kv_heads,
+block_size, 2*head_size]``; the inside of a block is engine-private - K is stored
+transposed - so blocks are copied as opaque bytes and never sliced per token).
+
+:class:`KVLayout` views those tensors as bytes. When every layer is a view into
+one buffer at a constant stride (what vLLM allocates), it builds one strided
+``[L, num_blocks, bytes_per_block]`` uint8 view so a gather or scatter over all
+layers is a single indexed copy; otherwise it falls back to a per-layer loop.
+
+A chunk's payload is ``[layer][block]``: ``L x n`` blocks of ``bytes_per_block``.
+The pure-torch functions here are the reference (and the CPU path); the CUDA
+versions in :mod:`kernels.cuda` are tested against them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVLayout:
+    names: list[str]                 # layer names, in engine order
+    layers: list[torch.Tensor]       # [num_blocks, ...] per layer, engine dtype
+    num_blocks: int
+    bytes_per_block: int
+    dtype: torch.dtype
+    stacked: torch.Tensor | None     # [L, num_blocks, bytes_per_block] uint8 view, if expressible
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].device
+
+    def chunk_bytes(self, n_blocks: int) -> int:
+        return self.num_layers * n_blocks * self.bytes_per_block
+
+    def block_shape(self) -> tuple[int, ...]:
+        return tuple(self.layers[0].shape[1:])
+
+    @classmethod
+    def from_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
+        names = list(kv_caches)
+        layers = [kv_caches[n] for n in names]
+        if not layers:
+            raise ValueError("no KV cache tensors registered")
+        first = layers[0]
+        for n, t in zip(names, layers, strict=True):
+            if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+                raise ValueError(f"layer {n} has shape/dtype {tuple(t.shape)}/{t.dtype}; "
+                                 f"expected {tuple(first.shape)}/{first.dtype} like {names[0]}")
+            if not t[0].is_contiguous():
+                raise ValueError(f"layer {n}: a block is not contiguous (strides {t.stride()})")
+        bpb = first[0].numel() * first.element_size()
+        return cls(names, layers, first.shape[0], bpb, first.dtype, _stacked_view(layers, bpb))
+
+    def base_regions(self) -> list[tuple[int, int]]:
+        """(address, nbytes) spans covering every layer's tensor (for memory registration)."""
+        spans = sorted((t.data_ptr(), t.shape[0] * t.stride(0) * t.element_size()) for t in self.layers)
+        merged: list[tuple[int, int]] = []
+        for addr, n in spans:
+            if merged and addr <= merged[-1][0] + merged[-1][1]:
+                a0, n0 = merged[-1]
+                merged[-1] = (a0, max(n0, addr + n - a0))
+            else:
+                merged.append((addr, n))
+        return merged
+
+    def block_view(self, layer: int, block: int) -> torch.Tensor:
+        """One block of one layer as flat uint8 (a view into the engine's cache)."""
+        return self.layers[layer][block].reshape(-1).view(torch.uint8)
+
+
+def _stacked_view(layers: Sequence[torch.Tensor], bpb: int) -> torch.Tensor | None:
+    """``[L, num_blocks, bpb]`` uint8 view when layers sit at a constant stride in one buffer."""
+    first = layers[0]
+    es = first.element_size()
+    if first.stride(0) * es != bpb:                       # blocks must be back-to-back within a layer
+        return None
+    ptrs = [t.data_ptr() for t in layers]
+    step = ptrs[1] - ptrs[0] if len(ptrs) > 1 else first.shape[0] * bpb
+    if step <= 0 or step % es or any(b - a != step for a, b in zip(ptrs, ptrs[1:], strict=False)):
+        return None
+    if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in layers):
+        return None
+    storage = first.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
+    offset = ptrs[0] - storage.data_ptr()
+    return flat.as_strided((len(layers), first.shape[0], bpb), (step, bpb, 1), offset)
+
+
+def gather_ref(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Copy blocks ``block_ids`` of every layer into ``out``.
+
+    block_ids: [n] int64 (engine block ids, on the cache's device)
+    out:       [L, n, bytes_per_block] uint8, contiguous
+    """
+    if layout.stacked is not None:
+        torch.index_select(layout.stacked, 1, block_ids, out=out)
+        return out
+    for i, t in enumerate(layout.layers):
+        out[i].copy_(t.index_select(0, block_ids).reshape(len(block_ids), -1).view(torch.uint8))
+    return out
+
+
+def scatter_ref(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """Write ``src`` ([L, n, bytes_per_block] uint8) into blocks ``block_ids`` of every layer."""
+    if layout.stacked is not None:
+        layout.stacked.index_copy_(1, block_ids, src)
+        return
+    shape = layout.block_shape()
+    for i, t in enumerate(layout.layers):
+        t.index_copy_(0, block_ids, src[i].view(t.dtype).reshape(len(block_ids), *shape))
+
+
+def gather(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Dispatch: the CUDA kernel for device caches when available, else the reference."""
+    if layout.device.type == "cuda":
+        from kernels import cuda
+
+        if cuda.available():
+            return cuda.gather(layout, block_ids, out)
+    return gather_ref(layout, block_ids, out)
+
+
+def scatter(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    if layout.device.type == "cuda":
+        from kernels import cuda
+
+        if cuda.available():
+            cuda.scatter(layout, block_ids, src)
+            return
+    scatter_ref(layout, block_ids, src)

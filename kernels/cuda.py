@@ -1,0 +1,95 @@
+"""Triton gather/scatter for KV caches in GPU memory (one launch over all layers).
+
+Grid: ``(L * n, ceil(words_per_block / BLOCK))``; program ``(p, q)`` copies words
+``[q*BLOCK, (q+1)*BLOCK)`` of block ``block_ids[p % n]`` of layer ``p // n``.
+Blocks are moved as 16-byte words when ``bytes_per_block`` allows (else 4-byte),
+so the copy is bandwidth-bound. The pure-torch versions in :mod:`kernels.blocks`
+are the reference; ``tests/gpu/check.sh`` checks and times these on a GPU.
+Importing this module without Triton or CUDA is safe; :func:`available` says so.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from kernels.blocks import KVLayout
+
+
+@functools.cache
+def available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _kernels() -> tuple[Any, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _gather(src_ptr, dst_ptr, ids_ptr, n, layer_stride, words, BLOCK: tl.constexpr):
+        p = tl.program_id(0)
+        q = tl.program_id(1)
+        layer = p // n
+        blk = tl.load(ids_ptr + p % n).to(tl.int64)
+        offs = q * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < words
+        src = src_ptr + layer.to(tl.int64) * layer_stride + blk * words + offs
+        vals = tl.load(src, mask=mask)
+        tl.store(dst_ptr + p.to(tl.int64) * words + offs, vals, mask=mask)
+
+    @triton.jit
+    def _scatter(src_ptr, dst_ptr, ids_ptr, n, layer_stride, words, BLOCK: tl.constexpr):
+        p = tl.program_id(0)
+        q = tl.program_id(1)
+        layer = p // n
+        blk = tl.load(ids_ptr + p % n).to(tl.int64)
+        offs = q * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < words
+        vals = tl.load(src_ptr + p.to(tl.int64) * words + offs, mask=mask)
+        tl.store(dst_ptr + layer.to(tl.int64) * layer_stride + blk * words + offs, vals, mask=mask)
+
+    return _gather, _scatter
+
+
+def _word_dtype(bpb: int) -> tuple[torch.dtype, int]:
+    # Triton has no 128-bit integer; int64 pairs are the widest portable word.
+    for dt, size in ((torch.int64, 8), (torch.int32, 4)):
+        if bpb % size == 0:
+            return dt, size
+    return torch.uint8, 1
+
+
+def _launch(kernel: Any, layout: KVLayout, block_ids: torch.Tensor, chunk: torch.Tensor, gather: bool) -> None:
+    if layout.stacked is None:
+        raise ValueError("CUDA gather/scatter needs layers at a constant stride in one buffer")
+    st = layout.stacked                              # [L, num_blocks, bpb] uint8
+    dt, size = _word_dtype(layout.bytes_per_block)
+    words = layout.bytes_per_block // size
+    cache = st.view(dt)                              # [L, num_blocks, words]
+    flat = chunk.view(dt)
+    n = block_ids.numel()
+    BLOCK = 1024
+    grid = (layout.num_layers * n, (words + BLOCK - 1) // BLOCK)
+    ids = block_ids.to(device=st.device, dtype=torch.int64)
+    src, dst = (cache, flat) if gather else (flat, cache)
+    kernel[grid](src, dst, ids, n, cache.stride(0), words, BLOCK=BLOCK)
+
+
+def gather(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[L, n, bpb] (uint8, CUDA, contiguous) <- cache blocks ``block_ids`` of every layer."""
+    _launch(_kernels()[0], layout, block_ids, out, gather=True)
+    return out
+
+
+def scatter(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    """cache blocks ``block_ids`` of every layer <- src[L, n, bpb] (uint8, CUDA, contiguous)."""
+    _launch(_kernels()[1], layout, block_ids, src, gather=False)

@@ -1,0 +1,115 @@
+"""``kvrelay make-tiny-model DIR``: a small, deterministic Llama checkpoint + tokenizer.
+
+Models cannot be downloaded on the machines this project is developed on, so the
+stack ships its own. The checkpoint is a real ``LlamaForCausalLM`` (random weights
+from a fixed seed) that vLLM loads like any Hugging Face model:
+
+* **KV-heavy**: 4 layers x 4 KV heads x head_dim 64 in bf16 = 4 KiB of KV per token,
+  so one 256-token chunk is exactly 1 MiB and transfers are not trivially small.
+* **Character tokenizer**: one token per printable ASCII character (space and
+  newline included), so "a prompt of N tokens" is simply N characters.
+* **Context-sensitive**: attention weights are scaled up so the next token depends
+  on tokens far back in the prompt (changing the first 20 of 600 tokens changes the
+  greedy continuation) - corrupting an early KV chunk therefore changes the output.
+* **Confident logits**: the LM head is scaled so that the top logit is far above the
+  runner-up; greedy decoding is then stable against bf16 rounding differences
+  between a prefill pass and a decode pass, which token-exact PD tests rely on.
+  Rows of special tokens are zeroed so generation never stops early or emits
+  non-text.
+
+Writing the same directory twice gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIALS = ["<s>", "</s>", "<unk>", "<pad>"]
+HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 256, 4, 4, 4, 64, 512
+VOCAB_SIZE = 128            # 4 specials + 97 characters, padded
+MAX_POSITIONS = 4096
+SEED = 1234
+LOGIT_SCALE = 40.0
+ATTN_SCALE, QK_SCALE = 10.0, 3.0    # attention dominates the residual: output depends on far context
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _byte_char(b: int) -> str:
+    """GPT-2 byte-level alphabet: printable bytes map to themselves, others are shifted."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    if b in printable:
+        return chr(b)
+    return chr(256 + sorted(set(range(256)) - set(printable)).index(b))
+
+
+def _vocab() -> dict[str, int]:
+    chars = [_byte_char(b) for b in [ord("\n"), ord(" ")] + list(range(ord("!"), ord("~") + 1))]
+    return {tok: i for i, tok in enumerate(SPECIALS + chars)}
+
+
+def _write_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab=_vocab(), merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": False,
+        "model_max_length": MAX_POSITIONS, "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=2) + "\n")
+
+
+def _write_model(out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                      head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, bos_token_id=0, eos_token_id=1, pad_token_id=3,
+                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    torch.manual_seed(SEED)
+    with torch.no_grad():
+        model = LlamaForCausalLM(cfg)
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            attn.v_proj.weight.mul_(ATTN_SCALE)
+            attn.o_proj.weight.mul_(ATTN_SCALE)
+            attn.q_proj.weight.mul_(QK_SCALE)
+            attn.k_proj.weight.mul_(QK_SCALE)
+        model.lm_head.weight.mul_(LOGIT_SCALE)
+        model.lm_head.weight[: len(SPECIALS)] = 0          # never generate specials / EOS
+        model.lm_head.weight[len(_vocab()):] = 0           # nor padding ids
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+    # save_pretrained adds generation defaults; keep them minimal and deterministic.
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 3}, indent=2) + "\n")
+
+
+def make_tiny_model(out_dir: str | Path) -> Path:
+    """Write the tiny model into ``out_dir`` (created if missing); return its path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(out)
+    _write_model(out)
+    (out / "KVRELAY_TINY_MODEL").write_text(
+        f"kvrelay tiny Llama: {LAYERS} layers, {KV_HEADS} kv heads x {HEAD_DIM}, bf16, seed {SEED}\n")
+    return out
+
+
+def ensure_tiny_model(out_dir: str | Path) -> Path:
+    """Create the tiny model unless ``out_dir`` already holds one."""
+    out = Path(out_dir)
+    if (out / "KVRELAY_TINY_MODEL").exists() and (out / "model.safetensors").exists():
+        return out
+    return make_tiny_model(out)
