@@ -23,6 +23,76 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
     return transfer.main(args)
 
 
+def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from kvrelay.tiny_model import make_tiny_model
+
+    print(make_tiny_model(args.dir))
+    return 0
+
+
+def _cmd_router(args: argparse.Namespace) -> int:
+    import logging
+
+    from router.app import run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    cfg = kcfg.config_from_args(args)
+    if not cfg.router.prefill or not cfg.router.decode:
+        raise kcfg.ConfigError("router: router.prefill and router.decode must list at least one node each")
+    run(cfg)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from kvrelay import launch
+
+    cfg = kcfg.config_from_args(args)
+    role = launch.Role(args.role)
+    kv_port = cfg.transport.control_port or cfg.deploy.kv_base_port + args.index
+    port = args.port or cfg.deploy.base_port + args.index
+    spec = launch.NodeSpec(role, args.index, port, kv_port if role is launch.Role.DECODE else 0)
+    cmd = launch.server_command(cfg, spec)
+    env = launch.server_env(cfg, 0, 1)
+    if args.dry_run:
+        print(" ".join(cmd))
+        return 0
+    os.execvpe(cmd[0], cmd, env)
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from kvrelay import launch
+
+    cfg = kcfg.config_from_args(args)
+    stack = launch.Stack(cfg)
+    print(f"kvrelay: starting {cfg.deploy.prefill} prefill + {cfg.deploy.decode} decode vLLM servers "
+          f"({launch.served_name(cfg)}, transport {cfg.transport.backend.value}); logs in {stack.log_dir}/",
+          file=sys.stderr)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stack.start()
+        url = f"http://{cfg.router.host}:{cfg.router.port}"
+        print(f"kvrelay: ready. OpenAI API at {url}/v1 (model {launch.served_name(cfg)!r}); Ctrl-C stops.",
+              file=sys.stderr)
+        if args.request:
+            print(launch.demo_request(url, launch.served_name(cfg), args.request))
+        if args.exit_after_request:
+            return 0
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("kvrelay: stopping ...", file=sys.stderr)
+        stack.stop()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvrelay", description="Disaggregated prefill/decode serving for vLLM: "
                                 "KV chunks pushed from prefill to decode nodes over NIXL, UCX, TCP or shm.")
@@ -32,6 +102,32 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the effective configuration (defaults < YAML < flags)")
     kcfg.add_config_args(c)
     c.set_defaults(func=_cmd_config)
+
+    u = sub.add_parser("up", help="bring up a local PD stack: N prefill + M decode vLLM servers + router",
+                       description="Starts deploy.prefill prefill and deploy.decode decode vLLM servers "
+                       "(the built-in tiny model unless engine.model is set) and the router on router.port; "
+                       "Ctrl-C stops everything. Every flag below is also a YAML key.")
+    u.add_argument("--request", metavar="PROMPT", help="once up, send this prompt through the router and print "
+                   "the completion")
+    u.add_argument("--exit-after-request", action="store_true", help="stop the stack after --request")
+    kcfg.add_config_args(u)
+    u.set_defaults(func=_cmd_up)
+
+    r = sub.add_parser("router", help="run the OpenAI-compatible PD router (pools from router.* keys)")
+    kcfg.add_config_args(r)
+    r.set_defaults(func=_cmd_router)
+
+    s = sub.add_parser("serve", help="start one vLLM server with a kvrelay connector (pool launchers use this)")
+    s.add_argument("--role", choices=["prefill", "decode", "single"], required=True)
+    s.add_argument("--index", type=int, default=0, help="node index: default ports are base + index")
+    s.add_argument("--port", type=int, default=0, help="HTTP port (default deploy.base_port + index)")
+    s.add_argument("--dry-run", action="store_true", help="print the vLLM command instead of running it")
+    kcfg.add_config_args(s)
+    s.set_defaults(func=_cmd_serve)
+
+    m = sub.add_parser("make-tiny-model", help="write the built-in tiny Llama checkpoint + tokenizer to DIR")
+    m.add_argument("dir")
+    m.set_defaults(func=_cmd_make_tiny_model)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH", required=True)

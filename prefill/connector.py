@@ -1,0 +1,201 @@
+"""PrefillConnector: vLLM v1 KV connector, producer role. Pushes chunks as they are computed.
+
+Request lifecycle on a prefill node (P)
+---------------------------------------
+1. The router sends P the request with ``max_tokens=1`` and
+   ``kv_transfer_params={"kvrelay": {"role": "push", "transfer_id": T, "push_to": "tcp://D:port"}}``.
+2. *Scheduler process* (:class:`PrefillScheduler`): ``get_num_new_matched_tokens``
+   records the params; every ``build_connector_meta`` tells the worker, per push
+   request, its block ids so far and how many prompt tokens will have KV after this
+   step (``ready``) - chunked prefill spreads a long prompt over several steps.
+3. *Worker process* (:class:`PushWorker`): ``wait_for_save`` (end of each forward)
+   hands every chunk that became complete to the push thread. The push thread
+   connects to D once (Hello), asks for slots for all the prompt's chunks
+   (``Alloc``), and writes each chunk as soon as it is ready - so chunk 0 is on
+   the wire while later steps still compute. NIXL posts the engine blocks directly
+   (one region per layer x block, no copy); tcp gathers each chunk once.
+4. ``request_finished`` (scheduler) returns ``True``: the blocks stay allocated until
+   the worker reports the request in ``finished_sending`` - when every chunk is
+   written, the push failed, or ``connector.free_deadline_s`` passed (then the
+   transfer is aborted and the forced free counted). ``has_pending_push_work`` keeps
+   the engine stepping meanwhile.
+
+Failures never fail the prefill request: a refused Alloc, a dead decode node or a
+write error aborts the transfer; D sees the failure and recomputes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvrelay import pd
+from kvrelay.config import KVRelayConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from prefill.pusher import PushWorker
+
+log = logging.getLogger("kvrelay.prefill")
+
+
+@dataclass
+class PushSpec:
+    """One push request's state for this step (scheduler -> worker)."""
+
+    req_id: str
+    transfer_id: str
+    push_to: str
+    prompt_len: int
+    block_ids: list[int]
+    ready: int                                   # prompt tokens whose KV exists after this step
+    token_ids: list[int] | None = None           # sent once, with the first spec
+
+
+@dataclass
+class PrefillMeta(KVConnectorMetadata):
+    pushes: list[PushSpec] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)   # requests whose block free we delayed
+
+
+class PrefillScheduler:
+    """Scheduler-process half: tracks push requests and their blocks."""
+
+    def __init__(self, cfg: KVRelayConfig) -> None:
+        self.cfg = cfg
+        self._params: dict[str, pd.PushParams] = {}
+        self._prompt_len: dict[str, int] = {}
+        self._blocks: dict[str, list[int]] = {}
+        self._delayed: set[str] = set()
+        self._finished: list[str] = []
+
+    def on_request(self, request: Any) -> None:
+        if request.request_id in self._params:
+            return
+        try:
+            params = pd.parse_params(request.kv_transfer_params)
+        except pd.ParamsError as exc:
+            log.warning("request %s: %s; serving it without a push", request.request_id, exc)
+            return
+        if isinstance(params, pd.PushParams):
+            self._params[request.request_id] = params
+            self._prompt_len[request.request_id] = len(request.prompt_token_ids)
+
+    def build_meta(self, so: Any) -> PrefillMeta:
+        meta = PrefillMeta(finished=self._finished)
+        self._finished = []
+        for r in so.scheduled_new_reqs:
+            if r.req_id in self._params:
+                self._blocks[r.req_id] = list(r.block_ids[0])
+                ready = r.num_computed_tokens + so.num_scheduled_tokens[r.req_id]
+                meta.pushes.append(self._spec(r.req_id, ready, list(r.prompt_token_ids)))
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid not in self._params or rid not in self._blocks:
+                continue
+            new = cached.new_block_ids[i]
+            if new is not None:
+                self._blocks[rid].extend(new[0])
+            meta.pushes.append(self._spec(rid, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid]))
+        return meta
+
+    def _spec(self, rid: str, ready: int, token_ids: list[int] | None = None) -> PushSpec:
+        p, n = self._params[rid], self._prompt_len[rid]
+        spec = PushSpec(rid, p.transfer_id, p.push_to, n, list(self._blocks[rid]), min(ready, n), token_ids)
+        if ready >= n:                            # prefill done: nothing more to tell the worker
+            del self._params[rid]
+        return spec
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._params.pop(rid, None)
+        self._prompt_len.pop(rid, None)
+        if self._blocks.pop(rid, None) is None:
+            return False, None                    # never scheduled (or not a push request)
+        self._delayed.add(rid)
+        self._finished.append(rid)
+        return True, None
+
+    def update_output(self, out: Any) -> None:
+        for rid in out.finished_sending or ():
+            self._delayed.discard(rid)
+
+    def has_pending(self) -> bool:
+        return bool(self._delayed or self._finished)
+
+
+class PrefillConnector(KVConnectorBase_V1):
+    """Producer connector. Load with ``--kv-transfer-config '{"kv_connector": "PrefillConnector",
+    "kv_connector_module_path": "prefill.connector", "kv_role": "kv_producer",
+    "kv_connector_extra_config": {"kvrelay": {...}}}'``."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = pd.connector_config(vllm_config)
+        self._sched = PrefillScheduler(self.cfg) if role == KVConnectorRole.SCHEDULER else None
+        self._worker: PushWorker | None = None
+        if role == KVConnectorRole.WORKER:
+            from prefill.pusher import PushWorker
+
+            self._worker = PushWorker(self.cfg, vllm_config)
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._sched is not None
+        self._sched.on_request(request)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        return self._sched.build_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.update_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending()
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, PrefillMeta)
+            self._worker.on_step(meta.pushes, meta.finished)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return self._worker.take_finished() or None, None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

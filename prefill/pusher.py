@@ -1,0 +1,282 @@
+"""The prefill worker's push engine: one thread that owns the Senders and writes chunks.
+
+``PushWorker.on_step`` runs on the model thread at the end of every forward
+(``wait_for_save``) and only records which chunks became ready; the push thread
+does the network work, so the model thread never blocks on a decode node.
+
+Chunk ``c`` of a prompt covers tokens ``[c*T, min((c+1)*T, prompt_len))`` with
+``T = chunk_tokens``, i.e. engine blocks ``[c*T/bs, ...)`` of the request's block
+list. Its payload is ``[layer][block]`` whole blocks (opaque bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kernels.blocks import KVLayout, gather
+from kvrelay import pd
+from kvrelay.config import KVRelayConfig, TransportKind
+from transport.backends import make_sender_backend
+from transport.backends.base import WriteHandle, WriteState
+from transport.errors import KVRelayError
+from transport.keys import chunk_keys
+from transport.sender import Allocation, Sender
+from transport.wire import HEADER_SIZE, DType, make_header
+
+if TYPE_CHECKING:
+    from prefill.connector import PushSpec
+
+log = logging.getLogger("kvrelay.prefill")
+
+_DTYPES = {torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16, torch.float32: DType.FLOAT32}
+
+
+@dataclass
+class _Push:
+    spec: PushSpec
+    keys: list[bytes]
+    n_chunks: int
+    deadline: float
+    alloc: Allocation | None = None
+    sender: Sender | None = None
+    next_chunk: int = 0
+    ready_chunks: int = 0
+    inflight: list[tuple[WriteHandle, Any, float]] = field(default_factory=list)
+    closing: bool = False        # the scheduler finished the request; report once settled
+    failed: str = ""
+
+
+class PushWorker:
+    def __init__(self, cfg: KVRelayConfig, vllm_config: Any) -> None:
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.block_size: int = vllm_config.cache_config.block_size
+        if cfg.chunk_tokens % self.block_size:
+            raise pd.ParamsError(f"chunk_tokens={cfg.chunk_tokens} must be a multiple of the engine "
+                                 f"block size {self.block_size}")
+        self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
+        self.layout: KVLayout | None = None
+        self.fingerprint: Any = None
+        self.events = pd.EventLog(cfg.connector.events_path, f"prefill-{os.getpid()}")
+        self.metrics = pd.metrics(cfg.connector.metrics_port)
+        self._lock = threading.Condition()
+        self._pushes: dict[str, _Push] = {}
+        self._finished: set[str] = set()
+        self._senders: dict[str, Sender] = {}
+        self._pushed = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="kvrelay-push", daemon=True)
+        self._thread.start()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layout = KVLayout.from_caches(kv_caches)
+        self.fingerprint = pd.engine_fingerprint(self.vllm_config, self.layout)
+        log.info("kvrelay prefill: %d layers, %d blocks x %d B, chunk %d tokens = %d B, backend %s",
+                 self.layout.num_layers, self.layout.num_blocks, self.layout.bytes_per_block,
+                 self.cfg.chunk_tokens, self.layout.chunk_bytes(self.blocks_per_chunk),
+                 self.cfg.transport.backend.value)
+
+    # ---------------------------------------------------------------- model thread
+    def on_step(self, specs: list[PushSpec], finished: list[str]) -> None:
+        """Record newly ready chunks (non-blocking)."""
+        if specs and self.layout is not None and self.layout.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()     # KV of this step is written
+        with self._lock:
+            for spec in specs:
+                self._update(spec)
+            for rid in finished:
+                p = self._pushes.get(rid)
+                if p is None:
+                    self._finished.add(rid)
+                else:
+                    p.closing = True
+            self._lock.notify()
+
+    def _update(self, spec: PushSpec) -> None:
+        p = self._pushes.get(spec.req_id)
+        if p is None:
+            if spec.token_ids is None:
+                return                                    # first spec lost (should not happen)
+            keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
+            p = _Push(spec, keys, len(keys), time.monotonic() + self.cfg.connector.free_deadline_s)
+            self._pushes[spec.req_id] = p
+            self.metrics.inflight.labels("prefill").inc()
+        p.spec = spec
+        T = self.cfg.chunk_tokens
+        p.ready_chunks = p.n_chunks if spec.ready >= spec.prompt_len else spec.ready // T
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            done, self._finished = self._finished, set()
+        return done
+
+    # ---------------------------------------------------------------- push thread
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._stop:
+                    return
+                busy = [p for p in self._pushes.values() if p.inflight or p.next_chunk < p.ready_chunks]
+                if not busy and not any(p.closing for p in self._pushes.values()):
+                    self._lock.wait(0.05)
+                    continue
+                work = list(self._pushes.values())
+            for p in work:
+                try:
+                    self._advance(p)
+                except KVRelayError as exc:
+                    self._fail(p, f"{type(exc).__name__}: {exc}")
+                except Exception as exc:  # noqa: BLE001 - a push bug must not kill the engine
+                    log.exception("push of %s crashed", p.spec.req_id)
+                    self._fail(p, f"internal error: {exc!r}")
+                self._maybe_settle(p)
+            if not any(p.inflight for p in work):
+                time.sleep(0.0005)
+
+    def _advance(self, p: _Push) -> None:
+        if p.failed:
+            return
+        if p.alloc is None:
+            self._allocate(p)
+        assert p.alloc is not None and p.sender is not None
+        while p.next_chunk < p.ready_chunks:
+            self._write(p, p.next_chunk)
+            p.next_chunk += 1
+        for item in list(p.inflight):
+            handle, _keep, t0 = item
+            state = p.sender.poll(handle)
+            if state is WriteState.FAILED:
+                raise KVRelayError(f"chunk {handle.chunk_index} write failed: {handle.error}")
+            if state is WriteState.DONE:
+                p.inflight.remove(item)
+                self._on_written(p, handle.chunk_index, t0)
+
+    def _allocate(self, p: _Push) -> None:
+        p.sender = self._sender(p.spec.push_to)
+        sizes = [HEADER_SIZE + self.layout_or_fail().chunk_bytes(self._blocks_in(p, c)) for c in range(p.n_chunks)]
+        p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes)
+        self.events.write("push_alloc", req=p.spec.req_id, transfer=p.spec.transfer_id, chunks=p.n_chunks,
+                          held=list(p.alloc.held))
+
+    def layout_or_fail(self) -> KVLayout:
+        if self.layout is None:
+            raise KVRelayError("KV caches not registered yet")
+        return self.layout
+
+    def _blocks_in(self, p: _Push, c: int) -> int:
+        T, n = self.cfg.chunk_tokens, p.spec.prompt_len
+        tokens = min(T, n - c * T)
+        return -(-tokens // self.block_size)
+
+    def _write(self, p: _Push, c: int) -> None:
+        layout = self.layout_or_fail()
+        assert p.alloc is not None and p.sender is not None
+        first = c * self.blocks_per_chunk
+        ids = p.spec.block_ids[first:first + self._blocks_in(p, c)]
+        t0 = time.monotonic()
+        self.events.write("push_start", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c)
+        regions, keep = self._regions(layout, ids)
+        header = make_header(p.keys[c], p.spec.transfer_id, c, regions, num_layers=layout.num_layers,
+                             num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE)).pack()
+        every = self.cfg.connector.fault_corrupt_every
+        if every and (self._pushed % every) == 0:
+            keep = keep.clone() if keep is not None else gather(layout, torch.tensor(ids), self._staging(layout, ids))
+            keep.view(-1)[keep.numel() // 2] ^= 0x5A          # fault injection: corrupt after checksumming
+            regions = [keep.numpy().data]
+            log.warning("fault injection: corrupted chunk %d of %s", c, p.spec.transfer_id)
+        self._pushed += 1
+        handle = p.sender.write_chunk(p.alloc, c, regions, num_layers=layout.num_layers, num_blocks=len(ids),
+                                      header=header)
+        if handle is not None:
+            p.inflight.append((handle, keep, t0))
+        else:                                                # receiver already holds it
+            self._on_written(p, c, t0)
+
+    def _staging(self, layout: KVLayout, ids: list[int]) -> torch.Tensor:
+        return torch.empty((layout.num_layers, len(ids), layout.bytes_per_block), dtype=torch.uint8)
+
+    def _regions(self, layout: KVLayout, ids: list[int]) -> tuple[list[Any], torch.Tensor | None]:
+        """Zero-copy block regions for NIXL on host memory; one gathered buffer otherwise."""
+        if self.cfg.transport.backend is TransportKind.NIXL and layout.device.type == "cpu":
+            return [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids], None
+        buf = self._staging(layout, ids)
+        gather(layout, torch.tensor(ids, dtype=torch.int64, device=layout.device), buf)
+        return [buf.numpy().data], buf
+
+    def _on_written(self, p: _Push, c: int, t0: float) -> None:
+        dt = time.monotonic() - t0
+        self.metrics.store_latency.observe(dt)
+        self.metrics.chunks.labels("prefill", "pushed").inc()
+        self.metrics.bytes.labels("prefill").inc(self.layout_or_fail().chunk_bytes(self._blocks_in(p, c)))
+        self.events.write("push_done", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c,
+                          seconds=round(dt, 6))
+
+    def _fail(self, p: _Push, reason: str) -> None:
+        if p.failed:
+            return
+        p.failed = reason
+        log.warning("push of %s (transfer %s) failed: %s", p.spec.req_id, p.spec.transfer_id, reason)
+        self.metrics.chunks.labels("prefill", "failed").inc(max(p.n_chunks - p.next_chunk, 1))
+        self.events.write("push_failed", req=p.spec.req_id, transfer=p.spec.transfer_id, reason=reason)
+        if p.sender is not None:
+            p.sender.abort(p.spec.transfer_id, reason)
+        if p.sender is not None and "PeerDead" in reason:
+            self._drop_sender(p.spec.push_to)
+
+    def _maybe_settle(self, p: _Push) -> None:
+        complete = p.next_chunk >= p.n_chunks and not p.inflight
+        if not p.failed and p.closing and not complete and p.next_chunk >= p.ready_chunks and not p.inflight:
+            self._fail(p, "request finished before its prompt was computed")
+        if not p.failed and not complete and time.monotonic() > p.deadline:
+            self.metrics.forced_frees.inc()
+            self._fail(p, f"push not complete after free_deadline_s={self.cfg.connector.free_deadline_s}")
+        settled = (complete or p.failed) and not p.inflight
+        if settled and p.closing:
+            with self._lock:
+                self._pushes.pop(p.spec.req_id, None)
+                self._finished.add(p.spec.req_id)
+            self.metrics.inflight.labels("prefill").dec()
+            self.events.write("push_end", req=p.spec.req_id, transfer=p.spec.transfer_id,
+                              ok=not p.failed, chunks=p.n_chunks)
+
+    def _sender(self, endpoint: str) -> Sender:
+        s = self._senders.get(endpoint)
+        if s is None:
+            s = Sender(self.cfg, endpoint, make_sender_backend(self.cfg), self.fingerprint.digest())
+            try:
+                s.connect()
+            except KVRelayError:
+                s.close()
+                raise
+            self._register_sources(s)
+            self._senders[endpoint] = s
+        return s
+
+    def _register_sources(self, s: Sender) -> None:
+        if self.cfg.transport.backend is not TransportKind.NIXL or self.layout is None:
+            return
+        for addr, n in self.layout.base_regions():
+            s.backend.register_source(memoryview((ctypes.c_char * n).from_address(addr)).cast("B"))
+
+    def _drop_sender(self, endpoint: str) -> None:
+        s = self._senders.pop(endpoint, None)
+        if s is not None:
+            with contextlib.suppress(KVRelayError):
+                s.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        self._thread.join(timeout=5)
+        for ep in list(self._senders):
+            self._drop_sender(ep)

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible PD router (aiohttp).
+
+Per completion request:
+1. pick a prefill node P and a decode node D (policy: round robin or least outstanding,
+   healthy nodes only); make a transfer id;
+2. **concurrently** send P the request with ``max_tokens=1``, ``stream=false`` and
+   push params (``push_to`` = D's transfer endpoint), and send D the original
+   request with pull params;
+3. stream D's answer back unchanged (SSE bytes exactly as vLLM emits them, or the
+   JSON body), with ``X-Request-Id`` propagated both ways.
+
+Failures: malformed bodies get an OpenAI-style 400 here; engine 4xx answers (e.g. a
+prompt over ``max_model_len``) pass through; if P fails (connection error or 5xx) the
+prefill is retried once on another P with the same transfer id - and if none is left,
+D recomputes the prompt after ``connector.first_chunk_s``; if D fails the client gets
+a clean 502. A client that disconnects cancels both upstream requests (vLLM aborts
+them, and the connectors free their blocks and slots).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from kvrelay import pd
+from kvrelay.config import KVRelayConfig
+from router.pools import Node, NoHealthyNode, Pool, health_loop, pools_from_config
+
+log = logging.getLogger("kvrelay.router")
+MAX_BODY = 64 * 1024 * 1024
+
+
+def error_response(status: int, message: str, etype: str = "invalid_request_error",
+                   rid: str = "") -> web.Response:
+    body = {"error": {"message": message, "type": etype, "param": None, "code": status}}
+    headers = {"X-Request-Id": rid} if rid else {}
+    return web.json_response(body, status=status, headers=headers)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvrelay_router_requests", "Requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=self.registry)
+        self.errors = Counter("kvrelay_router_errors", "Errors by cause", ["cause"], registry=self.registry)
+        self.latency = Histogram("kvrelay_router_request_latency_seconds", "Request latency",
+                                 registry=self.registry)
+        self.ttft = Histogram("kvrelay_router_ttft_seconds", "Time to the first byte from D",
+                              registry=self.registry)
+
+
+class Router:
+    def __init__(self, cfg: KVRelayConfig, prefill: Pool | None = None, decode: Pool | None = None) -> None:
+        self.cfg = cfg
+        if prefill is None or decode is None:
+            prefill, decode = pools_from_config(cfg.router)
+        self.prefill, self.decode = prefill, decode
+        self.metrics = RouterMetrics()
+        self.session: aiohttp.ClientSession | None = None
+        self._health: asyncio.Task[None] | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics_handler)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.cfg.router.request_timeout_s, sock_connect=5)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        self._health = asyncio.create_task(health_loop(self.session, (self.prefill, self.decode),
+                                                       self.cfg.router.health_interval_s))
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
+        if self.session is not None:
+            await self.session.close()
+
+    # ---------------------------------------------------------------- simple endpoints
+    async def health(self, request: web.Request) -> web.Response:
+        p = [n.url for n in self.prefill.nodes if n.healthy]
+        d = [n.url for n in self.decode.nodes if n.healthy]
+        return web.json_response({"prefill": p, "decode": d}, status=200 if p and d else 503)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            node = self.decode.pick()
+            assert self.session is not None
+            async with self.session.get(f"{node.url}/v1/models") as r:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+        except (NoHealthyNode, aiohttp.ClientError) as exc:
+            return error_response(503, f"no decode node available: {exc}", "service_unavailable")
+
+    # ---------------------------------------------------------------- completions
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id") or f"kvr-{uuid.uuid4().hex}"
+        endpoint = request.path
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            self.metrics.errors.labels("bad_request").inc()
+            return error_response(400, f"request body is not valid JSON: {exc}", rid=rid)
+        if not isinstance(body, dict):
+            self.metrics.errors.labels("bad_request").inc()
+            return error_response(400, "request body must be a JSON object", rid=rid)
+        try:
+            p_node, d_node = self.prefill.pick(), self.decode.pick()
+        except NoHealthyNode as exc:
+            self.metrics.errors.labels("no_healthy_node").inc()
+            return error_response(503, str(exc), "service_unavailable", rid)
+        t0 = time.monotonic()
+        tid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        prefill = asyncio.create_task(self._prefill(endpoint, body, p_node, d_node, tid, rid))
+        try:
+            resp = await self._decode(request, endpoint, body, d_node, tid, rid, t0)
+        except asyncio.CancelledError:          # client went away: abort both sides
+            prefill.cancel()
+            self.metrics.errors.labels("client_disconnect").inc()
+            raise
+        finally:
+            if not prefill.done():
+                # D answered (or failed) before P: P's reply is no longer needed; let it finish
+                # quietly unless the client went away.
+                prefill.add_done_callback(_log_task_error)
+        self.metrics.latency.observe(time.monotonic() - t0)
+        return resp
+
+    async def _prefill(self, endpoint: str, body: dict[str, Any], node: Node, d_node: Node,
+                       tid: str, rid: str) -> None:
+        pbody = dict(body)
+        pbody.update(stream=False, max_tokens=1, kv_transfer_params=pd.params_dict(
+            pd.PushParams(transfer_id=tid, push_to=d_node.kv_endpoint)))
+        pbody.pop("stream_options", None)
+        if "max_completion_tokens" in pbody:
+            pbody["max_completion_tokens"] = 1
+        tried: tuple[Node, ...] = ()
+        for attempt in range(2):
+            tried += (node,)
+            ok, why = await self._post_prefill(node, endpoint, pbody, rid)
+            if ok or why == "client_error":
+                return
+            self.metrics.errors.labels("prefill_failed").inc()
+            log.warning("prefill on %s failed (%s) for %s (attempt %d)", node.url, why, rid, attempt + 1)
+            try:
+                node = self.prefill.pick(exclude=tried)
+            except NoHealthyNode:
+                log.warning("no other prefill node; decode node recomputes the prompt of %s", rid)
+                return
+
+    async def _post_prefill(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[bool, str]:
+        assert self.session is not None
+        node.outstanding += 1
+        try:
+            async with self.session.post(f"{node.url}{endpoint}", json=body,
+                                         headers={"X-Request-Id": f"{rid}-p"}) as r:
+                await r.read()
+                if r.status >= 500:
+                    return False, f"HTTP {r.status}"
+                return r.status == 200, "ok" if r.status == 200 else "client_error"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            node.failures += 1
+            return False, type(exc).__name__
+        finally:
+            node.outstanding -= 1
+
+    async def _decode(self, request: web.Request, endpoint: str, body: dict[str, Any], node: Node,
+                      tid: str, rid: str, t0: float) -> web.StreamResponse:
+        assert self.session is not None
+        dbody = dict(body)
+        dbody["kv_transfer_params"] = pd.params_dict(pd.PullParams(transfer_id=tid))
+        node.outstanding += 1
+        try:
+            async with self.session.post(f"{node.url}{endpoint}", json=dbody,
+                                         headers={"X-Request-Id": rid}) as r:
+                if r.status != 200 or "text/event-stream" not in r.headers.get("Content-Type", ""):
+                    data = await r.read()
+                    self.metrics.ttft.observe(time.monotonic() - t0)
+                    outcome = "ok" if r.status == 200 else f"http_{r.status}"
+                    self.metrics.requests.labels(endpoint, outcome).inc()
+                    if r.status >= 500:
+                        self.metrics.errors.labels("decode_failed").inc()
+                        return error_response(502, f"decode node {node.url} failed: HTTP {r.status}",
+                                              "bad_gateway", rid)
+                    return web.Response(body=data, status=r.status, headers={"X-Request-Id": rid},
+                                        content_type=r.content_type)
+                return await self._stream(request, r, endpoint, rid, t0)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.metrics.errors.labels("decode_failed").inc()
+            self.metrics.requests.labels(endpoint, "decode_failed").inc()
+            return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",
+                                  "bad_gateway", rid)
+        finally:
+            node.outstanding -= 1
+
+    async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse, endpoint: str,
+                      rid: str, t0: float) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache", "X-Request-Id": rid})
+        await out.prepare(request)
+        first = True
+        async for piece in upstream.content.iter_any():
+            if first:
+                self.metrics.ttft.observe(time.monotonic() - t0)
+                first = False
+            await out.write(piece)
+        await out.write_eof()
+        self.metrics.requests.labels(endpoint, "ok").inc()
+        return out
+
+
+def _log_task_error(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("prefill task failed: %r", task.exception())
+
+
+def run(cfg: KVRelayConfig) -> None:
+    """Serve the router until interrupted."""
+    router = Router(cfg)
+    web.run_app(router.app(), host=cfg.router.host, port=cfg.router.port, print=None,
+                access_log=None, handle_signals=True, handler_cancellation=True)

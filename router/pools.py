@@ -1,0 +1,80 @@
+"""Prefill/decode pools: nodes, health checks and the pick policies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvrelay.config import RouterConfig, RoutingPolicy
+
+log = logging.getLogger("kvrelay.router")
+
+
+@dataclass
+class Node:
+    url: str                      # http://host:port of the vLLM server
+    kv_endpoint: str = ""         # decode nodes: tcp://host:port of the transfer receiver
+    healthy: bool = False
+    outstanding: int = 0
+    failures: int = 0
+
+
+class NoHealthyNode(RuntimeError):
+    pass
+
+
+class Pool:
+    def __init__(self, name: str, nodes: list[Node], policy: RoutingPolicy) -> None:
+        if not nodes:
+            raise ValueError(f"the {name} pool is empty")
+        self.name = name
+        self.nodes = nodes
+        self.policy = policy
+        self._rr = itertools.count()
+
+    def pick(self, exclude: tuple[Node, ...] = ()) -> Node:
+        live = [n for n in self.nodes if n.healthy and n not in exclude]
+        if not live:
+            raise NoHealthyNode(f"no healthy {self.name} node")
+        if self.policy is RoutingPolicy.LEAST_OUTSTANDING:
+            return min(live, key=lambda n: (n.outstanding, self.nodes.index(n)))
+        return live[next(self._rr) % len(live)]
+
+
+def parse_decode(entry: str) -> Node:
+    """``"http://host:8101=tcp://host:9100"`` -> Node(url, kv_endpoint)."""
+    url, sep, kv = entry.partition("=")
+    if not sep or not url.startswith("http") or not kv.startswith("tcp://"):
+        raise ValueError(f"decode node {entry!r}: expected 'http://host:port=tcp://host:kvport'")
+    return Node(url.rstrip("/"), kv)
+
+
+def pools_from_config(cfg: RouterConfig) -> tuple[Pool, Pool]:
+    prefill = Pool("prefill", [Node(u.rstrip("/")) for u in cfg.prefill], cfg.policy)
+    decode = Pool("decode", [parse_decode(e) for e in cfg.decode], cfg.policy)
+    return prefill, decode
+
+
+async def check_once(session: aiohttp.ClientSession, node: Node) -> bool:
+    try:
+        async with session.get(f"{node.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+            ok = r.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        ok = False
+    if ok != node.healthy:
+        log.info("%s is now %s", node.url, "healthy" if ok else "UNHEALTHY")
+    node.healthy = ok
+    return ok
+
+
+async def health_loop(session: aiohttp.ClientSession, pools: tuple[Pool, ...], interval: float) -> None:
+    while True:
+        nodes = [n for p in pools for n in p.nodes]
+        await asyncio.gather(*(check_once(session, n) for n in nodes))
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(interval)
