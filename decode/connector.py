@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
     from decode.installer import InstallWorker
 
-log = logging.getLogger("kvrelay.decode")
+log = logging.getLogger("vllm.kvrelay.decode")
 
 
 @dataclass

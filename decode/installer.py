@@ -31,7 +31,7 @@ from transport.wire import HEADER_SIZE
 if TYPE_CHECKING:
     from decode.connector import LoadSpec
 
-log = logging.getLogger("kvrelay.decode")
+log = logging.getLogger("vllm.kvrelay.decode")
 
 
 @dataclass
@@ -42,6 +42,11 @@ class _Load:
     failed: dict[int, str] = field(default_factory=dict)
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_start: float = 0.0
+
+
+def _busy_slots(pool: Any) -> int:
+    st = pool.stats()
+    return int(st.leased + st.filled + st.held)
 
 
 class InstallWorker:
@@ -70,6 +75,8 @@ class InstallWorker:
         slot = HEADER_SIZE + self.layout.chunk_bytes(self.blocks_per_chunk)
         self.receiver = Receiver(self.cfg, make_receiver_backend(self.cfg), self.fingerprint.digest(),
                                  slot_bytes=slot)
+        pool = self.receiver.pool
+        self.metrics.pool_leased.set_function(lambda: _busy_slots(pool))
         log.info("kvrelay decode: receiving on %s (%s), pool %d slots x %d B", self.receiver.endpoint,
                  self.cfg.transport.backend.value, self.receiver.pool.stats().slots, slot)
 
@@ -202,7 +209,6 @@ class InstallWorker:
         self.metrics.tokens_recomputed.inc(spec.num_tokens - loaded)
         self.metrics.transfer_latency.observe(time.monotonic() - load.t_start)
         self.metrics.inflight.labels("decode").dec()
-        self.metrics.pool_leased.set(self.receiver.pool.stats().leased)
         self.events.write("load_done", req=spec.req_id, transfer=spec.transfer_id, prompt_tokens=n,
                           local_tokens=spec.local_tokens, loaded_tokens=loaded,
                           recomputed_tokens=spec.num_tokens - loaded, chunks=len(load.keys),

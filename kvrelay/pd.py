@@ -114,7 +114,7 @@ class Metrics:
         self.transfer_latency = Histogram("kvrelay_transfer_latency_seconds",
                                           "Decode: request scheduled to last chunk installed", buckets=buckets)
         self.inflight = Gauge("kvrelay_transfers_inflight", "Transfers in flight", ["side"])
-        self.pool_leased = Gauge("kvrelay_pool_slots_leased", "Receive pool slots leased or filled")
+        self.pool_leased = Gauge("kvrelay_pool_slots_busy", "Receive pool slots leased, filled or held")
 
 
 @functools.cache

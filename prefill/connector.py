@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from prefill.pusher import PushWorker
 
-log = logging.getLogger("kvrelay.prefill")
+log = logging.getLogger("vllm.kvrelay.prefill")
 
 
 @dataclass

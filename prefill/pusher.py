@@ -35,7 +35,7 @@ from transport.wire import HEADER_SIZE, DType, make_header
 if TYPE_CHECKING:
     from prefill.connector import PushSpec
 
-log = logging.getLogger("kvrelay.prefill")
+log = logging.getLogger("vllm.kvrelay.prefill")
 
 _DTYPES = {torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16, torch.float32: DType.FLOAT32}
 

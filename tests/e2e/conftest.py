@@ -1,0 +1,198 @@
+"""Real-vLLM fixtures: a plain reference server and 1P1D kvrelay stacks, shared per session.
+
+Servers are expensive (~90 s to start on a 2-core host), so:
+* the reference server starts once, answers every case, and stops before any stack starts;
+* each stack (per backend) starts once and serves every test that asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvrelay import config as kcfg  # noqa: E402
+from kvrelay import launch  # noqa: E402
+from kvrelay.tiny_model import make_tiny_model  # noqa: E402
+
+MODEL = "kvrelay-tiny"
+MAX_TOKENS = 12
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,;:!?0123456789\n"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str            # "completion" | "chat"
+    stream: bool
+    prompt_len: int      # characters = tokens for the tiny model's character tokenizer
+    seed: int
+
+    def text(self) -> str:
+        rng = random.Random(self.seed)
+        return "".join(rng.choice(ALPHABET) for _ in range(self.prompt_len))
+
+
+# 14 cases: 10..1800 tokens, chunk-aligned and not, 1..8 chunks, chat and completion, stream and not.
+CASES = [
+    Case("c10", "completion", False, 10, 1), Case("c255", "completion", True, 255, 2),
+    Case("c256", "completion", False, 256, 3), Case("c257", "completion", True, 257, 4),
+    Case("c600", "completion", False, 600, 5), Case("c1024", "completion", True, 1024, 6),
+    Case("c1100", "completion", False, 1100, 7), Case("c1800", "completion", True, 1800, 8),
+    Case("h40", "chat", False, 40, 9), Case("h500", "chat", True, 500, 10),
+    Case("h900", "chat", False, 900, 11), Case("h1300", "chat", True, 1300, 12),
+    Case("h1700", "chat", False, 1700, 13), Case("c777", "completion", False, 777, 14),
+]
+PIPELINE_CASE = Case("pipe", "completion", False, 2200, 99)     # 9 chunks
+
+
+def run_case(client: Any, case: Case, request_id: str = "") -> tuple[str, dict | None]:
+    """Send one case through an OpenAI client; return (generated text, usage)."""
+    headers = {"X-Request-Id": request_id} if request_id else None
+    common: dict[str, Any] = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, extra_headers=headers)
+    if case.stream:
+        common["stream_options"] = {"include_usage": True}
+    if case.kind == "chat":
+        msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": case.text()}]
+        resp = client.chat.completions.create(messages=msgs, stream=case.stream, **common)
+    else:
+        resp = client.completions.create(prompt=case.text(), stream=case.stream, **common)
+    if not case.stream:
+        ch = resp.choices[0]
+        return (ch.message.content if case.kind == "chat" else ch.text), resp.usage.model_dump()
+    parts, usage = [], None
+    for ev in resp:
+        if ev.usage is not None:
+            usage = ev.usage.model_dump()
+        for ch in ev.choices:
+            parts.append((ch.delta.content or "") if case.kind == "chat" else ch.text)
+    return "".join(parts), usage
+
+
+def openai_client(base_url: str) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (no help/type lines)."""
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+def _cfg(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> kcfg.KVRelayConfig:
+    data: dict[str, Any] = {
+        "engine": {"model": str(tiny_model), "served_model_name": MODEL},
+        "deploy": {"base_port": port0, "kv_base_port": port0 + 1000, "log_dir": str(tmp / "logs"),
+                   "startup_timeout_s": 900},
+        "router": {"port": port0 + 50, "health_interval_s": 0.5},
+        "connector": {"events_path": str(tmp / "events.jsonl"), "metrics_port": port0 + 60,
+                      "first_chunk_s": 20},
+    }
+    for key, value in over.items():
+        section, field = key.split("__")
+        data.setdefault(section, {})[field] = value
+    return kcfg.from_dict(data)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Greedy outputs of one plain vLLM server for every case (server stopped afterwards)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    cfg = _cfg(tiny_model, tmp, 18700)
+    spec = launch.NodeSpec(launch.Role.SINGLE, 0, 18700)
+    log = open(tmp / "single.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 1),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = "http://127.0.0.1:18700"
+        launch.wait_healthy(url, proc, 900, str(tmp / "single.log"))
+        client = openai_client(url)
+        return {c.name: run_case(client, c)[0] for c in [*CASES, PIPELINE_CASE]}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class StackHandle:
+    stack: launch.Stack
+    cfg: kcfg.KVRelayConfig
+    events_path: Path
+
+    @property
+    def router_url(self) -> str:
+        return f"http://127.0.0.1:{self.cfg.router.port}"
+
+    def worker_metrics(self, role: launch.Role) -> dict[str, float]:
+        spec = next(s for s in self.stack.specs if s.role is role)
+        return scrape(f"http://127.0.0.1:{self.cfg.connector.metrics_port + spec.port - self.cfg.deploy.base_port}/")
+
+    def engine_metrics(self, role: launch.Role) -> dict[str, float]:
+        spec = next(s for s in self.stack.specs if s.role is role)
+        return scrape(f"{self.stack.url(spec)}/metrics")
+
+    def events(self, rid: str) -> list[dict]:
+        return [e for e in read_events(self.events_path) if rid in e.get("transfer", "")]
+
+    def wait_events(self, rid: str, kinds: set[str], timeout: float = 30) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            evs = self.events(rid)
+            if kinds <= {e["event"] for e in evs} or time.monotonic() > deadline:
+                return evs
+            time.sleep(0.1)
+
+
+def start_stack(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> StackHandle:
+    cfg = _cfg(tiny_model, tmp, port0, **over)
+    stack = launch.Stack(cfg)
+    try:
+        stack.start(progress=False)
+    except BaseException:
+        stack.stop()
+        raise
+    return StackHandle(stack, cfg, tmp / "events.jsonl")
+
+
+@pytest.fixture(scope="session", params=["tcp", "nixl"])
+def pd_stack(request: pytest.FixtureRequest, reference: dict[str, str], tiny_model: Path,
+             tmp_path_factory: pytest.TempPathFactory):
+    backend = request.param
+    port0 = {"tcp": 18100, "nixl": 18300}[backend]
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp(f"stack-{backend}"), port0,
+                         transport__backend=backend)
+    yield handle
+    handle.stack.stop()
