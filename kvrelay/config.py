@@ -151,7 +151,10 @@ class EngineConfig(_Section, frozen=True):
     model: str = ""                  # HF id or local path; "" = the built-in tiny model
     tiny_model_dir: str = "~/.cache/kvrelay/tiny-model"
     served_model_name: str = ""      # "" = the model path (vLLM's default); the tiny model: kvrelay-tiny
+    dtype: str = "auto"              # vLLM --dtype; "auto" = the model's (float32 for the tiny model)
     max_model_len: Positive = 4096
+    prefill_args: list[str] = msgspec.field(default_factory=list)  # extra vLLM args, prefill nodes only
+    decode_args: list[str] = msgspec.field(default_factory=list)   # extra vLLM args, decode nodes only
     kv_cache_gib: Positive = 1       # VLLM_CPU_KVCACHE_SPACE on CPU hosts
     cpu_bind: str = "split"          # CPU hosts: "split" the cores among the servers, "vllm" = vLLM's
                                      # default, or a VLLM_CPU_OMP_THREADS_BIND value used for every server

@@ -89,9 +89,14 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(cfg),
            "--served-model-name", served_name(cfg), "--host", cfg.deploy.host, "--port", str(spec.port),
            "--max-model-len", str(cfg.engine.max_model_len), "--disable-uvicorn-access-log"]
+    dtype = cfg.engine.dtype
+    if dtype == "auto" and (Path(cmd[4]) / "KVRELAY_TINY_MODEL").exists():
+        dtype = "float32"                     # the tiny model: see kvrelay.tiny_model
+    cmd += ["--dtype", dtype]
     if spec.role is not Role.SINGLE:
         cmd += ["--kv-transfer-config", json.dumps(connector_config(cfg, spec))]
-    return cmd + list(cfg.engine.extra_args)
+    role_args = {Role.PREFILL: cfg.engine.prefill_args, Role.DECODE: cfg.engine.decode_args}.get(spec.role, [])
+    return cmd + list(cfg.engine.extra_args) + list(role_args)
 
 
 def split_cores(k: int, n: int) -> list[int]:

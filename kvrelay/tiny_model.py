@@ -4,8 +4,11 @@ Models cannot be downloaded on the machines this project is developed on, so the
 stack ships its own. The checkpoint is a real ``LlamaForCausalLM`` (random weights
 from a fixed seed) that vLLM loads like any Hugging Face model:
 
-* **KV-heavy**: 4 layers x 4 KV heads x head_dim 64 in bf16 = 4 KiB of KV per token,
-  so one 256-token chunk is exactly 1 MiB and transfers are not trivially small.
+* **KV-heavy**: 4 layers x 4 KV heads x head_dim 64 in float32 = 8 KiB of KV per token,
+  so one 256-token chunk is exactly 2 MiB and transfers are not trivially small.
+* **float32**: served with ``--dtype float32`` (the launcher does this for the tiny
+  model). In bf16 a decode step over pushed KV and a full prefill round differently
+  often enough to flip near-tied greedy choices of a random model; in fp32 they agree.
 * **Character tokenizer**: one token per printable ASCII character (space and
   newline included), so "a prompt of N tokens" is simply N characters.
 * **Context-sensitive**: attention weights are scaled up so the next token depends
@@ -28,7 +31,7 @@ from pathlib import Path
 SPECIALS = ["<s>", "</s>", "<unk>", "<pad>"]
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 256, 4, 4, 4, 64, 512
 VOCAB_SIZE = 128            # 4 specials + 97 characters, padded
-MAX_POSITIONS = 4096
+MAX_POSITIONS = 8192
 SEED = 1234
 LOGIT_SCALE = 40.0
 ATTN_SCALE, QK_SCALE = 10.0, 3.0    # attention dominates the residual: output depends on far context
@@ -76,7 +79,7 @@ def _write_model(out: Path) -> None:
                       num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                       head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
                       rope_theta=10000.0, bos_token_id=0, eos_token_id=1, pad_token_id=3,
-                      tie_word_embeddings=False, torch_dtype="bfloat16")
+                      tie_word_embeddings=False, torch_dtype="float32")
     torch.manual_seed(SEED)
     with torch.no_grad():
         model = LlamaForCausalLM(cfg)
@@ -89,7 +92,6 @@ def _write_model(out: Path) -> None:
         model.lm_head.weight.mul_(LOGIT_SCALE)
         model.lm_head.weight[: len(SPECIALS)] = 0          # never generate specials / EOS
         model.lm_head.weight[len(_vocab()):] = 0           # nor padding ids
-        model = model.to(torch.bfloat16)
     model.save_pretrained(str(out), safe_serialization=True)
     # save_pretrained adds generation defaults; keep them minimal and deterministic.
     (out / "generation_config.json").write_text(json.dumps(
@@ -103,7 +105,7 @@ def make_tiny_model(out_dir: str | Path) -> Path:
     _write_tokenizer(out)
     _write_model(out)
     (out / "KVRELAY_TINY_MODEL").write_text(
-        f"kvrelay tiny Llama: {LAYERS} layers, {KV_HEADS} kv heads x {HEAD_DIM}, bf16, seed {SEED}\n")
+        f"kvrelay tiny Llama: {LAYERS} layers, {KV_HEADS} kv heads x {HEAD_DIM}, float32, seed {SEED}\n")
     return out
 
 
