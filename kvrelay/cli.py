@@ -65,6 +65,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     import signal
     import threading
+    import time
 
     from kvrelay import launch
 
@@ -81,7 +82,10 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"kvrelay: ready. OpenAI API at {url}/v1 (model {launch.served_name(cfg)!r}); Ctrl-C stops.",
               file=sys.stderr)
         if args.request:
-            print(launch.demo_request(url, launch.served_name(cfg), args.request))
+            print(f"prompt:     {args.request}")
+            print(f"completion: {launch.demo_request(url, launch.served_name(cfg), args.request)!r}")
+            time.sleep(0.5)
+            print(launch.last_load_summary(stack.cfg.connector.events_path))
         if args.exit_after_request:
             return 0
         stop.wait()
@@ -138,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "prints a table, writes JSON and a PNG plot.")
     add_args(t)
     t.set_defaults(func=_cmd_bench_transfer)
+    from bench import e2e
+
+    e = bsub.add_parser("e2e", help="TTFT/ITL: kvrelay PD vs single vLLM vs vLLM NixlConnector (stock and fair)",
+                        description=(e2e.__doc__ or "").split("\n\n")[0])
+    e2e.add_args(e)
+    e.set_defaults(func=e2e.main)
     return p
 
 

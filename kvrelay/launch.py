@@ -20,6 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import yaml
 
 from kvrelay import config as kcfg
@@ -141,9 +142,12 @@ class Stack:
     """N prefill + M decode vLLM servers and the router, as child processes."""
 
     def __init__(self, cfg: KVRelayConfig, *, log_dir: str | None = None) -> None:
+        self.log_dir = Path(log_dir or cfg.deploy.log_dir)
+        if not cfg.connector.events_path:           # keep a transfer log next to the server logs
+            events = str((self.log_dir / "events.jsonl").resolve())
+            cfg = msgspec.structs.replace(cfg, connector=msgspec.structs.replace(cfg.connector, events_path=events))
         self.cfg = cfg
         self.specs = node_specs(cfg)
-        self.log_dir = Path(log_dir or cfg.deploy.log_dir)
         self.procs: dict[str, subprocess.Popen] = {}
 
     def url(self, spec: NodeSpec) -> str:
@@ -221,3 +225,17 @@ def demo_request(url: str, model: str, prompt: str, max_tokens: int = 32) -> str
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         return str(json.loads(r.read())["choices"][0]["text"])
+
+
+def last_load_summary(events_path: str) -> str:
+    """One line about the most recent decode-side load in the event log."""
+    try:
+        lines = Path(events_path).read_text().splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        ev = json.loads(line)
+        if ev.get("event") == "load_done":
+            return (f"decode node: {ev['loaded_tokens']} of {ev['prompt_tokens']} prompt tokens loaded from "
+                    f"{ev['chunks']} pushed chunk(s), {ev['recomputed_tokens']} recomputed")
+    return ""

@@ -30,7 +30,7 @@ def timed(fn, reps: int = 50) -> float:
 
 def check_kernels(results: dict) -> None:
     from kernels import cuda
-    from kernels.blocks import KVLayout, gather_ref, scatter_ref
+    from kernels.blocks import KVLayout, gather_ref
 
     L, NB, H, BS, D = 32, 4096, 8, 16, 256          # a Llama-8B-like GPU cache, block 16
     buf = torch.randn((L, NB, H, BS, D), device="cuda", dtype=torch.bfloat16)
@@ -70,7 +70,6 @@ def check_pinned(results: dict) -> None:
     t_page = timed(lambda: dev.copy_(pageable), 10)
     results["pinned_pool"] = {"registered": bool(pinned), "h2d_pinned_GBps": (256 << 20) / t_pin / 1e9,
                               "h2d_pageable_GBps": (256 << 20) / t_page / 1e9}
-    del host
     pool.close()
 
 

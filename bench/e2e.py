@@ -1,0 +1,314 @@
+"""`kvrelay bench e2e`: TTFT / ITL of PD serving vs one vLLM and vs vLLM's NixlConnector flow.
+
+Systems, all on this machine, same model, same prompts (each request gets a fresh
+random prompt so no system profits from prefix caching):
+
+* ``single``      - one plain vLLM server;
+* ``kvrelay-B``   - kvrelay 1P1D through the router, transport B (tcp, nixl);
+* ``nixl-stock``  - vLLM's NixlConnector P/D with the toy-proxy flow (P with
+                    ``max_tokens=1`` + ``do_remote_decode``, then D with P's params), as shipped;
+* ``nixl-fair``   - the same with :class:`bench.fair_nixl.FairNixlConnector` (no core pinning,
+                    no busy progress thread): the fair peer.
+
+Exposed transfer time (kvrelay only, from the connectors' event log): from the later
+of "D installs chunk 0" and "P's KV is complete" (P starts pushing the last chunk) to
+"D finished installing the last chunk" - the part of the transfer that did not
+overlap P's compute. It is reported against one chunk's transfer time measured in
+the same run (push start -> installed, 1-chunk prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvrelay import config as kcfg
+from kvrelay import launch
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,;:!?0123456789\n"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chunks", default="1,2,4,8,16", help="prompt lengths in chunks (comma list)")
+    p.add_argument("--reps", type=int, default=3, help="requests per length and system")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--backends", default="tcp,nixl", help="kvrelay transports to run")
+    p.add_argument("--systems", default="single,kvrelay,nixl-fair,nixl-stock")
+    p.add_argument("--prefill-batch-tokens", type=int, default=512,
+                   help="P's --max-num-batched-tokens (chunked prefill lets pushes overlap compute; 0 = vLLM's)")
+    p.add_argument("--base-port", type=int, default=19100)
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--quick", action="store_true", help="chunks 1,4,16, 1 rep")
+
+
+def _prompt(n_tokens: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(ALPHABET) for _ in range(n_tokens))
+
+
+def _stream(url: str, model: str, prompt: str, max_tokens: int, extra: dict | None = None,
+            headers: dict | None = None, t0: float | None = None) -> tuple[float, list[float]]:
+    """Stream one completion; return (TTFT seconds, inter-token gaps)."""
+    import urllib.request
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, **(extra or {})}
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    start = time.perf_counter() if t0 is None else t0
+    times: list[float] = []
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data:") and line != "data: [DONE]":
+                ev = json.loads(line[5:])
+                if ev.get("choices") and ev["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError("no tokens streamed")
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return times[0] - start, gaps
+
+
+def _post(url: str, body: dict) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return dict(json.loads(r.read()))
+
+
+class Servers:
+    """Child vLLM servers for the baselines (started together, stopped together)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "w")   # noqa: SIM115 - owned by the child
+        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs.clear()
+
+
+def _base_cfg(args: argparse.Namespace, out: Path, **over: Any) -> kcfg.KVRelayConfig:
+    data: dict[str, Any] = {
+        "engine": {"max_model_len": 8192, "served_model_name": launch.TINY_NAME},
+        "deploy": {"base_port": args.base_port, "kv_base_port": args.base_port + 500,
+                   "log_dir": str(out / "logs")},
+        "router": {"port": args.base_port + 50},
+        "connector": {"events_path": str(out / "events.jsonl")},
+    }
+    if args.prefill_batch_tokens:
+        data["engine"]["prefill_args"] = ["--max-num-batched-tokens", str(args.prefill_batch_tokens)]
+    for key, value in over.items():
+        section, field = key.split("__")
+        data.setdefault(section, {})[field] = value
+    return kcfg.from_dict(data)
+
+
+def _measure(label: str, lengths: list[int], reps: int, fn: Callable[[str, str], tuple[float, list[float]]],
+             rows: list[dict], bar: Any) -> None:
+    for n in lengths:
+        ttfts, itls = [], []
+        for rep in range(reps):
+            rid = f"b-{label}-{n}-{rep}-{uuid.uuid4().hex[:6]}"
+            ttft, gaps = fn(_prompt(n, 1000 * n + rep), rid)     # same prompts for every system
+            ttfts.append(ttft)
+            itls.extend(gaps)
+            bar.update(1)
+        rows.append({"system": label, "prompt_tokens": n, "ttft_ms": 1e3 * statistics.median(ttfts),
+                     "itl_ms": 1e3 * statistics.median(itls) if itls else float("nan"),
+                     "ttft_all_ms": [round(1e3 * t, 2) for t in ttfts]})
+
+
+def _run_single(args, out, lengths, rows, bar) -> None:
+    cfg = _base_cfg(args, out / "single")
+    servers = Servers(out / "single" / "logs")
+    spec = launch.NodeSpec(launch.Role.SINGLE, 0, args.base_port + 90)
+    try:
+        servers.start("single", launch.server_command(cfg, spec), launch.server_env(cfg, 0, 1))
+        url = f"http://127.0.0.1:{spec.port}"
+        launch.wait_healthy(url, servers.procs[0], 900)
+        _measure("single", lengths, args.reps,
+                 lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens), rows, bar)
+    finally:
+        servers.stop()
+
+
+def _run_kvrelay(args, out, backend, lengths, rows, bar) -> dict:
+    sub = out / f"kvrelay-{backend}"
+    sub.mkdir(parents=True, exist_ok=True)
+    (sub / "events.jsonl").unlink(missing_ok=True)
+    cfg = _base_cfg(args, sub, transport__backend=backend)
+    stack = launch.Stack(cfg)
+    try:
+        stack.start(progress=False)
+        url = f"http://127.0.0.1:{cfg.router.port}"
+        _measure(f"kvrelay-{backend}", lengths, args.reps,
+                 lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens, headers={"X-Request-Id": rid}),
+                 rows, bar)
+        time.sleep(1.0)
+    finally:
+        stack.stop()
+    return exposed_transfer(sub / "events.jsonl", cfg.chunk_tokens)
+
+
+def exposed_transfer(events_path: Path, chunk_tokens: int) -> dict:
+    """Per prompt length: median exposed transfer (ms) and one chunk's transfer time (ms)."""
+    evs = [json.loads(x) for x in events_path.read_text().splitlines() if x.strip()]
+    by_tid: dict[str, list[dict]] = {}
+    for e in evs:
+        by_tid.setdefault(e.get("transfer", ""), []).append(e)
+    exposed: dict[int, list[float]] = {}
+    one_chunk: list[float] = []
+    for group in by_tid.values():
+        done = [e for e in group if e["event"] == "load_done"]
+        installs = [e for e in group if e["event"] == "install"]
+        starts = {e["chunk"]: e["t"] for e in group if e["event"] == "push_start"}
+        if not done or not installs or not starts:
+            continue
+        n = done[0]["chunks"]
+        last_start = starts.get(n - 1, max(starts.values()))
+        first_install = min(e["t_start"] for e in installs)
+        last_end = max(e["t_end"] for e in installs)
+        exposed.setdefault(done[0]["prompt_tokens"], []).append(last_end - max(first_install, last_start))
+        if n == 1:
+            one_chunk.append(installs[0]["t_end"] - starts[0])
+    chunk_ms = 1e3 * statistics.median(one_chunk) if one_chunk else float("nan")
+    return {"one_chunk_ms": chunk_ms,
+            "exposed_ms": {n: 1e3 * statistics.median(v) for n, v in sorted(exposed.items())}}
+
+
+def _nixl_pair(args, out, label: str, fair: bool, lengths, rows, bar) -> None:
+    cfg = _base_cfg(args, out / label)
+    servers = Servers(out / label / "logs")
+    ports = (args.base_port + 70, args.base_port + 71)
+    kv: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    if fair:
+        kv.update(kv_connector="FairNixlConnector", kv_connector_module_path="bench.fair_nixl")
+    try:
+        for k, (role, port) in enumerate(zip(("kv_producer", "kv_consumer"), ports, strict=True)):
+            spec = launch.NodeSpec(launch.Role.SINGLE, k, port)
+            cmd = launch.server_command(cfg, spec) + ["--kv-transfer-config", json.dumps({**kv, "kv_role": role})]
+            if role == "kv_producer":
+                cmd += list(cfg.engine.prefill_args)
+            env = launch.server_env(cfg, k, 2)
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.base_port + 80 + k)
+            servers.start(f"{label}-{role}", cmd, env)
+        p_url, d_url = (f"http://127.0.0.1:{p}" for p in ports)
+        for url, proc in zip((p_url, d_url), servers.procs, strict=True):
+            launch.wait_healthy(url, proc, 900)
+
+        def flow(prompt: str, rid: str) -> tuple[float, list[float]]:
+            t0 = time.perf_counter()
+            pre = _post(f"{p_url}/v1/completions", {
+                "model": launch.TINY_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                       "remote_engine_id": None, "remote_block_ids": None,
+                                       "remote_host": None, "remote_port": None}})
+            return _stream(d_url, launch.TINY_NAME, prompt, args.max_tokens,
+                           extra={"kv_transfer_params": pre.get("kv_transfer_params")}, t0=t0)
+
+        _measure(label, lengths, 1 if label == "nixl-stock" else args.reps, flow, rows, bar)
+    finally:
+        servers.stop()
+
+
+def _table(rows: list[dict], transfer: dict[str, dict]) -> str:
+    single = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "single"}
+    fair = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "nixl-fair"}
+    lines = [f"{'system':<14} {'tokens':>6} {'TTFT ms':>9} {'ITL ms':>7} {'TTFT/single':>11} {'TTFT/nixl-fair':>14} "
+             f"{'exposed ms':>10} {'exposed/chunk':>13}"]
+    for r in rows:
+        n = r["prompt_tokens"]
+        x = transfer.get(r["system"], {})
+        exp = x.get("exposed_ms", {}).get(n)
+        chunk = x.get("one_chunk_ms")
+        lines.append(f"{r['system']:<14} {n:>6} {r['ttft_ms']:>9.1f} {r['itl_ms']:>7.2f} "
+                     f"{r['ttft_ms'] / single[n] if n in single else float('nan'):>11.2f} "
+                     f"{r['ttft_ms'] / fair[n] if n in fair else float('nan'):>14.2f} "
+                     f"{exp if exp is not None else float('nan'):>10.1f} "
+                     f"{exp / chunk if exp is not None and chunk else float('nan'):>13.2f}")
+    for name, x in transfer.items():
+        lines.append(f"{name}: one chunk's transfer (push start -> installed) = {x['one_chunk_ms']:.2f} ms")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        pts = [(r["prompt_tokens"], r["ttft_ms"]) for r in rows if r["system"] == system]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=system)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    if args.quick:
+        args.chunks, args.reps = "1,4,16", 1
+    chunks = [int(c) for c in args.chunks.split(",")]
+    lengths = [256 * c - (0 if c > 1 else 16) for c in chunks]
+    lengths[-1] = min(lengths[-1], 4096)
+    systems = args.systems.split(",")
+    backends = args.backends.split(",") if "kvrelay" in systems else []
+    out = Path(args.out) / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    launch.model_path(kcfg.from_dict({}))
+    n_req = len(lengths) * (args.reps * (("single" in systems) + len(backends) + ("nixl-fair" in systems))
+                            + ("nixl-stock" in systems))
+    bar = tqdm(total=n_req, desc="bench e2e", unit="req")
+    rows: list[dict] = []
+    transfer: dict[str, dict] = {}
+    if "single" in systems:
+        _run_single(args, out, lengths, rows, bar)
+    for b in backends:
+        transfer[f"kvrelay-{b}"] = _run_kvrelay(args, out, b, lengths, rows, bar)
+    if "nixl-fair" in systems:
+        _nixl_pair(args, out, "nixl-fair", True, lengths, rows, bar)
+    if "nixl-stock" in systems:
+        _nixl_pair(args, out, "nixl-stock", False, lengths, rows, bar)
+    bar.close()
+    table = _table(rows, transfer)
+    print(table)
+    (out / "table.txt").write_text(table + "\n")
+    (out / "e2e.json").write_text(json.dumps({"args": vars(args), "rows": rows, "transfer": transfer,
+                                              "host": {"cpus": os.cpu_count()}}, indent=2, default=str))
+    _plot(rows, out / "e2e_ttft.png")
+    print(f"wrote {out}/e2e.json, table.txt, e2e_ttft.png", file=sys.stderr)
+    return 0
