@@ -145,7 +145,7 @@ def _measure(label: str, lengths: list[int], reps: int, fn: Callable[[str, str],
                      "ttft_all_ms": [round(1e3 * t, 2) for t in ttfts]})
 
 
-def _run_single(args, out, lengths, rows, bar) -> None:
+def _run_single(args: argparse.Namespace, out: Path, lengths: list[int], rows: list[dict], bar: Any) -> None:
     cfg = _base_cfg(args, out / "single")
     servers = Servers(out / "single" / "logs")
     spec = launch.NodeSpec(launch.Role.SINGLE, 0, args.base_port + 90)
@@ -159,7 +159,8 @@ def _run_single(args, out, lengths, rows, bar) -> None:
         servers.stop()
 
 
-def _run_kvrelay(args, out, backend, lengths, rows, bar) -> dict:
+def _run_kvrelay(args: argparse.Namespace, out: Path, backend: str, lengths: list[int], rows: list[dict],
+                 bar: Any) -> dict:
     sub = out / f"kvrelay-{backend}"
     sub.mkdir(parents=True, exist_ok=True)
     (sub / "events.jsonl").unlink(missing_ok=True)
@@ -203,7 +204,8 @@ def exposed_transfer(events_path: Path, chunk_tokens: int) -> dict:
             "exposed_ms": {n: 1e3 * statistics.median(v) for n, v in sorted(exposed.items())}}
 
 
-def _nixl_pair(args, out, label: str, fair: bool, lengths, rows, bar) -> None:
+def _nixl_pair(args: argparse.Namespace, out: Path, label: str, fair: bool, lengths: list[int],
+               rows: list[dict], bar: Any) -> None:
     cfg = _base_cfg(args, out / label)
     servers = Servers(out / label / "logs")
     ports = (args.base_port + 70, args.base_port + 71)

@@ -93,11 +93,11 @@ class InstallWorker:
             self._pool.submit(self._run, load)
         for rid in cancelled:
             with self._lock:
-                load = self._loads.get(rid)
-            if load is not None:
-                load.cancelled.set()
+                victim = self._loads.get(rid)
+            if victim is not None:
+                victim.cancelled.set()
                 assert self.receiver is not None
-                self.receiver.abort(load.spec.transfer_id, "request aborted on the decode node")
+                self.receiver.abort(victim.spec.transfer_id, "request aborted on the decode node")
 
     def take_finished(self) -> set[str]:
         with self._lock:

@@ -35,7 +35,7 @@ def _kernels() -> tuple[Any, Any]:
     import triton.language as tl
 
     @triton.jit
-    def _gather(src_ptr, dst_ptr, ids_ptr, n, layer_stride, words, BLOCK: tl.constexpr):
+    def _gather(src_ptr, dst_ptr, ids_ptr, n, layer_stride, words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         p = tl.program_id(0)
         q = tl.program_id(1)
         layer = p // n
@@ -47,7 +47,7 @@ def _kernels() -> tuple[Any, Any]:
         tl.store(dst_ptr + p.to(tl.int64) * words + offs, vals, mask=mask)
 
     @triton.jit
-    def _scatter(src_ptr, dst_ptr, ids_ptr, n, layer_stride, words, BLOCK: tl.constexpr):
+    def _scatter(src_ptr, dst_ptr, ids_ptr, n, layer_stride, words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         p = tl.program_id(0)
         q = tl.program_id(1)
         layer = p // n

@@ -78,8 +78,8 @@ def _write_model(out: Path) -> None:
     cfg = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                       num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                       head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
-                      rope_theta=10000.0, bos_token_id=0, eos_token_id=1, pad_token_id=3,
-                      tie_word_embeddings=False, torch_dtype="float32")
+                      bos_token_id=0, eos_token_id=1, pad_token_id=3,
+                      tie_word_embeddings=False, dtype="float32")
     torch.manual_seed(SEED)
     with torch.no_grad():
         model = LlamaForCausalLM(cfg)
