@@ -256,6 +256,63 @@ def leaf_fields(cls: type[msgspec.Struct] = KVRelayConfig, prefix: str = "") -> 
             yield f"{prefix}{name}", value
 
 
+FIELD_HELP: dict[str, str] = {
+    'chunk_tokens': 'tokens per pushed chunk; a multiple of the engine block size',
+    'transport.backend': 'data plane: nixl (UCX one-sided WRITE), tcp, shm (same host) or ucx',
+    'transport.pool_bytes': "decode node's pinned receive pool (e.g. 256MiB)",
+    'transport.host': "address the decode node's transfer endpoint binds to",
+    'transport.control_port': "decode node's ZeroMQ control port (0 = any free port)",
+    'transport.data_port': "tcp backend's data listener port (0 = any free port)",
+    'transport.numa_node': "NUMA node for the pool: auto = the GPU's node, else no-op; or an index",
+    'transport.nixl_error_mode': 'UCX error handling for nixl: none or peer (same on both sides)',
+    'transport.shared_secret': 'HMAC key that authenticates Hello; set one per deployment',
+    'transport.max_message_bytes': 'control frames larger than this are rejected',
+    'timeouts.lease_s': 'a slot not filled and consumed within this is reclaimed (seconds)',
+    'timeouts.alloc_wait_s': 'back-pressure: how long an Alloc may wait for free slots',
+    'timeouts.peer_s': 'a sender silent this long is declared dead; its transfers fail',
+    'timeouts.heartbeat_s': 'sender heartbeat interval',
+    'timeouts.connect_s': 'control-plane handshake deadline',
+    'timeouts.chunk_s': 'one chunk write must complete (and the next chunk arrive) within this',
+    'store.cpu_bytes': 'multi-tier store: CPU tier capacity',
+    'store.deferred_bytes': 'multi-tier store: batch-and-defer buffer for new chunks',
+    'store.prefetch_ahead': 'multi-tier store: chunks prefetched ahead of the one installing',
+    'store.eviction_policy': 'multi-tier store: lru, lfu or fifo',
+    'store.disk_path': 'multi-tier store: disk tier directory ("" = no disk tier)',
+    'store.disk_bytes': 'multi-tier store: disk tier size cap',
+    'store.redis_url': 'multi-tier store: redis://host:port/db ("" = no Redis tier)',
+    'connector.load_failure_policy': 'decode: a failed chunk is recomputed (recompute) or fails the request (fail)',
+    'connector.first_chunk_s': "decode: wait this long for a transfer's first chunk, then recompute",
+    'connector.free_deadline_s': 'prefill: blocks held for a push are freed after this anyway (counted)',
+    'connector.events_path': 'JSONL log of per-chunk and per-request transfer events ("" = off; kvrelay up: log_dir/events.jsonl)',
+    'connector.metrics_port': 'Prometheus exporter of each worker (node i: port + i; 0 = off)',
+    'connector.fault_corrupt_every': 'testing only: corrupt every Nth pushed chunk after checksumming (0 = never)',
+    'engine.model': 'HF model id or local path ("" = the built-in tiny model)',
+    'engine.tiny_model_dir': 'where the tiny model is created on first use',
+    'engine.served_model_name': 'model name clients use ("" = the model path; kvrelay-tiny for the tiny model)',
+    'engine.dtype': 'vLLM --dtype (auto; the tiny model runs in float32)',
+    'engine.max_model_len': 'vLLM --max-model-len',
+    'engine.prefill_args': 'extra vLLM arguments for prefill nodes only (YAML list)',
+    'engine.decode_args': 'extra vLLM arguments for decode nodes only (YAML list)',
+    'engine.kv_cache_gib': 'CPU hosts: KV cache size per server in GiB (VLLM_CPU_KVCACHE_SPACE)',
+    'engine.cpu_bind': 'CPU hosts: split the cores among the servers, vllm (its default), or a VLLM_CPU_OMP_THREADS_BIND value',
+    'engine.extra_args': 'extra vLLM arguments for every server (YAML list)',
+    'router.host': 'router listen address',
+    'router.port': 'router port (OpenAI API at /v1)',
+    'router.policy': 'node choice: round_robin or least_outstanding',
+    'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]' (kvrelay up fills this in)",
+    'router.decode': "decode nodes as 'http://host:port=tcp://host:kvport' (kvrelay up fills this in)",
+    'router.health_interval_s': 'health-check period; failed nodes leave rotation until healthy',
+    'router.request_timeout_s': 'upstream request timeout',
+    'deploy.prefill': 'kvrelay up: number of prefill servers',
+    'deploy.decode': 'kvrelay up: number of decode servers',
+    'deploy.host': 'kvrelay up: address every server binds to',
+    'deploy.base_port': 'kvrelay up: first vLLM HTTP port (prefill nodes first, then decode)',
+    'deploy.kv_base_port': 'kvrelay up: decode node i receives chunks on kv_base_port + i (tcp data + 100)',
+    'deploy.log_dir': 'kvrelay up: server logs and events.jsonl',
+    'deploy.startup_timeout_s': 'kvrelay up: how long servers may take to become healthy',
+}
+
+
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     """Add ``--config FILE`` and one ``--section.field`` flag per leaf to ``parser``."""
     group = parser.add_argument_group("configuration (YAML keys; flags override the file)")
@@ -263,7 +320,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     for key, default in leaf_fields():
         shown = default.value if isinstance(default, enum.Enum) else default
         group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="V", default=None,
-                           help=f"default: {shown}")
+                           help=f"{FIELD_HELP.get(key, '')} (default: {shown})".strip())
 
 
 def config_from_args(args: argparse.Namespace) -> KVRelayConfig:

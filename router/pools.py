@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 from dataclasses import dataclass
@@ -76,5 +75,4 @@ async def health_loop(session: aiohttp.ClientSession, pools: tuple[Pool, ...], i
     while True:
         nodes = [n for p in pools for n in p.nodes]
         await asyncio.gather(*(check_once(session, n) for n in nodes))
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(interval)
+        await asyncio.sleep(interval)

@@ -35,14 +35,20 @@ def fine_timer_slack(ns: int = 1000) -> None:
 
 class Backoff:
     def __init__(self, timeout: float | None = None, *, spin: int = 200, min_sleep: float = 20e-6,
-                 max_sleep: float = 1e-3) -> None:
+                 max_sleep: float = 1e-3, idle_after: float | None = None, idle_sleep: float = 1e-3) -> None:
+        """``idle_after``: once this long has passed without progress (:meth:`reset`), sleep
+        ``idle_sleep`` between polls - a transfer that has not started (the prefill node is
+        still computing) is then watched at 1 kHz instead of tens of kHz."""
         self.deadline = None if timeout is None else time.monotonic() + timeout
         self.spin, self.min_sleep, self.max_sleep = spin, min_sleep, max_sleep
+        self.idle_after, self.idle_sleep = idle_after, idle_sleep
         self.polls = 0
+        self._since = time.monotonic()
         fine_timer_slack()
 
     def reset(self) -> None:
         self.polls = 0
+        self._since = time.monotonic()
 
     def wait(self) -> bool:
         """Pause before the next poll. False once the deadline has passed."""
@@ -51,6 +57,8 @@ class Backoff:
         self.polls += 1
         if self.polls <= self.spin:
             os.sched_yield()
+        elif self.idle_after is not None and time.monotonic() - self._since > self.idle_after:
+            time.sleep(self.idle_sleep)
         else:
             exp = min(self.polls - self.spin, 16)
             time.sleep(min(self.min_sleep * (1 << exp), self.max_sleep))

@@ -163,7 +163,7 @@ class Receiver:
 
     def _poll_for(self, q: queue.SimpleQueue[Event], timeout: float) -> Event | None:
         """Drive the backend's progress from the caller's thread until an event is queued."""
-        backoff = Backoff(timeout, spin=0, max_sleep=50e-6)
+        backoff = Backoff(timeout, spin=0, max_sleep=50e-6, idle_after=5e-3, idle_sleep=1e-3)
         while True:
             try:
                 return q.get_nowait()
