@@ -54,3 +54,16 @@ def test_cli_flags_cover_every_leaf():
 @pytest.mark.parametrize("text, value", [("1MiB", 1 << 20), ("2GB", 2 * 10**9), ("4096", 4096), (7, 7)])
 def test_parse_size(text, value):
     assert config.parse_size(text) == value
+
+
+def test_every_config_key_has_help_and_appears_in_up_help():
+    from kvrelay.cli import build_parser
+
+    keys = {k for k, _ in config.leaf_fields()}
+    assert keys == set(config.FIELD_HELP), keys ^ set(config.FIELD_HELP)
+    parser = build_parser()
+    up = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "up")[1]
+    text = up.format_help()
+    for key in keys:
+        assert f"--{key}" in text
+    assert "--request" in text and "Ctrl-C" in text

@@ -1,0 +1,130 @@
+"""Scheduler-side state machines of the connectors, driven with stand-in request objects.
+
+The real-vLLM behaviour is covered end to end in tests/e2e; these pin down the
+bookkeeping that is hard to provoke there: block lists across chunked-prefill steps,
+delayed frees, aborts in the middle of a load, malformed params.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from decode.connector import DecodeScheduler  # noqa: E402
+from kvrelay import config as kcfg  # noqa: E402
+from kvrelay import pd  # noqa: E402
+from prefill.connector import PrefillScheduler  # noqa: E402
+
+
+@dataclass
+class Req:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict | None = None
+
+
+@dataclass
+class Blocks:
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@dataclass
+class Out:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+
+
+def push(tid: str = "t1") -> dict:
+    return pd.params_dict(pd.PushParams(transfer_id=tid, push_to="tcp://127.0.0.1:9100"))
+
+
+def pull(tid: str = "t1") -> dict:
+    return pd.params_dict(pd.PullParams(transfer_id=tid))
+
+
+def sched_out(new=(), cached_ids=(), cached_new_blocks=(), cached_computed=(), scheduled=None):
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached_ids), new_block_ids=list(cached_new_blocks),
+                                              num_computed_tokens=list(cached_computed)),
+        num_scheduled_tokens=scheduled or {})
+
+
+def test_prefill_tracks_blocks_over_chunked_steps_and_delays_free():
+    s = PrefillScheduler(kcfg.from_dict({}))
+    r = Req("r1", list(range(1000)), push())
+    s.on_request(r)
+    new = SimpleNamespace(req_id="r1", block_ids=([1, 2, 3, 4],), num_computed_tokens=0,
+                          prompt_token_ids=r.prompt_token_ids)
+    m1 = s.build_meta(sched_out(new=[new], scheduled={"r1": 512}))
+    assert [(p.ready, p.block_ids, p.token_ids is not None) for p in m1.pushes] == [(512, [1, 2, 3, 4], True)]
+    m2 = s.build_meta(sched_out(cached_ids=["r1"], cached_new_blocks=[([5, 6, 7, 8],)],
+                                cached_computed=[512], scheduled={"r1": 488}))
+    assert m2.pushes[0].ready == 1000 and m2.pushes[0].block_ids == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert m2.pushes[0].token_ids is None
+    # A later decode step of the same request produces no more push specs.
+    assert s.build_meta(sched_out(cached_ids=["r1"], cached_new_blocks=[None], cached_computed=[1000],
+                                  scheduled={"r1": 1})).pushes == []
+    assert s.request_finished(r) == (True, None)
+    assert s.has_pending()
+    assert s.build_meta(sched_out()).finished == ["r1"]
+    s.update_output(Out(finished_sending={"r1"}))
+    assert not s.has_pending()
+
+
+def test_prefill_ignores_plain_and_malformed_requests():
+    s = PrefillScheduler(kcfg.from_dict({}))
+    plain, bad = Req("a", [1, 2, 3]), Req("b", [1, 2], {"kvrelay": {"role": "push"}})
+    s.on_request(plain)
+    s.on_request(bad)                  # missing fields: logged, served without a push
+    new = [SimpleNamespace(req_id=x, block_ids=([1],), num_computed_tokens=0, prompt_token_ids=[1])
+           for x in ("a", "b")]
+    assert s.build_meta(sched_out(new=new, scheduled={"a": 3, "b": 2})).pushes == []
+    assert s.request_finished(plain) == (False, None)
+    assert not s.has_pending()
+
+
+def test_decode_reports_prompt_beyond_local_hit_as_async_and_hands_load_to_worker():
+    s = DecodeScheduler(kcfg.from_dict({}))
+    r = Req("d1", list(range(600)), pull("tX"))
+    assert s.matched(r, 128) == (472, True)
+    assert s.matched(r, 128) == (472, True)          # asked again before allocation: same answer
+    s.after_alloc(r, Blocks([10, 11, 12, 13, 14]), 472)
+    meta = s.build_meta()
+    (load,) = meta.loads
+    assert (load.transfer_id, load.local_tokens, load.num_tokens, load.block_ids) == ("tX", 128, 472,
+                                                                                    [10, 11, 12, 13, 14])
+    assert s.build_meta().loads == []
+    assert s.matched(r, 599) == (0, False)           # after the load: never again
+    assert s.has_pending()
+    s.update_output(Out(finished_recving={"d1"}))
+    assert not s.has_pending()
+    assert s.request_finished(r) == (False, None)
+
+
+def test_decode_abort_mid_load_keeps_blocks_until_worker_stops():
+    s = DecodeScheduler(kcfg.from_dict({}))
+    r = Req("d2", list(range(300)), pull())
+    s.matched(r, 0)
+    s.after_alloc(r, Blocks([4, 5, 6]), 300)
+    s.build_meta()
+    assert s.request_finished(r) == (True, None)     # worker may still write into the blocks
+    assert s.build_meta().cancelled == ["d2"]
+    s.update_output(Out(finished_recving={"d2"}))
+    assert not s.has_pending()
+
+
+def test_decode_without_params_or_with_bad_version_computes_locally():
+    s = DecodeScheduler(kcfg.from_dict({}))
+    assert s.matched(Req("x", [1, 2, 3]), 0) == (0, False)
+    bad = {"kvrelay": {"role": "pull", "transfer_id": "t", "v": 99}}
+    assert s.matched(Req("y", [1, 2, 3], bad), 0) == (0, False)
+    with pytest.raises(pd.ParamsError, match="version 99"):
+        pd.parse_params(bad)
