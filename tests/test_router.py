@@ -9,7 +9,6 @@ cover the same router in front of real vLLM.
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
