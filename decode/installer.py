@@ -73,12 +73,31 @@ class InstallWorker:
         self.layout = KVLayout.from_caches(kv_caches)
         self.fingerprint = pd.engine_fingerprint(self.vllm_config, self.layout)
         slot = HEADER_SIZE + self.layout.chunk_bytes(self.blocks_per_chunk)
-        self.receiver = Receiver(self.cfg, make_receiver_backend(self.cfg), self.fingerprint.digest(),
-                                 slot_bytes=slot)
+        self.receiver = self._make_receiver(slot)
         pool = self.receiver.pool
         self.metrics.pool_leased.set_function(lambda: _busy_slots(pool))
         log.info("kvrelay decode: receiving on %s (%s), pool %d slots x %d B", self.receiver.endpoint,
                  self.cfg.transport.backend.value, self.receiver.pool.stats().slots, slot)
+
+    def _make_receiver(self, slot: int) -> Receiver:
+        """Build the Receiver on a placed helper thread, so the threads it starts (control
+        loop, backend receive/poll threads) inherit the helper's CPUs, not the engine's pin."""
+        box: list[Receiver | BaseException] = []
+
+        def build() -> None:
+            pd.place_helper_thread(self.cfg.connector.helper_cpus)
+            try:
+                box.append(Receiver(self.cfg, make_receiver_backend(self.cfg), self.fingerprint.digest(),
+                                    slot_bytes=slot))
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+                box.append(exc)
+
+        t = threading.Thread(target=build, name="kvrelay-recv-init")
+        t.start()
+        t.join()
+        if isinstance(box[0], BaseException):
+            raise box[0]
+        return box[0]
 
     # ---------------------------------------------------------------- model thread
     def start(self, loads: list[LoadSpec], cancelled: list[str]) -> None:
@@ -114,6 +133,7 @@ class InstallWorker:
         return load.spec.local_tokens // self.cfg.chunk_tokens
 
     def _run(self, load: _Load) -> None:
+        pd.place_helper_thread(self.cfg.connector.helper_cpus)
         try:
             self._receive(load)
         except Exception as exc:  # noqa: BLE001 - never leave the request waiting forever

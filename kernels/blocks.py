@@ -97,6 +97,21 @@ def _stacked_view(layers: Sequence[torch.Tensor], bpb: int) -> torch.Tensor | No
     return flat.as_strided((len(layers), first.shape[0], bpb), (step, bpb, 1), offset)
 
 
+def _words(t: torch.Tensor, bpb: int) -> torch.Tensor:
+    """View a ``[..., bpb]`` uint8 tensor as the widest integer words ``bpb`` allows.
+
+    Indexed copies cost per element: on CPU a uint8 ``index_copy_`` of a 2 MiB chunk
+    takes ~9 ms, the same copy in int64 words well under 1 ms.
+    """
+    for dt, size in ((torch.int64, 8), (torch.int32, 4)):
+        if bpb % size == 0:
+            try:
+                return t.view(dt)
+            except RuntimeError:          # misaligned storage offset: fall through to narrower words
+                continue
+    return t
+
+
 def gather_ref(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Copy blocks ``block_ids`` of every layer into ``out``.
 
@@ -104,7 +119,8 @@ def gather_ref(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> 
     out:       [L, n, bytes_per_block] uint8, contiguous
     """
     if layout.stacked is not None:
-        torch.index_select(layout.stacked, 1, block_ids, out=out)
+        bpb = layout.bytes_per_block
+        torch.index_select(_words(layout.stacked, bpb), 1, block_ids, out=_words(out, bpb))
         return out
     for i, t in enumerate(layout.layers):
         out[i].copy_(t.index_select(0, block_ids).reshape(len(block_ids), -1).view(torch.uint8))
@@ -114,7 +130,8 @@ def gather_ref(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> 
 def scatter_ref(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
     """Write ``src`` ([L, n, bytes_per_block] uint8) into blocks ``block_ids`` of every layer."""
     if layout.stacked is not None:
-        layout.stacked.index_copy_(1, block_ids, src)
+        bpb = layout.bytes_per_block
+        _words(layout.stacked, bpb).index_copy_(1, block_ids, _words(src, bpb))
         return
     shape = layout.block_shape()
     for i, t in enumerate(layout.layers):

@@ -143,6 +143,7 @@ class ConnectorConfig(_Section, frozen=True):
     events_path: str = ""            # JSONL of per-request transfer events ("" = off)
     metrics_port: Port = 0           # Prometheus exporter of the worker process (0 = off)
     fault_corrupt_every: NonNeg = 0  # testing: flip a byte in every Nth pushed chunk (0 = never)
+    helper_cpus: str = "all"         # push/install threads: "all" allowed CPUs, "inherit" the engine pin, or "2-3"
 
 
 class EngineConfig(_Section, frozen=True):
@@ -285,6 +286,7 @@ FIELD_HELP: dict[str, str] = {
     'connector.free_deadline_s': 'prefill: blocks held for a push are freed after this anyway (counted)',
     'connector.events_path': 'JSONL log of per-chunk and per-request transfer events ("" = off; kvrelay up: log_dir/events.jsonl)',
     'connector.metrics_port': 'Prometheus exporter of each worker (node i: port + i; 0 = off)',
+    'connector.helper_cpus': "push/install threads' CPUs: all (any CPU the container allows), inherit (the engine thread's pin) or a list like 2-3",
     'connector.fault_corrupt_every': 'testing only: corrupt every Nth pushed chunk after checksumming (0 = never)',
     'engine.model': 'HF model id or local path ("" = the built-in tiny model)',
     'engine.tiny_model_dir': 'where the tiny model is created on first use',

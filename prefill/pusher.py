@@ -121,6 +121,7 @@ class PushWorker:
 
     # ---------------------------------------------------------------- push thread
     def _run(self) -> None:
+        pd.place_helper_thread(self.cfg.connector.helper_cpus)
         while True:
             with self._lock:
                 if self._stop:
