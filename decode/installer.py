@@ -67,6 +67,7 @@ class InstallWorker:
         self._loads: dict[str, _Load] = {}
         self._finished: set[str] = set()
         self._errors: set[int] = set()
+        self._progress = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvrelay-install")
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -121,7 +122,13 @@ class InstallWorker:
     def take_finished(self) -> set[str]:
         with self._lock:
             done, self._finished = self._finished, set()
+            self._progress.clear()
         return done
+
+    def wait_for_progress(self, timeout: float) -> None:
+        """Block up to ``timeout`` while loads are in flight and none has finished."""
+        if self._loads and not self._finished:
+            self._progress.wait(timeout)
 
     def take_errors(self) -> set[int]:
         with self._lock:
@@ -237,6 +244,7 @@ class InstallWorker:
             self._loads.pop(spec.req_id, None)
             self._errors |= errors
             self._finished.add(spec.req_id)
+            self._progress.set()
 
     def pool_stats(self) -> Any:
         return self.receiver.pool.stats() if self.receiver is not None else None

@@ -64,6 +64,7 @@ class PushSpec:
 class PrefillMeta(KVConnectorMetadata):
     pushes: list[PushSpec] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)   # requests whose block free we delayed
+    idle: bool = False                                   # no tokens scheduled: only pushes pending
 
 
 class PrefillScheduler:
@@ -90,7 +91,7 @@ class PrefillScheduler:
             self._prompt_len[request.request_id] = len(request.prompt_token_ids)
 
     def build_meta(self, so: Any) -> PrefillMeta:
-        meta = PrefillMeta(finished=self._finished)
+        meta = PrefillMeta(finished=self._finished, idle=so.total_num_scheduled_tokens == 0)
         self._finished = []
         for r in so.scheduled_new_reqs:
             if r.req_id in self._params:
@@ -194,6 +195,9 @@ class PrefillConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(meta, PrefillMeta) and meta.idle:
+            self._worker.wait_for_progress(0.003)     # see decode.connector.IDLE_WAIT_S
         return self._worker.take_finished() or None, None
 
     def shutdown(self) -> None:

@@ -71,6 +71,7 @@ class PushWorker:
         self._lock = threading.Condition()
         self._pushes: dict[str, _Push] = {}
         self._finished: set[str] = set()
+        self._progress = threading.Event()
         self._senders: dict[str, Sender] = {}
         self._pushed = 0
         self._stop = False
@@ -97,6 +98,7 @@ class PushWorker:
                 p = self._pushes.get(rid)
                 if p is None:
                     self._finished.add(rid)
+                    self._progress.set()
                 else:
                     p.closing = True
             self._lock.notify()
@@ -117,7 +119,13 @@ class PushWorker:
     def take_finished(self) -> set[str]:
         with self._lock:
             done, self._finished = self._finished, set()
+            self._progress.clear()
         return done
+
+    def wait_for_progress(self, timeout: float) -> None:
+        """Block up to ``timeout`` while pushes are pending and none has settled."""
+        if self._pushes and not self._finished:
+            self._progress.wait(timeout)
 
     # ---------------------------------------------------------------- push thread
     def _run(self) -> None:
@@ -245,6 +253,7 @@ class PushWorker:
             with self._lock:
                 self._pushes.pop(p.spec.req_id, None)
                 self._finished.add(p.spec.req_id)
+                self._progress.set()
             self.metrics.inflight.labels("prefill").dec()
             self.events.write("push_end", req=p.spec.req_id, transfer=p.spec.transfer_id,
                               ok=not p.failed, chunks=p.n_chunks)

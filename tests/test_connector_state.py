@@ -54,7 +54,7 @@ def sched_out(new=(), cached_ids=(), cached_new_blocks=(), cached_computed=(), s
         scheduled_new_reqs=list(new),
         scheduled_cached_reqs=SimpleNamespace(req_ids=list(cached_ids), new_block_ids=list(cached_new_blocks),
                                               num_computed_tokens=list(cached_computed)),
-        num_scheduled_tokens=scheduled or {})
+        num_scheduled_tokens=scheduled or {}, total_num_scheduled_tokens=sum((scheduled or {}).values()))
 
 
 def test_prefill_tracks_blocks_over_chunked_steps_and_delays_free():
