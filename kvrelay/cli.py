@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("dir")
     m.set_defaults(func=_cmd_make_tiny_model)
 
+    from kvrelay import warmup
+
+    w = sub.add_parser("warmup", help="run hot prompts through prefill nodes so their chunks land in the store",
+                       description=(warmup.__doc__ or "").split("\n\n")[1])
+    warmup.add_args(w)
+    w.set_defaults(func=warmup.main)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", metavar="BENCH", required=True)
     from bench.transfer import add_args

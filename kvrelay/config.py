@@ -125,6 +125,7 @@ class TransportConfig(_Section, frozen=True):
 class StoreConfig(_Section, frozen=True):
     """The multi-tier KV store (CPU / disk / Redis)."""
 
+    enabled: bool = False            # prefill nodes store computed chunks and load stored prefixes
     cpu_bytes: Size = 1024 * MiB
     deferred_bytes: Size = 8 * MiB
     prefetch_ahead: NonNeg = 2
@@ -274,6 +275,7 @@ FIELD_HELP: dict[str, str] = {
     'timeouts.heartbeat_s': 'sender heartbeat interval',
     'timeouts.connect_s': 'control-plane handshake deadline',
     'timeouts.chunk_s': 'one chunk write must complete (and the next chunk arrive) within this',
+    'store.enabled': 'prefill nodes keep computed chunks in the store and load stored prompt prefixes instead of computing them',
     'store.cpu_bytes': 'multi-tier store: CPU tier capacity',
     'store.deferred_bytes': 'multi-tier store: batch-and-defer buffer for new chunks',
     'store.prefetch_ahead': 'multi-tier store: chunks prefetched ahead of the one installing',

@@ -116,6 +116,9 @@ class Metrics:
                                        "Chunk ready on prefill to push complete", buckets=buckets)
         self.transfer_latency = Histogram("kvrelay_transfer_latency_seconds",
                                           "Decode: request scheduled to last chunk installed", buckets=buckets)
+        self.store_stored = Counter("kvrelay_store_chunks_stored", "Chunks put into the store")
+        self.store_loaded_tokens = Counter("kvrelay_store_tokens_loaded",
+                                           "Prompt tokens loaded from the store instead of computed")
         self.inflight = Gauge("kvrelay_transfers_inflight", "Transfers in flight", ["side"])
         self.pool_leased = Gauge("kvrelay_pool_slots_busy", "Receive pool slots leased, filled or held")
 

@@ -38,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig
+from prefill.cache import StoreClient, hit_limit, lookup_endpoint, store_enabled
 
 if TYPE_CHECKING:
     import torch
@@ -58,41 +59,79 @@ class PushSpec:
     block_ids: list[int]
     ready: int                                   # prompt tokens whose KV exists after this step
     token_ids: list[int] | None = None           # sent once, with the first spec
+    store_from: int = -1                         # store full chunks starting at this token (-1: none)
+
+
+@dataclass
+class StoreLoad:
+    """Load tokens [start, end) of a prompt from the store into its blocks, before this step's forward."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    start: int
+    end: int
 
 
 @dataclass
 class PrefillMeta(KVConnectorMetadata):
     pushes: list[PushSpec] = field(default_factory=list)
+    loads: list[StoreLoad] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)   # requests whose block free we delayed
     idle: bool = False                                   # no tokens scheduled: only pushes pending
 
 
 class PrefillScheduler:
-    """Scheduler-process half: tracks push requests and their blocks."""
+    """Scheduler-process half: tracks push (and, with the store on, all) requests and their blocks."""
 
-    def __init__(self, cfg: KVRelayConfig) -> None:
+    def __init__(self, cfg: KVRelayConfig, store: StoreClient | None = None) -> None:
         self.cfg = cfg
-        self._params: dict[str, pd.PushParams] = {}
+        self.store = store
+        self._params: dict[str, pd.PushParams | None] = {}   # tracked while their prefill runs
         self._prompt_len: dict[str, int] = {}
+        self._store_from: dict[str, int] = {}
         self._blocks: dict[str, list[int]] = {}
+        self._hits: dict[str, tuple[int, int]] = {}
+        self._loads: list[StoreLoad] = []
         self._delayed: set[str] = set()
         self._finished: list[str] = []
 
     def on_request(self, request: Any) -> None:
-        if request.request_id in self._params:
+        rid = request.request_id
+        if rid in self._params:
             return
         try:
             params = pd.parse_params(request.kv_transfer_params)
         except pd.ParamsError as exc:
-            log.warning("request %s: %s; serving it without a push", request.request_id, exc)
-            return
-        if isinstance(params, pd.PushParams):
-            self._params[request.request_id] = params
-            self._prompt_len[request.request_id] = len(request.prompt_token_ids)
+            log.warning("request %s: %s; serving it without a push", rid, exc)
+            params = None
+        if isinstance(params, pd.PushParams) or self.store is not None:
+            self._params[rid] = params if isinstance(params, pd.PushParams) else None
+            self._prompt_len[rid] = len(request.prompt_token_ids)
+
+    def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        self.on_request(request)
+        rid = request.request_id
+        if self.store is None or rid not in self._params:
+            return 0, False
+        hit = min(self.store.lookup(list(request.prompt_token_ids)),
+                  hit_limit(len(request.prompt_token_ids), self.cfg.chunk_tokens))
+        self._store_from[rid] = max(hit, num_computed)
+        if hit <= num_computed:
+            return 0, False
+        self._hits[rid] = (num_computed, hit)
+        return hit - num_computed, False
+
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        hit = self._hits.pop(request.request_id, None)
+        if hit is not None and num_external > 0:
+            start, end = hit
+            self._loads.append(StoreLoad(request.request_id, list(request.prompt_token_ids),
+                                         list(blocks.get_block_ids()[0]), start, start + num_external))
 
     def build_meta(self, so: Any) -> PrefillMeta:
-        meta = PrefillMeta(finished=self._finished, idle=so.total_num_scheduled_tokens == 0)
-        self._finished = []
+        meta = PrefillMeta(loads=self._loads, finished=self._finished, idle=so.total_num_scheduled_tokens == 0)
+        self._loads, self._finished = [], []
         for r in so.scheduled_new_reqs:
             if r.req_id in self._params:
                 self._blocks[r.req_id] = list(r.block_ids[0])
@@ -110,17 +149,19 @@ class PrefillScheduler:
 
     def _spec(self, rid: str, ready: int, token_ids: list[int] | None = None) -> PushSpec:
         p, n = self._params[rid], self._prompt_len[rid]
-        spec = PushSpec(rid, p.transfer_id, p.push_to, n, list(self._blocks[rid]), min(ready, n), token_ids)
+        store_from = self._store_from.get(rid, 0) if self.store is not None else -1
+        spec = PushSpec(rid, p.transfer_id if p else "", p.push_to if p else "", n, list(self._blocks[rid]),
+                        min(ready, n), token_ids, store_from)
         if ready >= n:                            # prefill done: nothing more to tell the worker
             del self._params[rid]
         return spec
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self._params.pop(rid, None)
-        self._prompt_len.pop(rid, None)
+        for d in (self._params, self._prompt_len, self._store_from, self._hits):
+            d.pop(rid, None)
         if self._blocks.pop(rid, None) is None:
-            return False, None                    # never scheduled (or not a push request)
+            return False, None                    # never scheduled (or not tracked)
         self._delayed.add(rid)
         self._finished.append(rid)
         return True, None
@@ -141,7 +182,10 @@ class PrefillConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = pd.connector_config(vllm_config)
-        self._sched = PrefillScheduler(self.cfg) if role == KVConnectorRole.SCHEDULER else None
+        self._sched: PrefillScheduler | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            client = StoreClient(lookup_endpoint(vllm_config)) if store_enabled(self.cfg) else None
+            self._sched = PrefillScheduler(self.cfg, client)
         self._worker: PushWorker | None = None
         if role == KVConnectorRole.WORKER:
             from prefill.pusher import PushWorker
@@ -151,11 +195,11 @@ class PrefillConnector(KVConnectorBase_V1):
     # ---------------------------------------------------------------- scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         assert self._sched is not None
-        self._sched.on_request(request)
-        return 0, False
+        return self._sched.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        return None
+        assert self._sched is not None
+        self._sched.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self._sched is not None
@@ -178,7 +222,14 @@ class PrefillConnector(KVConnectorBase_V1):
         self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        return None
+        if self._worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, PrefillMeta)
+            if meta.loads:
+                self._worker.load_from_store(meta.loads)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_errors() if self._worker is not None else set()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

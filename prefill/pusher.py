@@ -25,6 +25,7 @@ import torch
 from kernels.blocks import KVLayout, gather
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig, TransportKind
+from prefill.cache import StoreService, store_enabled
 from transport.backends import make_sender_backend
 from transport.backends.base import WriteHandle, WriteState
 from transport.errors import KVRelayError
@@ -33,7 +34,7 @@ from transport.sender import Allocation, Sender
 from transport.wire import HEADER_SIZE, DType, make_header
 
 if TYPE_CHECKING:
-    from prefill.connector import PushSpec
+    from prefill.connector import PushSpec, StoreLoad
 
 log = logging.getLogger("vllm.kvrelay.prefill")
 
@@ -74,6 +75,10 @@ class PushWorker:
         self._progress = threading.Event()
         self._senders: dict[str, Sender] = {}
         self._pushed = 0
+        self._errors: set[int] = set()
+        self.store: StoreService | None = None
+        if store_enabled(cfg):
+            self.store = StoreService(cfg, vllm_config, self.events)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvrelay-push", daemon=True)
         self._thread.start()
@@ -81,6 +86,8 @@ class PushWorker:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layout = KVLayout.from_caches(kv_caches)
         self.fingerprint = pd.engine_fingerprint(self.vllm_config, self.layout)
+        if self.store is not None:
+            self.store.bind(self.layout, self.fingerprint)
         log.info("kvrelay prefill: %d layers, %d blocks x %d B, chunk %d tokens = %d B, backend %s",
                  self.layout.num_layers, self.layout.num_blocks, self.layout.bytes_per_block,
                  self.cfg.chunk_tokens, self.layout.chunk_bytes(self.blocks_per_chunk),
@@ -115,6 +122,22 @@ class PushWorker:
         p.spec = spec
         T = self.cfg.chunk_tokens
         p.ready_chunks = p.n_chunks if spec.ready >= spec.prompt_len else spec.ready // T
+
+    def load_from_store(self, loads: list[StoreLoad]) -> None:
+        """Synchronous: this step's forward reads the loaded blocks (model thread)."""
+        assert self.store is not None
+        for ld in loads:
+            failed = self.store.load_into(ld.req_id, ld.token_ids, ld.block_ids, ld.start, ld.end)
+            if failed:
+                log.warning("request %s: %d blocks not loadable from the store; recomputing them",
+                            ld.req_id, len(failed))
+                with self._lock:
+                    self._errors |= failed
+
+    def take_errors(self) -> set[int]:
+        with self._lock:
+            errs, self._errors = self._errors, set()
+        return errs
 
     def take_finished(self) -> set[str]:
         with self._lock:
@@ -154,13 +177,13 @@ class PushWorker:
     def _advance(self, p: _Push) -> None:
         if p.failed:
             return
-        if p.alloc is None:
+        if p.alloc is None and p.spec.push_to:
             self._allocate(p)
-        assert p.alloc is not None and p.sender is not None
         while p.next_chunk < p.ready_chunks:
             self._write(p, p.next_chunk)
             p.next_chunk += 1
         for item in list(p.inflight):
+            assert p.sender is not None
             handle, _keep, t0 = item
             state = p.sender.poll(handle)
             if state is WriteState.FAILED:
@@ -188,17 +211,31 @@ class PushWorker:
 
     def _write(self, p: _Push, c: int) -> None:
         layout = self.layout_or_fail()
-        assert p.alloc is not None and p.sender is not None
         first = c * self.blocks_per_chunk
         ids = p.spec.block_ids[first:first + self._blocks_in(p, c)]
+        full = len(ids) == self.blocks_per_chunk and (c + 1) * self.cfg.chunk_tokens <= p.spec.prompt_len
+        gathered = None
+        if self.store is not None and full and 0 <= p.spec.store_from <= c * self.cfg.chunk_tokens:
+            gathered = self._gather(layout, ids)
+            self.store.save(p.keys[c], c, gathered)
+        if p.spec.push_to:
+            self._push(p, c, layout, ids, gathered)
+
+    def _gather(self, layout: KVLayout, ids: list[int]) -> torch.Tensor:
+        buf = self._staging(layout, ids)
+        gather(layout, torch.tensor(ids, dtype=torch.int64, device=layout.device), buf)
+        return buf
+
+    def _push(self, p: _Push, c: int, layout: KVLayout, ids: list[int], gathered: torch.Tensor | None) -> None:
+        assert p.alloc is not None and p.sender is not None
         t0 = time.monotonic()
         self.events.write("push_start", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c)
-        regions, keep = self._regions(layout, ids)
+        regions, keep = self._regions(layout, ids, gathered)
         header = make_header(p.keys[c], p.spec.transfer_id, c, regions, num_layers=layout.num_layers,
                              num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE)).pack()
         every = self.cfg.connector.fault_corrupt_every
         if every and (self._pushed % every) == 0:
-            keep = keep.clone() if keep is not None else gather(layout, torch.tensor(ids), self._staging(layout, ids))
+            keep = (keep if keep is not None else self._gather(layout, ids)).clone()
             keep.view(-1)[keep.numel() // 2] ^= 0x5A          # fault injection: corrupt after checksumming
             regions = [keep.numpy().data]
             log.warning("fault injection: corrupted chunk %d of %s", c, p.spec.transfer_id)
@@ -213,12 +250,15 @@ class PushWorker:
     def _staging(self, layout: KVLayout, ids: list[int]) -> torch.Tensor:
         return torch.empty((layout.num_layers, len(ids), layout.bytes_per_block), dtype=torch.uint8)
 
-    def _regions(self, layout: KVLayout, ids: list[int]) -> tuple[list[Any], torch.Tensor | None]:
-        """Zero-copy block regions for NIXL on host memory; one gathered buffer otherwise."""
+    def _regions(self, layout: KVLayout, ids: list[int],
+                 gathered: torch.Tensor | None) -> tuple[list[Any], torch.Tensor | None]:
+        """The chunk already gathered for the store, else zero-copy block regions for NIXL on
+        host memory, else one gathered buffer."""
+        if gathered is not None:
+            return [gathered.numpy().data], gathered
         if self.cfg.transport.backend is TransportKind.NIXL and layout.device.type == "cpu":
             return [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids], None
-        buf = self._staging(layout, ids)
-        gather(layout, torch.tensor(ids, dtype=torch.int64, device=layout.device), buf)
+        buf = self._gather(layout, ids)
         return [buf.numpy().data], buf
 
     def _on_written(self, p: _Push, c: int, t0: float) -> None:
@@ -290,3 +330,5 @@ class PushWorker:
         self._thread.join(timeout=5)
         for ep in list(self._senders):
             self._drop_sender(ep)
+        if self.store is not None:
+            self.store.close()

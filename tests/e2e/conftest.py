@@ -54,6 +54,21 @@ CASES = [
     Case("h1700", "chat", False, 1700, 13), Case("c777", "completion", False, 777, 14),
 ]
 PIPELINE_CASE = Case("pipe", "completion", False, 2200, 99)     # 9 chunks
+TURN1 = Case("turn1", "chat", False, 1000, 41)
+
+
+def turn2_messages(answer1: str) -> list[dict]:
+    """Turn 2 of a conversation: turn 1's prompt, its answer, and a new user message."""
+    return [{"role": "system", "content": "You are terse."}, {"role": "user", "content": TURN1.text()},
+            {"role": "assistant", "content": answer1},
+            {"role": "user", "content": Case("turn2", "chat", False, 700, 42).text()}]
+
+
+def run_turn2(client: Any, answer1: str, request_id: str = "") -> str:
+    headers = {"X-Request-Id": request_id} if request_id else None
+    resp = client.chat.completions.create(model=MODEL, messages=turn2_messages(answer1), max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_headers=headers)
+    return str(resp.choices[0].message.content)
 
 
 def run_case(client: Any, case: Case, request_id: str = "") -> tuple[str, dict | None]:
@@ -136,7 +151,9 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         url = "http://127.0.0.1:18700"
         launch.wait_healthy(url, proc, 900, str(tmp / "single.log"))
         client = openai_client(url)
-        return {c.name: run_case(client, c)[0] for c in [*CASES, PIPELINE_CASE]}
+        ref = {c.name: run_case(client, c)[0] for c in [*CASES, PIPELINE_CASE, TURN1]}
+        ref["turn2"] = run_turn2(client, ref["turn1"])
+        return ref
     finally:
         proc.terminate()
         try:

@@ -1,0 +1,78 @@
+"""`kvrelay warmup --prompts FILE`: run hot prompts through prefill nodes once so the store has them.
+
+FILE is plain text (one prompt per line; blank lines skipped) or JSONL where each line is
+``{"prompt": "..."}`` or ``{"messages": [...]}`` (chat). Each prompt goes to a prefill
+node with ``max_tokens=1`` and no push target: the node computes it and its store keeps
+every full chunk. The report counts prompts, prompt tokens and the chunks the node's
+store accepted (from its worker metrics when ``--metrics URL`` is given, else the number
+of full chunks the prompts contain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts", required=True, help="text file (one prompt per line) or JSONL (prompt / messages)")
+    p.add_argument("--url", action="append", default=[], help="prefill node URL (repeatable; default "
+                   "http://127.0.0.1:8100); prompts are spread round-robin")
+    p.add_argument("--model", default="kvrelay-tiny", help="served model name")
+    p.add_argument("--metrics", action="append", default=[],
+                   help="a prefill worker's metrics URL (connector.metrics_port) to count stored chunks exactly")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+
+
+def read_prompts(path: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{n}: invalid JSON: {exc}") from exc
+            if not isinstance(obj, dict) or not ({"prompt", "messages"} & obj.keys()):
+                raise ValueError(f"{path}:{n}: expected an object with 'prompt' or 'messages'")
+            items.append(obj)
+        else:
+            items.append({"prompt": line})
+    return items
+
+
+def _stored(metrics_urls: list[str]) -> float:
+    total = 0.0
+    for url in metrics_urls:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            m = re.search(r"^kvrelay_store_chunks_stored_total (\S+)$", r.read().decode(), re.M)
+        total += float(m.group(1)) if m else 0.0
+    return total
+
+
+def main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    items = read_prompts(args.prompts)
+    urls = args.url or ["http://127.0.0.1:8100"]
+    before = _stored(args.metrics)
+    tokens = full_chunks = 0
+    for i, item in enumerate(tqdm(items, desc="warmup", unit="prompt")):
+        chat = "messages" in item
+        body = {"model": args.model, "max_tokens": 1, "temperature": 0, **item}
+        req = urllib.request.Request(f"{urls[i % len(urls)]}/v1/{'chat/' if chat else ''}completions",
+                                     data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            n = int(json.loads(r.read())["usage"]["prompt_tokens"])
+        tokens += n
+        full_chunks += n // args.chunk_tokens
+    stored = _stored(args.metrics) - before if args.metrics else full_chunks
+    how = "stored (worker metrics)" if args.metrics else "full chunks computed (stored unless already present)"
+    print(f"warmup: {len(items)} prompts, {tokens} prompt tokens, {int(stored)} chunks {how}", file=sys.stderr)
+    return 0
