@@ -110,6 +110,7 @@ class InstallWorker:
             assert self.receiver is not None
             self.receiver.expect(spec.transfer_id)
             self.metrics.inflight.labels("decode").inc()
+            self.events.write("load_start", req=spec.req_id, transfer=spec.transfer_id, tokens=spec.num_tokens)
             self._pool.submit(self._run, load)
         for rid in cancelled:
             with self._lock:
