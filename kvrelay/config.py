@@ -48,6 +48,7 @@ class LoadFailurePolicy(str, enum.Enum):
 class RoutingPolicy(str, enum.Enum):
     ROUND_ROBIN = "round_robin"
     LEAST_OUTSTANDING = "least_outstanding"
+    CACHE_AWARE = "cache_aware"       # prefill: the node holding the longest cached prefix, weighed by load
 
 
 class NixlErrorMode(str, enum.Enum):
@@ -133,6 +134,7 @@ class StoreConfig(_Section, frozen=True):
     disk_path: str = ""
     disk_bytes: Size = 0
     redis_url: str = ""
+    publish_port: Port = 0           # ZeroMQ PUB of chunk stored/evicted events for the router (0 = off)
 
 
 class ConnectorConfig(_Section, frozen=True):
@@ -169,6 +171,8 @@ class RouterConfig(_Section, frozen=True):
     host: str = "127.0.0.1"
     port: Port = 8000
     policy: RoutingPolicy = RoutingPolicy.ROUND_ROBIN
+    tokenizer: str = ""              # cache_aware: tokenizer (model path) used to compute chunk keys
+    load_weight: float = 1.0         # cache_aware: chunks of cache hit one outstanding request is worth
     prefill: list[str] = msgspec.field(default_factory=list)   # http://host:port of prefill servers
     decode: list[str] = msgspec.field(default_factory=list)    # "http://host:port=tcp://host:kvport"
     health_interval_s: Seconds = 2.0
@@ -282,6 +286,7 @@ FIELD_HELP: dict[str, str] = {
     'store.eviction_policy': 'multi-tier store: lru, lfu or fifo',
     'store.disk_path': 'multi-tier store: disk tier directory ("" = no disk tier)',
     'store.disk_bytes': 'multi-tier store: disk tier size cap',
+    'store.publish_port': 'prefill nodes publish chunk stored/evicted events here (ZeroMQ PUB) for cache-aware routing; 0 = off',
     'store.redis_url': 'multi-tier store: redis://host:port/db ("" = no Redis tier)',
     'connector.load_failure_policy': 'decode: a failed chunk is recomputed (recompute) or fails the request (fail)',
     'connector.first_chunk_s': "decode: wait this long for a transfer's first chunk, then recompute",
@@ -302,8 +307,10 @@ FIELD_HELP: dict[str, str] = {
     'engine.extra_args': 'extra vLLM arguments for every server (YAML list)',
     'router.host': 'router listen address',
     'router.port': 'router port (OpenAI API at /v1)',
-    'router.policy': 'node choice: round_robin or least_outstanding',
-    'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]' (kvrelay up fills this in)",
+    'router.policy': 'node choice: round_robin, least_outstanding or cache_aware (prefill: longest cached prefix, weighed by load)',
+    'router.tokenizer': 'cache_aware: tokenizer (model path) for computing chunk keys (kvrelay up sets it)',
+    'router.load_weight': 'cache_aware: how many cached chunks one outstanding request on a node is worth',
+    'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]', or 'http://h1:8100=tcp://h1:9300' with the node's store event port (kvrelay up fills this in)",
     'router.decode': "decode nodes as 'http://host:port=tcp://host:kvport' (kvrelay up fills this in)",
     'router.health_interval_s': 'health-check period; failed nodes leave rotation until healthy',
     'router.request_timeout_s': 'upstream request timeout',

@@ -75,6 +75,9 @@ def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
         data["transport"].update(host=cfg.deploy.host, control_port=spec.kv_port,
                                  data_port=spec.kv_port + 100 if cfg.transport.data_port == 0
                                  else cfg.transport.data_port)
+    if spec.role is Role.PREFILL and cfg.store.enabled and cfg.store.publish_port:
+        data["store"]["publish_port"] = cfg.store.publish_port + spec.index
+        data["transport"]["host"] = cfg.deploy.host
     if cfg.connector.metrics_port:
         data["connector"]["metrics_port"] = cfg.connector.metrics_port + spec.port - cfg.deploy.base_port
     kv = {"kv_connector": "PrefillConnector" if spec.role is Role.PREFILL else "DecodeConnector",
@@ -155,10 +158,14 @@ class Stack:
 
     def router_config(self) -> KVRelayConfig:
         h = self.cfg.deploy.host
-        pre = [self.url(s) for s in self.specs if s.role is Role.PREFILL]
+        publish = self.cfg.store.enabled and self.cfg.store.publish_port
+        pre = [self.url(s) + (f"=tcp://{h}:{self.cfg.store.publish_port + s.index}" if publish else "")
+               for s in self.specs if s.role is Role.PREFILL]
         dec = [f"{self.url(s)}=tcp://{h}:{s.kv_port}" for s in self.specs if s.role is Role.DECODE]
         data = kcfg.to_dict(self.cfg)
         data["router"].update(prefill=pre, decode=dec)
+        if not data["router"]["tokenizer"]:
+            data["router"]["tokenizer"] = model_path(self.cfg)
         return kcfg.from_dict(data)
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -16,6 +16,7 @@ also answers the scheduler's lookups over a local ZeroMQ socket:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -45,6 +46,43 @@ class Lookup(msgspec.Struct, frozen=True):
 class LookupReply(msgspec.Struct, frozen=True):
     hit_tokens: int
     v: int = 1
+
+
+class StoreEvent(msgspec.Struct, frozen=True):
+    """Published by a prefill node: chunks that entered (``stored``) or left (``evicted``) its store.
+
+    ``fingerprint`` is the node's engine fingerprint digest - the router needs it to
+    compute the same chunk keys from a request's tokens."""
+
+    kind: str
+    keys: list[bytes]
+    fingerprint: bytes
+    chunk_tokens: int
+    v: int = 1
+
+
+class Publisher:
+    """ZeroMQ PUB of StoreEvents (thread-safe; the store calls it from several threads)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._sock = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 10000)
+        self._sock.bind(f"tcp://{host}:{port}")
+        self._lock = threading.Lock()
+        self.fingerprint = b""
+        self.chunk_tokens = 0
+
+    def __call__(self, kind: str, keys: list[bytes]) -> None:
+        if not self.fingerprint:
+            return
+        msg = msgspec.msgpack.encode(StoreEvent(kind, keys, self.fingerprint, self.chunk_tokens))
+        with self._lock, contextlib.suppress(zmq.Again):   # a slow subscriber: events are only hints
+            self._sock.send(msg, zmq.NOBLOCK)
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(linger=0)
 
 
 def lookup_endpoint(vllm_config: Any) -> str:
@@ -90,9 +128,11 @@ class StoreService:
         self.cfg, self.events = cfg, events
         self.metrics = pd.metrics(cfg.connector.metrics_port)
         s = cfg.store
+        self.publisher = Publisher(cfg.transport.host, s.publish_port) if s.publish_port else None
         self.store = MultiTierStore(s.cpu_bytes, policy=s.eviction_policy.value, disk_path=s.disk_path,
                                     disk_bytes=s.disk_bytes, redis_url=s.redis_url,
-                                    deferred_bytes=s.deferred_bytes, prefetch_ahead=s.prefetch_ahead)
+                                    deferred_bytes=s.deferred_bytes, prefetch_ahead=s.prefetch_ahead,
+                                    on_event=self.publisher)
         self.endpoint = lookup_endpoint(vllm_config)
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None
@@ -103,6 +143,9 @@ class StoreService:
 
     def bind(self, layout: KVLayout, fingerprint: Any) -> None:
         self.layout, self.fingerprint = layout, fingerprint
+        if self.publisher is not None:
+            self.publisher.chunk_tokens = self.cfg.chunk_tokens
+            self.publisher.fingerprint = fingerprint.digest()
 
     def keys(self, token_ids: list[int]) -> list[bytes]:
         return chunk_keys(token_ids, self.fingerprint, self.cfg.chunk_tokens)
@@ -181,3 +224,5 @@ class StoreService:
         self._stop.set()
         self._thread.join(timeout=2)
         self.store.close()
+        if self.publisher is not None:
+            self.publisher.close()

@@ -32,7 +32,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from kvrelay import pd
-from kvrelay.config import KVRelayConfig
+from kvrelay.config import KVRelayConfig, RoutingPolicy
+from router.cache_index import ChunkIndex, PromptTokenizer
 from router.pools import Node, NoHealthyNode, Pool, health_loop, pools_from_config
 
 log = logging.getLogger("kvrelay.router")
@@ -65,6 +66,13 @@ class Router:
             prefill, decode = pools_from_config(cfg.router)
         self.prefill, self.decode = prefill, decode
         self.metrics = RouterMetrics()
+        self.index: ChunkIndex | None = None
+        self.tokenizer: PromptTokenizer | None = None
+        if cfg.router.policy is RoutingPolicy.CACHE_AWARE:
+            self.index = ChunkIndex(self.prefill.nodes)
+            if not cfg.router.tokenizer:
+                raise ValueError("router.policy cache_aware needs router.tokenizer (the model path)")
+            self.tokenizer = PromptTokenizer(cfg.router.tokenizer)
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
 
@@ -84,8 +92,12 @@ class Router:
         self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
         self._health = asyncio.create_task(health_loop(self.session, (self.prefill, self.decode),
                                                        self.cfg.router.health_interval_s))
+        if self.index is not None:
+            self.index.start()
 
     async def _stop(self, app: web.Application) -> None:
+        if self.index is not None:
+            await self.index.stop()
         if self._health is not None:
             self._health.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -124,7 +136,8 @@ class Router:
             self.metrics.errors.labels("bad_request").inc()
             return error_response(400, "request body must be a JSON object", rid=rid)
         try:
-            p_node, d_node = self.prefill.pick(), self.decode.pick()
+            p_node = self.prefill.pick(hits=await self._cache_hits(body), load_weight=self.cfg.router.load_weight)
+            d_node = self.decode.pick()
         except NoHealthyNode as exc:
             self.metrics.errors.labels("no_healthy_node").inc()
             return error_response(503, str(exc), "service_unavailable", rid)
@@ -132,7 +145,7 @@ class Router:
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
         prefill = asyncio.create_task(self._prefill(endpoint, body, p_node, d_node, tid, rid))
         try:
-            resp = await self._decode(request, endpoint, body, d_node, tid, rid, t0)
+            resp = await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)
         except asyncio.CancelledError:          # client went away: abort both sides
             prefill.cancel()
             self.metrics.errors.labels("client_disconnect").inc()
@@ -144,6 +157,17 @@ class Router:
                 prefill.add_done_callback(_log_task_error)
         self.metrics.latency.observe(time.monotonic() - t0)
         return resp
+
+    async def _cache_hits(self, body: dict[str, Any]) -> list[int] | None:
+        if self.index is None or self.tokenizer is None or not self.index.fingerprint:
+            return None
+        tok = self.tokenizer
+        try:
+            ids = await asyncio.to_thread(tok, body)
+        except Exception as exc:  # noqa: BLE001 - a prompt we cannot tokenise is routed without hints
+            log.info("cache_aware: cannot tokenise request (%s); routing by load", exc)
+            return None
+        return self.index.prefix_hits(ids) if ids else None
 
     async def _prefill(self, endpoint: str, body: dict[str, Any], node: Node, d_node: Node,
                        tid: str, rid: str) -> None:
@@ -184,7 +208,7 @@ class Router:
             node.outstanding -= 1
 
     async def _decode(self, request: web.Request, endpoint: str, body: dict[str, Any], node: Node,
-                      tid: str, rid: str, t0: float) -> web.StreamResponse:
+                      tid: str, rid: str, t0: float, p_url: str) -> web.StreamResponse:
         assert self.session is not None
         dbody = dict(body)
         dbody["kv_transfer_params"] = pd.params_dict(pd.PullParams(transfer_id=tid))
@@ -201,9 +225,9 @@ class Router:
                         self.metrics.errors.labels("decode_failed").inc()
                         return error_response(502, f"decode node {node.url} failed: HTTP {r.status}",
                                               "bad_gateway", rid)
-                    return web.Response(body=data, status=r.status, headers={"X-Request-Id": rid},
-                                        content_type=r.content_type)
-                return await self._stream(request, r, endpoint, rid, t0)
+                    return web.Response(body=data, status=r.status, content_type=r.content_type,
+                                        headers={"X-Request-Id": rid, "X-Kvrelay-Prefill": p_url})
+                return await self._stream(request, r, endpoint, rid, t0, p_url)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.metrics.errors.labels("decode_failed").inc()
             self.metrics.requests.labels(endpoint, "decode_failed").inc()
@@ -213,9 +237,9 @@ class Router:
             node.outstanding -= 1
 
     async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse, endpoint: str,
-                      rid: str, t0: float) -> web.StreamResponse:
-        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache", "X-Request-Id": rid})
+                      rid: str, t0: float, p_url: str) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                       "X-Request-Id": rid, "X-Kvrelay-Prefill": p_url})
         await out.prepare(request)
         first = True
         async for piece in upstream.content.iter_any():

@@ -18,6 +18,7 @@ log = logging.getLogger("kvrelay.router")
 class Node:
     url: str                      # http://host:port of the vLLM server
     kv_endpoint: str = ""         # decode nodes: tcp://host:port of the transfer receiver
+    events_endpoint: str = ""     # prefill nodes: tcp://host:port of their store events (cache_aware)
     healthy: bool = False
     outstanding: int = 0
     failures: int = 0
@@ -36,11 +37,19 @@ class Pool:
         self.policy = policy
         self._rr = itertools.count()
 
-    def pick(self, exclude: tuple[Node, ...] = ()) -> Node:
+    def pick(self, exclude: tuple[Node, ...] = (), hits: list[int] | None = None,
+             load_weight: float = 1.0) -> Node:
+        """``hits[i]``: cached leading chunks on node i (cache_aware); without hits, cache_aware
+        falls back to least outstanding."""
         live = [n for n in self.nodes if n.healthy and n not in exclude]
         if not live:
             raise NoHealthyNode(f"no healthy {self.name} node")
-        if self.policy is RoutingPolicy.LEAST_OUTSTANDING:
+        if self.policy is RoutingPolicy.CACHE_AWARE and hits and any(hits):
+            def score(n: Node) -> tuple[float, int]:
+                i = self.nodes.index(n)
+                return (hits[i] - load_weight * n.outstanding, -n.outstanding)
+            return max(live, key=score)
+        if self.policy in (RoutingPolicy.LEAST_OUTSTANDING, RoutingPolicy.CACHE_AWARE):
             return min(live, key=lambda n: (n.outstanding, self.nodes.index(n)))
         return live[next(self._rr) % len(live)]
 
@@ -53,9 +62,18 @@ def parse_decode(entry: str) -> Node:
     return Node(url.rstrip("/"), kv)
 
 
+def parse_prefill(entry: str) -> Node:
+    """``"http://host:8100"`` or ``"http://host:8100=tcp://host:9300"`` (with store events)."""
+    url, sep, events = entry.partition("=")
+    if not url.startswith("http") or (sep and not events.startswith("tcp://")):
+        raise ValueError(f"prefill node {entry!r}: expected 'http://host:port[=tcp://host:eventport]'")
+    return Node(url.rstrip("/"), events_endpoint=events)
+
+
 def pools_from_config(cfg: RouterConfig) -> tuple[Pool, Pool]:
-    prefill = Pool("prefill", [Node(u.rstrip("/")) for u in cfg.prefill], cfg.policy)
-    decode = Pool("decode", [parse_decode(e) for e in cfg.decode], cfg.policy)
+    prefill = Pool("prefill", [parse_prefill(u) for u in cfg.prefill], cfg.policy)
+    decode_policy = RoutingPolicy.LEAST_OUTSTANDING if cfg.policy is RoutingPolicy.CACHE_AWARE else cfg.policy
+    decode = Pool("decode", [parse_decode(e) for e in cfg.decode], decode_policy)
     return prefill, decode
 
 
