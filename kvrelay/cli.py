@@ -155,6 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                         description=(e2e.__doc__ or "").split("\n\n")[0])
     e2e.add_args(e)
     e.set_defaults(func=e2e.main)
+    from bench import multiturn
+
+    mt = bsub.add_parser("multiturn", help="multi-turn chat TTFT with the prefill store on vs off",
+                         description=(multiturn.__doc__ or "").split("\n\n")[1])
+    multiturn.add_args(mt)
+    mt.set_defaults(func=multiturn.main)
     return p
 
 

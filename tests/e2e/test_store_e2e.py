@@ -42,3 +42,63 @@ def test_turn2_loads_turn1_prefix_from_store(store_stack, reference):
     # D still received the whole prompt by push (P pushes loaded chunks like computed ones).
     done = [e for e in events if e["event"] == "load_done" and r2 in e["transfer"]]
     assert done and done[0]["recomputed_tokens"] == 0
+
+
+@pytest.fixture(scope="session")
+def two_prefill_stack(tiny_model, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("stack-route")
+    handle = start_stack(tiny_model, tmp, 19500, transport__backend="tcp", store__enabled=True,
+                         store__cpu_bytes="64MiB", store__publish_port=19700, deploy__prefill=2,
+                         router__policy="cache_aware", engine__prefill_args=["--no-enable-prefix-caching"])
+    yield handle
+    handle.stack.stop()
+
+
+def _prefill_of(url: str, prompt: str) -> str:
+    import urllib.request
+
+    body = json.dumps({"model": "kvrelay-tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        r.read()
+        return r.headers["X-Kvrelay-Prefill"]
+
+
+def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_stack, tmp_path):
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from kvrelay import config as kcfg
+    from kvrelay.launch import Role, wait_healthy
+    from tests.e2e.conftest import Case
+
+    stack = two_prefill_stack
+    node_b = stack.stack.url([s for s in stack.stack.specs if s.role is Role.PREFILL][1])
+    prefix = Case("warm", "completion", False, 1100, 77).text()
+    # Warm the prefix on node B directly (what `kvrelay warmup --url B` does).
+    body = json.dumps({"model": "kvrelay-tiny", "prompt": prefix, "max_tokens": 1}).encode()
+    urllib.request.urlopen(urllib.request.Request(f"{node_b}/v1/completions", data=body,
+                                                  headers={"Content-Type": "application/json"}), timeout=120).read()
+    time.sleep(1.0)                                          # store events reach the router
+    picks = [_prefill_of(stack.router_url, prefix + Case(f"q{i}", "completion", False, 40, i).text())
+             for i in range(4)]
+    assert picks == [node_b] * 4, picks
+    # The same pools behind a round-robin router: the prefix does not attract requests.
+    rr = kcfg.to_dict(stack.stack.router_config())
+    rr["router"].update(policy="round_robin", port=19590)
+    path = tmp_path / "rr.yaml"
+    import yaml
+
+    path.write_text(yaml.safe_dump(rr))
+    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "router", "--config", str(path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy("http://127.0.0.1:19590", proc, 60)
+        picks_rr = [_prefill_of("http://127.0.0.1:19590", prefix + Case(f"r{i}", "completion", False, 40, i).text())
+                    for i in range(4)]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert len(set(picks_rr)) == 2 and picks_rr.count(node_b) == 2, picks_rr

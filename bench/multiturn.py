@@ -1,0 +1,160 @@
+"""`kvrelay bench multiturn`: multi-turn chat TTFT with the prefill store on and off.
+
+A synthetic workload generated locally (no dataset): ``--users`` conversations of
+``--turns`` turns share one system prompt; every turn appends a new user message to the
+growing history (and the model's previous answer). Both runs use the same 1P1D stack
+shape with vLLM's own prefix cache **off on the prefill node**, so the only reuse is
+kvrelay's store (what a node sees when the engine cache is too small or the previous turn
+ran elsewhere). Reported per turn: median TTFT with the store on / off and their ratio,
+the store hit rate (tokens loaded / prompt tokens) and bytes loaded per tier; plus the
+store-path overhead: prefill latency of fresh prompts (nothing to reuse) with the store
+on vs off. JSON + PNG under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.e2e import ALPHABET, _post
+from kvrelay import config as kcfg
+from kvrelay import launch
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--users", type=int, default=2)
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--system-tokens", type=int, default=1024)
+    p.add_argument("--user-tokens", type=int, default=512)
+    p.add_argument("--answer-tokens", type=int, default=64)
+    p.add_argument("--fresh-prompts", type=int, default=6, help="store-overhead probe: fresh prompts per run")
+    p.add_argument("--base-port", type=int, default=19300)
+    p.add_argument("--out", default="bench_results")
+
+
+def _text(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice(ALPHABET) for _ in range(n))
+
+
+def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
+    """Streamed chat turn: (TTFT seconds, answer, prompt tokens)."""
+    import urllib.request
+
+    body = {"model": launch.TINY_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0, first, parts, prompt_tokens = time.perf_counter(), None, [], 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            ev = json.loads(line[6:])
+            if ev.get("usage"):
+                prompt_tokens = ev["usage"]["prompt_tokens"]
+            for ch in ev.get("choices", []):
+                text = ch.get("delta", {}).get("content") or ""
+                if text and first is None:
+                    first = time.perf_counter()
+                parts.append(text)
+    return (first or time.perf_counter()) - t0, "".join(parts), prompt_tokens
+
+
+def _run(args: argparse.Namespace, out: Path, store: bool) -> dict[str, Any]:
+    sub = out / ("store-on" if store else "store-off")
+    sub.mkdir(parents=True, exist_ok=True)
+    data = {"engine": {"max_model_len": 8192, "served_model_name": launch.TINY_NAME,
+                       "prefill_args": ["--no-enable-prefix-caching"]},
+            "deploy": {"base_port": args.base_port, "kv_base_port": args.base_port + 500, "log_dir": str(sub / "logs")},
+            "router": {"port": args.base_port + 50},
+            "connector": {"events_path": str(sub / "events.jsonl")},
+            "store": {"enabled": store, "cpu_bytes": "1GiB", "disk_path": str(sub / "disk"), "disk_bytes": "2GiB"},
+            "transport": {"backend": "tcp"}}
+    cfg = kcfg.from_dict(data)
+    stack = launch.Stack(cfg)
+    system = {"role": "system", "content": _text(args.system_tokens, 1)}
+    ttft: dict[int, list[float]] = {}
+    history_tokens: dict[int, list[int]] = {}
+    try:
+        stack.start(progress=False)
+        url = f"http://127.0.0.1:{cfg.router.port}"
+        p_url = stack.url(stack.specs[0])
+        convs = [[system] for _ in range(args.users)]
+        for turn in range(args.turns):
+            for u, msgs in enumerate(convs):
+                msgs.append({"role": "user", "content": _text(args.user_tokens, 1000 * u + turn + 7)})
+                t, answer, n = _chat(url, msgs, args.answer_tokens)
+                msgs.append({"role": "assistant", "content": answer})
+                ttft.setdefault(turn, []).append(t)
+                history_tokens.setdefault(turn, []).append(n)
+                print(f"  {'on ' if store else 'off'} turn {turn} user {u}: {n} tokens, TTFT {1e3 * t:.0f} ms",
+                      file=sys.stderr)
+        fresh = []
+        for i in range(args.fresh_prompts):     # store-path overhead: nothing to reuse, everything stored
+            t0 = time.perf_counter()
+            _post(f"{p_url}/v1/completions", {"model": launch.TINY_NAME, "prompt": _text(2048, 5000 + i),
+                                              "max_tokens": 1, "temperature": 0})
+            fresh.append(time.perf_counter() - t0)
+    finally:
+        stack.stop()
+    return {"ttft": ttft, "history_tokens": history_tokens, "fresh_prefill_s": fresh,
+            "store": _store_stats(sub / "events.jsonl")}
+
+
+def _store_stats(path: Path) -> dict[str, Any]:
+    evs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    loads = [e for e in evs if e["event"] == "store_load"]
+    prompt = sum(e["prompt_tokens"] for e in evs if e["event"] == "load_done")
+    tiers = loads[-1]["tiers"] if loads else {}
+    return {"loaded_tokens": sum(e["loaded_tokens"] for e in loads), "prompt_tokens": prompt,
+            "chunks_loaded_per_tier": tiers}
+
+
+def main(args: argparse.Namespace) -> int:
+    out = Path(args.out) / f"multiturn-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    launch.model_path(kcfg.from_dict({}))
+    on, off = _run(args, out, True), _run(args, out, False)
+    lines = [f"{'turn':>4} {'history tok':>11} {'TTFT off ms':>11} {'TTFT on ms':>10} {'speed-up':>8}"]
+    rows = []
+    for turn in sorted(on["ttft"]):
+        a, b = statistics.median(off["ttft"][turn]), statistics.median(on["ttft"][turn])
+        n = int(statistics.median(on["history_tokens"][turn]))
+        rows.append({"turn": turn, "history_tokens": n, "ttft_off_ms": 1e3 * a, "ttft_on_ms": 1e3 * b,
+                     "speedup": a / b})
+        lines.append(f"{turn:>4} {n:>11} {1e3 * a:>11.0f} {1e3 * b:>10.0f} {a / b:>8.2f}")
+    st = on["store"]
+    hit = st["loaded_tokens"] / max(st["prompt_tokens"], 1)
+    over = statistics.median(on["fresh_prefill_s"]) / statistics.median(off["fresh_prefill_s"]) - 1
+    lines.append(f"store hit rate (tokens loaded / prompt tokens): {hit:.2f}; chunks loaded per tier: "
+                 f"{st['chunks_loaded_per_tier']}")
+    lines.append(f"store-path overhead on fresh 2048-token prefills: {100 * over:+.1f}% (target <= +5%)")
+    table = "\n".join(lines)
+    print(table)
+    (out / "table.txt").write_text(table + "\n")
+    (out / "multiturn.json").write_text(json.dumps({"args": vars(args), "rows": rows, "on": on, "off": off,
+                                                    "hit_rate": hit, "store_overhead": over}, indent=2, default=str))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["history_tokens"] for r in rows], [r["ttft_off_ms"] for r in rows], marker="o", label="store off")
+    ax.plot([r["history_tokens"] for r in rows], [r["ttft_on_ms"] for r in rows], marker="o", label="store on")
+    ax.set_xlabel("prompt tokens (history)")
+    ax.set_ylabel("TTFT p50 (ms)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "multiturn_ttft.png", dpi=120)
+    print(f"wrote {out}/multiturn.json, table.txt, multiturn_ttft.png", file=sys.stderr)
+    return 0
