@@ -31,6 +31,7 @@ import zmq
 from kernels.blocks import KVLayout, scatter
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig
+from transport.errors import KVRelayError
 from transport.keys import chunk_keys
 from transport.store.store import MultiTierStore
 from transport.wire import HEADER_SIZE, make_header, parse_header
@@ -189,21 +190,21 @@ class StoreService:
         first, last = start // T, end // T
         keys = self.keys(token_ids[: last * T])[first:]
         t0, loaded = time.monotonic(), 0
-        for i, (key, view) in enumerate(self.store.load(keys)):
+        for i, (_key, view) in enumerate(self.store.load(keys)):
             if view is None:
                 break
             c = first + i
             try:
                 hdr = parse_header(view)
-                src = torch.frombuffer(view[HEADER_SIZE:HEADER_SIZE + hdr.payload_len], dtype=torch.uint8)
-                src = src.view(self.layout.num_layers, T // bs, self.layout.bytes_per_block)
-                skip = max(0, start // bs - c * (T // bs))
-                ids = torch.tensor(block_ids[c * (T // bs) + skip:(c + 1) * (T // bs)], dtype=torch.int64)
-                scatter(self.layout, ids.to(self.layout.device), src[:, skip:].to(self.layout.device))
-                loaded += 1
-            finally:
-                view.release()
-                self.store.release(key)
+            except KVRelayError as exc:
+                log.warning("store chunk %d of %s unusable: %s", c, req_id, exc)
+                break
+            src = torch.frombuffer(view[HEADER_SIZE:HEADER_SIZE + hdr.payload_len], dtype=torch.uint8)
+            src = src.view(self.layout.num_layers, T // bs, self.layout.bytes_per_block)
+            skip = max(0, start // bs - c * (T // bs))
+            ids = torch.tensor(block_ids[c * (T // bs) + skip:(c + 1) * (T // bs)], dtype=torch.int64)
+            scatter(self.layout, ids.to(self.layout.device), src[:, skip:].to(self.layout.device))
+            loaded += 1
         done_tokens = (first + loaded) * T
         failed = set(block_ids[done_tokens // bs:end // bs]) if done_tokens < end else set()
         self.metrics.store_loaded_tokens.inc(done_tokens - start)

@@ -84,6 +84,13 @@ class CpuTier:
             self._policy.insert(key)
             return True
 
+    def put_acquire(self, key: bytes, record: bytes) -> memoryview | None:
+        """Insert (or find) and reference in one step, so no other insert can evict it between."""
+        with self._lock:
+            if not self.put(key, record):
+                return None
+            return self.acquire(key)
+
     def acquire(self, key: bytes, *, touch: bool = True) -> memoryview | None:
         """A zero-copy view of the record; hold it until :meth:`release`. ``touch=False``
         (copying down to another tier) does not count as a use for the eviction policy."""
@@ -209,41 +216,46 @@ class MultiTierStore:
     def load(self, keys: Sequence[bytes]) -> Iterator[tuple[bytes, memoryview | None]]:
         """Yield ``(key, record view)`` in order; a None view ends the usable prefix.
 
-        The caller must :meth:`release` each yielded key after using its view."""
-        futures: dict[int, Future[bytes | None]] = {}
-        for i, key in enumerate(keys):
-            for j in range(i, min(len(keys), i + 1 + self.prefetch_ahead)):
-                if j not in futures:
-                    futures[j] = self._readers.submit(self._fetch, keys[j])
-            record = futures.pop(i).result()
-            view = self.cpu.acquire(key) if record is not None else None
-            yield key, view
-            if view is None:
-                break
-        for f in futures.values():
-            f.cancel()
+        A yielded view stays valid (its chunk referenced, so never evicted) until the
+        caller asks for the next one or closes the generator."""
+        futures: dict[int, Future[tuple[memoryview | None, bool]]] = {}
+        try:
+            for i in range(len(keys)):
+                for j in range(i, min(len(keys), i + 1 + self.prefetch_ahead)):
+                    if j not in futures:
+                        futures[j] = self._readers.submit(self._fetch, keys[j])
+                view, held = futures.pop(i).result()
+                try:
+                    yield keys[i], view
+                finally:
+                    if held:
+                        self.cpu.release(keys[i])
+                if view is None:
+                    break
+        finally:
+            for j, f in futures.items():
+                if not f.cancel():
+                    _, held = f.result()
+                    if held:
+                        self.cpu.release(keys[j])
 
-    def _fetch(self, key: bytes) -> bytes | None:
-        """Make sure ``key`` is in the CPU tier (promoting it from a lower tier); its record or None."""
+    def _fetch(self, key: bytes) -> tuple[memoryview | None, bool]:
+        """The record, referenced in the CPU tier when it fits there: (view, holds a CPU ref)."""
         view = self.cpu.acquire(key)
         if view is not None:
-            self.cpu.release(key)
             self._count("cpu", len(view))
-            return bytes(0)
+            return view, True
         for tier in self.lower:
             record = tier.get([key])[0]
             if record is not None:
                 self._count(tier.name, len(record))
-                self.cpu.put(key, record)
-                return record
-        return None
+                held = self.cpu.put_acquire(key, record)
+                return (held, True) if held is not None else (memoryview(record), False)
+        return None, False
 
     def _count(self, tier: str, n: int) -> None:
         self.stats.hits[tier] = self.stats.hits.get(tier, 0) + 1
         self.stats.bytes_loaded[tier] = self.stats.bytes_loaded.get(tier, 0) + n
-
-    def release(self, key: bytes) -> None:
-        self.cpu.release(key)
 
     def close(self) -> None:
         self.flush(wait=True)
