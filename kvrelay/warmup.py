@@ -14,6 +14,7 @@ import argparse
 import json
 import re
 import sys
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,16 @@ def main(args: argparse.Namespace) -> int:
             n = int(json.loads(r.read())["usage"]["prompt_tokens"])
         tokens += n
         full_chunks += n // args.chunk_tokens
-    stored = _stored(args.metrics) - before if args.metrics else full_chunks
+    stored = float(full_chunks)
+    if args.metrics:            # saves finish off the request path: wait until the count settles
+        deadline, last, since = time.monotonic() + 30, -1.0, time.monotonic()
+        while time.monotonic() < deadline:
+            stored = _stored(args.metrics) - before
+            if stored >= full_chunks or (stored == last and time.monotonic() - since > 2):
+                break
+            if stored != last:
+                last, since = stored, time.monotonic()
+            time.sleep(0.2)
     how = "stored (worker metrics)" if args.metrics else "full chunks computed (stored unless already present)"
     print(f"warmup: {len(items)} prompts, {tokens} prompt tokens, {int(stored)} chunks {how}", file=sys.stderr)
     return 0

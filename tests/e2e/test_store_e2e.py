@@ -68,7 +68,6 @@ def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_sta
     import subprocess
     import sys
     import time
-    import urllib.request
 
     from kvrelay import config as kcfg
     from kvrelay.launch import Role, wait_healthy
@@ -77,10 +76,14 @@ def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_sta
     stack = two_prefill_stack
     node_b = stack.stack.url([s for s in stack.stack.specs if s.role is Role.PREFILL][1])
     prefix = Case("warm", "completion", False, 1100, 77).text()
-    # Warm the prefix on node B directly (what `kvrelay warmup --url B` does).
-    body = json.dumps({"model": "kvrelay-tiny", "prompt": prefix, "max_tokens": 1}).encode()
-    urllib.request.urlopen(urllib.request.Request(f"{node_b}/v1/completions", data=body,
-                                                  headers={"Content-Type": "application/json"}), timeout=120).read()
+    # Warm the prefix on node B with `kvrelay warmup` (counting stored chunks from B's worker metrics).
+    prompts = tmp_path / "hot.jsonl"
+    prompts.write_text(json.dumps({"prompt": prefix}) + "\n")
+    metrics_b = f"http://127.0.0.1:{stack.cfg.connector.metrics_port + 1}/"
+    warm = subprocess.run([sys.executable, "-m", "kvrelay.cli", "warmup", "--prompts", str(prompts), "--url", node_b,
+                           "--metrics", metrics_b], capture_output=True, text=True, timeout=300)
+    assert warm.returncode == 0, warm.stderr
+    assert "1 prompts, 1100 prompt tokens, 4 chunks stored" in warm.stderr, warm.stderr
     time.sleep(1.0)                                          # store events reach the router
     picks = [_prefill_of(stack.router_url, prefix + Case(f"q{i}", "completion", False, 40, i).text())
              for i in range(4)]
