@@ -35,27 +35,15 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig
+from kvrelay.connector_base import RelayConnector, RelayMeta
 
 if TYPE_CHECKING:
-    import torch
-
     from decode.installer import InstallWorker
 
 log = logging.getLogger("vllm.kvrelay.decode")
 
-# While every request waits on a load, vLLM steps the engine back to back with empty steps.
-# In such a step get_finished waits up to this long for an install to finish (returning at
-# once when one does), which turns that busy loop into a few hundred steps per second
-# instead of thousands - CPU the prefill node on a shared host gets back.
-IDLE_WAIT_S = 0.003
 
 
 @dataclass
@@ -69,10 +57,9 @@ class LoadSpec:
 
 
 @dataclass
-class DecodeMeta(KVConnectorMetadata):
+class DecodeMeta(RelayMeta):
     loads: list[LoadSpec] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
-    idle: bool = False         # the engine scheduled no tokens this step (it is only waiting on loads)
 
 
 class DecodeScheduler:
@@ -113,8 +100,9 @@ class DecodeScheduler:
         self._loads.append(LoadSpec(rid, params.transfer_id, list(request.prompt_token_ids),
                                     list(blocks.get_block_ids()[0]), local, num_external))
 
-    def build_meta(self, idle: bool = False) -> DecodeMeta:
-        meta = DecodeMeta(self._loads, self._cancelled, idle)
+    def build_meta(self, so: Any = None) -> DecodeMeta:
+        idle = so is not None and so.total_num_scheduled_tokens == 0
+        meta = DecodeMeta(loads=self._loads, cancelled=self._cancelled, idle=idle)
         self._loads, self._cancelled = [], []
         return meta
 
@@ -135,61 +123,23 @@ class DecodeScheduler:
         return bool(self._loading or self._cancelled)
 
 
-class DecodeConnector(KVConnectorBase_V1):
+class DecodeConnector(RelayConnector):
     """Consumer connector. Load with ``--kv-transfer-config '{"kv_connector": "DecodeConnector",
     "kv_connector_module_path": "decode.connector", "kv_role": "kv_consumer",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kvrelay": {...}}}'``."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        self.cfg = pd.connector_config(vllm_config)
-        self._sched = DecodeScheduler(self.cfg) if role == KVConnectorRole.SCHEDULER else None
-        self._worker: InstallWorker | None = None
-        if role == KVConnectorRole.WORKER:
-            from decode.installer import InstallWorker
+    def make_scheduler(self, vllm_config: Any) -> DecodeScheduler:
+        return DecodeScheduler(self.cfg)
 
-            self._worker = InstallWorker(self.cfg, vllm_config)
+    def make_worker(self, vllm_config: Any) -> InstallWorker:
+        from decode.installer import InstallWorker
 
-    # ---------------------------------------------------------------- scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        assert self._sched is not None
-        return self._sched.matched(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._sched is not None
-        self._sched.after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._sched is not None
-        return self._sched.build_meta(scheduler_output.total_num_scheduled_tokens == 0)
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._sched is not None
-        return self._sched.request_finished(request)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        assert self._sched is not None
-        self._sched.update_output(connector_output)
-
-    def has_pending_push_work(self) -> bool:
-        return self._sched is not None and self._sched.has_pending()
-
-    # ---------------------------------------------------------------- worker side
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register(kv_caches)
+        return InstallWorker(self.cfg, vllm_config)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, DecodeMeta)
+        meta = self._meta()
+        if self._worker is not None and isinstance(meta, DecodeMeta):
             self._worker.start(meta.loads, meta.cancelled)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None
 
     def wait_for_save(self) -> None:
         return None
@@ -197,14 +147,4 @@ class DecodeConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if isinstance(meta, DecodeMeta) and meta.idle:
-            self._worker.wait_for_progress(IDLE_WAIT_S)
-        return None, self._worker.take_finished() or None
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_errors() if self._worker is not None else set()
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+        return None, self._settled()

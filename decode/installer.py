@@ -9,7 +9,6 @@ the model thread only starts them and collects results.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels.blocks import KVLayout, scatter
+from kernels.blocks import scatter
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig
+from kvrelay.connector_base import WorkerBase
 from transport.backends import make_receiver_backend
 from transport.errors import KVRelayError, TransferTimeout
 from transport.events import ChunkArrival, ChunkRejected, TransferDone, TransferFailed
@@ -49,30 +49,21 @@ def _busy_slots(pool: Any) -> int:
     return int(st.leased + st.filled + st.held)
 
 
-class InstallWorker:
+class InstallWorker(WorkerBase):
+    role = "decode"
+
     def __init__(self, cfg: KVRelayConfig, vllm_config: Any) -> None:
-        self.cfg = cfg
-        self.vllm_config = vllm_config
-        self.block_size: int = vllm_config.cache_config.block_size
-        if cfg.chunk_tokens % self.block_size:
-            raise pd.ParamsError(f"chunk_tokens={cfg.chunk_tokens} must be a multiple of the engine "
-                                 f"block size {self.block_size}")
-        self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
-        self.layout: KVLayout | None = None
-        self.fingerprint: Any = None
+        super().__init__(cfg, vllm_config)
         self.receiver: Receiver | None = None
-        self.events = pd.EventLog(cfg.connector.events_path, f"decode-{os.getpid()}")
-        self.metrics = pd.metrics(cfg.connector.metrics_port)
-        self._lock = threading.Lock()
         self._loads: dict[str, _Load] = {}
-        self._finished: set[str] = set()
-        self._errors: set[int] = set()
-        self._progress = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvrelay-install")
 
+    def busy(self) -> bool:
+        return bool(self._loads)
+
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layout = KVLayout.from_caches(kv_caches)
-        self.fingerprint = pd.engine_fingerprint(self.vllm_config, self.layout)
+        super().register(kv_caches)
+        assert self.layout is not None
         slot = HEADER_SIZE + self.layout.chunk_bytes(self.blocks_per_chunk)
         self.receiver = self._make_receiver(slot)
         pool = self.receiver.pool
@@ -119,22 +110,6 @@ class InstallWorker:
                 victim.cancelled.set()
                 assert self.receiver is not None
                 self.receiver.abort(victim.spec.transfer_id, "request aborted on the decode node")
-
-    def take_finished(self) -> set[str]:
-        with self._lock:
-            done, self._finished = self._finished, set()
-            self._progress.clear()
-        return done
-
-    def wait_for_progress(self, timeout: float) -> None:
-        """Block up to ``timeout`` while loads are in flight and none has finished."""
-        if self._loads and not self._finished:
-            self._progress.wait(timeout)
-
-    def take_errors(self) -> set[int]:
-        with self._lock:
-            errs, self._errors = self._errors, set()
-        return errs
 
     # ---------------------------------------------------------------- install task
     def _first_chunk(self, load: _Load) -> int:
@@ -243,9 +218,7 @@ class InstallWorker:
                           failed={str(k): v for k, v in sorted(load.failed.items())})
         with self._lock:
             self._loads.pop(spec.req_id, None)
-            self._errors |= errors
-            self._finished.add(spec.req_id)
-            self._progress.set()
+        self.settled(spec.req_id, errors)
 
     def pool_stats(self) -> Any:
         return self.receiver.pool.stats() if self.receiver is not None else None

@@ -1,5 +1,6 @@
 """Triton gather/scatter for KV caches in GPU memory (one launch over all layers).
 
+One kernel for both directions (``GATHER`` is a compile-time flag).
 Grid: ``(L * n, ceil(words_per_block / BLOCK))``; program ``(p, q)`` copies words
 ``[q*BLOCK, (q+1)*BLOCK)`` of block ``block_ids[p % n]`` of layer ``p // n``.
 Blocks are moved as 16-byte words when ``bytes_per_block`` allows (else 4-byte),
@@ -30,34 +31,26 @@ def available() -> bool:
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernel() -> Any:
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _gather(src_ptr, dst_ptr, ids_ptr, n, layer_stride, words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        p = tl.program_id(0)
-        q = tl.program_id(1)
-        layer = p // n
+    def _copy(cache_ptr, chunk_ptr, ids_ptr, n, layer_stride, words, GATHER: tl.constexpr,  # type: ignore[no-untyped-def]
+              BLOCK: tl.constexpr):
+        p = tl.program_id(0)                      # (layer, block) pair: layer = p // n
+        q = tl.program_id(1)                      # which BLOCK-word slice of the block
         blk = tl.load(ids_ptr + p % n).to(tl.int64)
         offs = q * BLOCK + tl.arange(0, BLOCK)
         mask = offs < words
-        src = src_ptr + layer.to(tl.int64) * layer_stride + blk * words + offs
-        vals = tl.load(src, mask=mask)
-        tl.store(dst_ptr + p.to(tl.int64) * words + offs, vals, mask=mask)
+        cache = cache_ptr + (p // n).to(tl.int64) * layer_stride + blk * words + offs
+        chunk = chunk_ptr + p.to(tl.int64) * words + offs
+        if GATHER:
+            tl.store(chunk, tl.load(cache, mask=mask), mask=mask)
+        else:
+            tl.store(cache, tl.load(chunk, mask=mask), mask=mask)
 
-    @triton.jit
-    def _scatter(src_ptr, dst_ptr, ids_ptr, n, layer_stride, words, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        p = tl.program_id(0)
-        q = tl.program_id(1)
-        layer = p // n
-        blk = tl.load(ids_ptr + p % n).to(tl.int64)
-        offs = q * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < words
-        vals = tl.load(src_ptr + p.to(tl.int64) * words + offs, mask=mask)
-        tl.store(dst_ptr + layer.to(tl.int64) * layer_stride + blk * words + offs, vals, mask=mask)
-
-    return _gather, _scatter
+    return _copy
 
 
 def _word_dtype(bpb: int) -> tuple[torch.dtype, int]:
@@ -68,7 +61,7 @@ def _word_dtype(bpb: int) -> tuple[torch.dtype, int]:
     return torch.uint8, 1
 
 
-def _launch(kernel: Any, layout: KVLayout, block_ids: torch.Tensor, chunk: torch.Tensor, gather: bool) -> None:
+def _launch(layout: KVLayout, block_ids: torch.Tensor, chunk: torch.Tensor, gather: bool) -> None:
     if layout.stacked is None:
         raise ValueError("CUDA gather/scatter needs layers at a constant stride in one buffer")
     st = layout.stacked                              # [L, num_blocks, bpb] uint8
@@ -80,16 +73,15 @@ def _launch(kernel: Any, layout: KVLayout, block_ids: torch.Tensor, chunk: torch
     BLOCK = 1024
     grid = (layout.num_layers * n, (words + BLOCK - 1) // BLOCK)
     ids = block_ids.to(device=st.device, dtype=torch.int64)
-    src, dst = (cache, flat) if gather else (flat, cache)
-    kernel[grid](src, dst, ids, n, cache.stride(0), words, BLOCK=BLOCK)
+    _kernel()[grid](cache, flat, ids, n, cache.stride(0), words, GATHER=gather, BLOCK=BLOCK)
 
 
 def gather(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[L, n, bpb] (uint8, CUDA, contiguous) <- cache blocks ``block_ids`` of every layer."""
-    _launch(_kernels()[0], layout, block_ids, out, gather=True)
+    _launch(layout, block_ids, out, gather=True)
     return out
 
 
 def scatter(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
     """cache blocks ``block_ids`` of every layer <- src[L, n, bpb] (uint8, CUDA, contiguous)."""
-    _launch(_kernels()[1], layout, block_ids, src, gather=False)
+    _launch(layout, block_ids, src, gather=False)

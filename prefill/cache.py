@@ -66,7 +66,7 @@ class Publisher:
     """ZeroMQ PUB of StoreEvents (thread-safe; the store calls it from several threads)."""
 
     def __init__(self, host: str, port: int) -> None:
-        self._sock = zmq.Context.instance().socket(zmq.PUB)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 10000)
         self._sock.bind(f"tcp://{host}:{port}")
@@ -92,7 +92,7 @@ def lookup_endpoint(vllm_config: Any) -> str:
 
 
 def store_enabled(cfg: KVRelayConfig) -> bool:
-    return cfg.store.cpu_bytes > 0 and cfg.store.enabled
+    return int(cfg.store.cpu_bytes) > 0 and cfg.store.enabled
 
 
 def hit_limit(n_prompt: int, chunk_tokens: int) -> int:
@@ -105,8 +105,8 @@ class StoreClient:
 
     def __init__(self, endpoint: str, timeout_s: float = 0.5) -> None:
         self.endpoint, self.timeout_ms = endpoint, int(timeout_s * 1000)
-        self._ctx = zmq.Context.instance()
-        self._sock: zmq.Socket | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock: zmq.Socket[bytes] | None = None
 
     def lookup(self, token_ids: list[int]) -> int:
         if self._sock is None:
@@ -130,9 +130,9 @@ class StoreService:
         self.metrics = pd.metrics(cfg.connector.metrics_port)
         s = cfg.store
         self.publisher = Publisher(cfg.transport.host, s.publish_port) if s.publish_port else None
-        self.store = MultiTierStore(s.cpu_bytes, policy=s.eviction_policy.value, disk_path=s.disk_path,
-                                    disk_bytes=s.disk_bytes, redis_url=s.redis_url,
-                                    deferred_bytes=s.deferred_bytes, prefetch_ahead=s.prefetch_ahead,
+        self.store = MultiTierStore(int(s.cpu_bytes), policy=s.eviction_policy.value, disk_path=s.disk_path,
+                                    disk_bytes=int(s.disk_bytes), redis_url=s.redis_url,
+                                    deferred_bytes=int(s.deferred_bytes), prefetch_ahead=s.prefetch_ahead,
                                     on_event=self.publisher)
         self.endpoint = lookup_endpoint(vllm_config)
         self.layout: KVLayout | None = None
@@ -153,7 +153,7 @@ class StoreService:
 
     def _serve(self) -> None:
         pd.place_helper_thread(self.cfg.connector.helper_cpus)
-        sock = zmq.Context.instance().socket(zmq.REP)
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
         sock.setsockopt(zmq.LINGER, 0)
         path = self.endpoint.removeprefix("ipc://")
         if os.path.exists(path):

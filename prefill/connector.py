@@ -30,19 +30,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig
+from kvrelay.connector_base import RelayConnector, RelayMeta
 from prefill.cache import StoreClient, hit_limit, lookup_endpoint, store_enabled
 
 if TYPE_CHECKING:
-    import torch
-
     from prefill.pusher import PushWorker
 
 log = logging.getLogger("vllm.kvrelay.prefill")
@@ -74,11 +67,10 @@ class StoreLoad:
 
 
 @dataclass
-class PrefillMeta(KVConnectorMetadata):
+class PrefillMeta(RelayMeta):
     pushes: list[PushSpec] = field(default_factory=list)
     loads: list[StoreLoad] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)   # requests whose block free we delayed
-    idle: bool = False                                   # no tokens scheduled: only pushes pending
 
 
 class PrefillScheduler:
@@ -174,83 +166,31 @@ class PrefillScheduler:
         return bool(self._delayed or self._finished)
 
 
-class PrefillConnector(KVConnectorBase_V1):
+class PrefillConnector(RelayConnector):
     """Producer connector. Load with ``--kv-transfer-config '{"kv_connector": "PrefillConnector",
     "kv_connector_module_path": "prefill.connector", "kv_role": "kv_producer",
     "kv_connector_extra_config": {"kvrelay": {...}}}'``."""
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
-        self.cfg = pd.connector_config(vllm_config)
-        self._sched: PrefillScheduler | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            client = StoreClient(lookup_endpoint(vllm_config)) if store_enabled(self.cfg) else None
-            self._sched = PrefillScheduler(self.cfg, client)
-        self._worker: PushWorker | None = None
-        if role == KVConnectorRole.WORKER:
-            from prefill.pusher import PushWorker
+    def make_scheduler(self, vllm_config: Any) -> PrefillScheduler:
+        client = StoreClient(lookup_endpoint(vllm_config)) if store_enabled(self.cfg) else None
+        return PrefillScheduler(self.cfg, client)
 
-            self._worker = PushWorker(self.cfg, vllm_config)
+    def make_worker(self, vllm_config: Any) -> PushWorker:
+        from prefill.pusher import PushWorker
 
-    # ---------------------------------------------------------------- scheduler side
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        assert self._sched is not None
-        return self._sched.matched(request, num_computed_tokens)
-
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._sched is not None
-        self._sched.after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._sched is not None
-        return self._sched.build_meta(scheduler_output)
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._sched is not None
-        return self._sched.request_finished(request)
-
-    def update_connector_output(self, connector_output: Any) -> None:
-        assert self._sched is not None
-        self._sched.update_output(connector_output)
-
-    def has_pending_push_work(self) -> bool:
-        return self._sched is not None and self._sched.has_pending()
-
-    # ---------------------------------------------------------------- worker side
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register(kv_caches)
+        return PushWorker(self.cfg, vllm_config)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, PrefillMeta)
-            if meta.loads:
-                self._worker.load_from_store(meta.loads)
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_errors() if self._worker is not None else set()
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
-
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None
+        meta = self._meta()
+        if self._worker is not None and isinstance(meta, PrefillMeta) and meta.loads:
+            self._worker.load_from_store(meta.loads)
 
     def wait_for_save(self) -> None:
-        if self._worker is not None and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, PrefillMeta)
+        meta = self._meta()
+        if self._worker is not None and isinstance(meta, PrefillMeta):
             self._worker.on_step(meta.pushes, meta.finished)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if isinstance(meta, PrefillMeta) and meta.idle:
-            self._worker.wait_for_progress(0.003)     # see decode.connector.IDLE_WAIT_S
-        return self._worker.take_finished() or None, None
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.close()
+        return self._settled(), None

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import torch
 from kernels.blocks import KVLayout, gather
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig, TransportKind
+from kvrelay.connector_base import WorkerBase
 from prefill.cache import StoreService, store_enabled
 from transport.backends import make_sender_backend
 from transport.backends.base import WriteHandle, WriteState
@@ -56,26 +56,14 @@ class _Push:
     failed: str = ""
 
 
-class PushWorker:
+class PushWorker(WorkerBase):
+    role = "prefill"
+
     def __init__(self, cfg: KVRelayConfig, vllm_config: Any) -> None:
-        self.cfg = cfg
-        self.vllm_config = vllm_config
-        self.block_size: int = vllm_config.cache_config.block_size
-        if cfg.chunk_tokens % self.block_size:
-            raise pd.ParamsError(f"chunk_tokens={cfg.chunk_tokens} must be a multiple of the engine "
-                                 f"block size {self.block_size}")
-        self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
-        self.layout: KVLayout | None = None
-        self.fingerprint: Any = None
-        self.events = pd.EventLog(cfg.connector.events_path, f"prefill-{os.getpid()}")
-        self.metrics = pd.metrics(cfg.connector.metrics_port)
-        self._lock = threading.Condition()
+        super().__init__(cfg, vllm_config)
         self._pushes: dict[str, _Push] = {}
-        self._finished: set[str] = set()
-        self._progress = threading.Event()
         self._senders: dict[str, Sender] = {}
         self._pushed = 0
-        self._errors: set[int] = set()
         self.store: StoreService | None = None
         if store_enabled(cfg):
             self.store = StoreService(cfg, vllm_config, self.events)
@@ -83,9 +71,12 @@ class PushWorker:
         self._thread = threading.Thread(target=self._run, name="kvrelay-push", daemon=True)
         self._thread.start()
 
+    def busy(self) -> bool:
+        return bool(self._pushes)
+
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layout = KVLayout.from_caches(kv_caches)
-        self.fingerprint = pd.engine_fingerprint(self.vllm_config, self.layout)
+        super().register(kv_caches)
+        assert self.layout is not None
         if self.store is not None:
             self.store.bind(self.layout, self.fingerprint)
         log.info("kvrelay prefill: %d layers, %d blocks x %d B, chunk %d tokens = %d B, backend %s",
@@ -104,8 +95,7 @@ class PushWorker:
             for rid in finished:
                 p = self._pushes.get(rid)
                 if p is None:
-                    self._finished.add(rid)
-                    self._progress.set()
+                    self.settled(rid)
                 else:
                     p.closing = True
             self._lock.notify()
@@ -132,23 +122,7 @@ class PushWorker:
                 log.warning("request %s: %d blocks not loadable from the store; recomputing them",
                             ld.req_id, len(failed))
                 with self._lock:
-                    self._errors |= failed
-
-    def take_errors(self) -> set[int]:
-        with self._lock:
-            errs, self._errors = self._errors, set()
-        return errs
-
-    def take_finished(self) -> set[str]:
-        with self._lock:
-            done, self._finished = self._finished, set()
-            self._progress.clear()
-        return done
-
-    def wait_for_progress(self, timeout: float) -> None:
-        """Block up to ``timeout`` while pushes are pending and none has settled."""
-        if self._pushes and not self._finished:
-            self._progress.wait(timeout)
+                    self._errors |= failed            # reported in this step (a sync load)
 
     # ---------------------------------------------------------------- push thread
     def _run(self) -> None:
@@ -292,8 +266,7 @@ class PushWorker:
         if settled and p.closing:
             with self._lock:
                 self._pushes.pop(p.spec.req_id, None)
-                self._finished.add(p.spec.req_id)
-                self._progress.set()
+            self.settled(p.spec.req_id)
             self.metrics.inflight.labels("prefill").dec()
             self.events.write("push_end", req=p.spec.req_id, transfer=p.spec.transfer_id,
                               ok=not p.failed, chunks=p.n_chunks)

@@ -16,35 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from collections import defaultdict
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from prefill.cache import StoreEvent
 from router.pools import Node
-from transport.keys import ROOT_KEY
+from transport.keys import chunk_keys_from_digest
 
 log = logging.getLogger("kvrelay.router")
-
-
-def keys_from_digest(token_ids: list[int], fingerprint: bytes, chunk_tokens: int, full_only: bool = True) -> list[bytes]:
-    """Same chaining as transport.keys.chunk_keys, from the fingerprint digest the nodes publish."""
-    tokens = np.asarray(token_ids, dtype="<i8")
-    n = (len(tokens) // chunk_tokens) * chunk_tokens if full_only else len(tokens)
-    keys, prev = [], ROOT_KEY
-    for start in range(0, n, chunk_tokens):
-        h = hashlib.sha256(prev)
-        h.update(tokens[start:start + chunk_tokens].tobytes())
-        h.update(fingerprint)
-        prev = h.digest()
-        keys.append(prev)
-    return keys
 
 
 class ChunkIndex:
@@ -104,7 +88,8 @@ class ChunkIndex:
         if not self.fingerprint:
             return hits
         alive = set(range(len(self.nodes)))
-        for depth, key in enumerate(keys_from_digest(token_ids, self.fingerprint, self.chunk_tokens), 1):
+        for depth, key in enumerate(chunk_keys_from_digest(token_ids[: len(token_ids) // self.chunk_tokens * self.chunk_tokens],
+                                                                 self.fingerprint, self.chunk_tokens), 1):
             alive &= self.holders.get(key, set())
             if not alive:
                 break
@@ -123,10 +108,10 @@ class PromptTokenizer:
 
     def __call__(self, body: dict[str, Any]) -> list[int] | None:
         if "messages" in body:
-            ids = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids: Any = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):          # a BatchEncoding in newer transformers
                 ids = ids["input_ids"]
-            return list(ids)
+            return [int(t) for t in ids]
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             return list(self.tok(prompt).input_ids)

@@ -48,16 +48,21 @@ class Fingerprint:
 def chunk_keys(token_ids: Sequence[int] | np.ndarray, fingerprint: Fingerprint,
                chunk_tokens: int) -> list[bytes]:
     """Return one 32-byte key per chunk of ``token_ids`` (the tail included)."""
+    return chunk_keys_from_digest(token_ids, fingerprint.digest(), chunk_tokens)
+
+
+def chunk_keys_from_digest(token_ids: Sequence[int] | np.ndarray, fingerprint_digest: bytes,
+                           chunk_tokens: int) -> list[bytes]:
+    """:func:`chunk_keys` from a fingerprint digest (what nodes announce to the router)."""
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be > 0, got {chunk_tokens}")
     tokens = np.asarray(token_ids, dtype="<i8")   # [n] fixed-width little-endian
-    fp = fingerprint.digest()
     keys: list[bytes] = []
     prev = ROOT_KEY
     for start in range(0, len(tokens), chunk_tokens):
         h = hashlib.sha256(prev)
         h.update(tokens[start:start + chunk_tokens].tobytes())
-        h.update(fp)
+        h.update(fingerprint_digest)
         prev = h.digest()
         keys.append(prev)
     return keys

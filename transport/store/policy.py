@@ -79,7 +79,7 @@ class LFU(Policy):
 
 
 def make_policy(name: str) -> Policy:
-    try:
-        return {"lru": LRU, "lfu": LFU, "fifo": FIFO}[name]()
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; use lru, lfu or fifo") from None
+    classes: dict[str, type[Policy]] = {"lru": LRU, "lfu": LFU, "fifo": FIFO}
+    if name not in classes:
+        raise ValueError(f"unknown eviction policy {name!r}; use lru, lfu or fifo")
+    return classes[name]()

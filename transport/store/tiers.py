@@ -191,7 +191,8 @@ class RedisTier(Tier):
             self._outage("get", exc)
             return [None] * len(keys)
         out: list[bytes | None] = []
-        for key, value in zip(keys, values, strict=True):
+        for key, raw in zip(keys, values, strict=True):
+            value: bytes | None = raw if isinstance(raw, bytes) else None
             if value is not None and not check_record(key, value):
                 self.corrupt += 1
                 log.warning("redis tier: corrupt record %s dropped", key.hex()[:16])

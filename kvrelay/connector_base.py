@@ -1,0 +1,176 @@
+"""What the prefill and decode connectors share: the vLLM hook plumbing and the worker basics.
+
+vLLM instantiates a connector twice, in two processes: once with the SCHEDULER role
+(EngineCore) and once with the WORKER role (the model runner). :class:`RelayConnector`
+builds the role's half (``make_scheduler`` / ``make_worker``) and routes every hook to
+it. Hooks a role never receives assert that its half exists.
+
+Contract of the halves:
+
+* scheduler half: ``matched(request, num_computed) -> (tokens, async)``,
+  ``after_alloc(request, blocks, n)``, ``build_meta(scheduler_output) -> RelayMeta``,
+  ``request_finished(request) -> (delay_free, params)``, ``update_output(out)``,
+  ``has_pending() -> bool`` (keep the engine stepping);
+* worker half (:class:`WorkerBase`): ``register(kv_caches)``, ``take_finished()``,
+  ``take_errors()``, ``wait_for_progress(timeout)``, ``close()``; the subclass
+  connector decides what ``start_load_kv`` / ``wait_for_save`` do with the metadata.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kernels.blocks import KVLayout
+from kvrelay import pd
+from kvrelay.config import KVRelayConfig
+
+# While every request only waits on transfers, vLLM steps the engine back to back with
+# empty steps. In such a step ``get_finished`` waits up to this long for a transfer to
+# settle (returning at once when one does): a few hundred steps per second instead of
+# thousands, CPU a co-located engine gets back.
+IDLE_WAIT_S = 0.003
+
+
+@dataclass
+class RelayMeta(KVConnectorMetadata):
+    idle: bool = False          # the engine scheduled no tokens this step
+
+
+class WorkerBase:
+    """Engine geometry, event log, metrics and the finished/error hand-off to vLLM."""
+
+    role = "worker"
+
+    def __init__(self, cfg: KVRelayConfig, vllm_config: Any) -> None:
+        self.cfg = cfg
+        self.vllm_config = vllm_config
+        self.block_size: int = vllm_config.cache_config.block_size
+        if cfg.chunk_tokens % self.block_size:
+            raise pd.ParamsError(f"chunk_tokens={cfg.chunk_tokens} must be a multiple of the engine "
+                                 f"block size {self.block_size}")
+        self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
+        self.layout: KVLayout | None = None
+        self.fingerprint: Any = None
+        self.events = pd.EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
+        self.metrics = pd.metrics(cfg.connector.metrics_port)
+        self._lock = threading.Condition()
+        self._finished: set[str] = set()
+        self._errors: set[int] = set()
+        self._progress = threading.Event()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.layout = KVLayout.from_caches(kv_caches)
+        self.fingerprint = pd.engine_fingerprint(self.vllm_config, self.layout)
+
+    def busy(self) -> bool:
+        """Transfers in flight (the subclass says which)."""
+        return False
+
+    def settled(self, req_id: str, failed_blocks: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        """Report a request to vLLM at the next ``get_finished`` (any thread)."""
+        with self._lock:
+            self._errors |= failed_blocks
+            self._finished.add(req_id)
+            self._progress.set()
+
+    def take_finished(self) -> set[str]:
+        with self._lock:
+            done, self._finished = self._finished, set()
+            self._progress.clear()
+        return done
+
+    def take_errors(self) -> set[int]:
+        with self._lock:
+            errs, self._errors = self._errors, set()
+        return errs
+
+    def wait_for_progress(self, timeout: float) -> None:
+        """Block up to ``timeout`` while transfers are in flight and none has settled."""
+        if self.busy() and not self._finished:
+            self._progress.wait(timeout)
+
+    def close(self) -> None:  # noqa: B027 - optional
+        pass
+
+
+class RelayConnector(KVConnectorBase_V1):
+    """Routes vLLM's hooks to the scheduler half or the worker half of one connector."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.cfg = pd.connector_config(vllm_config)
+        self._sched: Any = self.make_scheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        self._worker: Any = self.make_worker(vllm_config) if role == KVConnectorRole.WORKER else None
+
+    def make_scheduler(self, vllm_config: Any) -> Any:
+        raise NotImplementedError
+
+    def make_worker(self, vllm_config: Any) -> Any:
+        raise NotImplementedError
+
+    def _meta(self) -> Any:
+        return self._get_connector_metadata() if self.has_connector_metadata() else None
+
+    # ---------------------------------------------------------------- scheduler side
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        assert self._sched is not None
+        result: tuple[int, bool] = self._sched.matched(request, num_computed_tokens)
+        return result
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._sched is not None
+        meta: KVConnectorMetadata = self._sched.build_meta(scheduler_output)
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        result: tuple[bool, dict[str, Any] | None] = self._sched.request_finished(request)
+        return result
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.update_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and bool(self._sched.has_pending())
+
+    # ---------------------------------------------------------------- worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register(kv_caches)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def _settled(self) -> set[str] | None:
+        """Requests whose transfers settled; in an idle step, first wait briefly for one."""
+        assert self._worker is not None
+        meta = self._meta()
+        if isinstance(meta, RelayMeta) and meta.idle:
+            self._worker.wait_for_progress(IDLE_WAIT_S)
+        done: set[str] = self._worker.take_finished()
+        return done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
