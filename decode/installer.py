@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,6 +58,7 @@ class InstallWorker(WorkerBase):
         super().__init__(cfg, vllm_config)
         self.receiver: Receiver | None = None
         self._loads: dict[str, _Load] = {}
+        self._local: Counter[bytes] = Counter()   # keys of chunks D already holds (prefix cache)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvrelay-install")
 
     def busy(self) -> bool:
@@ -80,7 +83,7 @@ class InstallWorker(WorkerBase):
             pd.place_helper_thread(self.cfg.connector.helper_cpus)
             try:
                 box.append(Receiver(self.cfg, make_receiver_backend(self.cfg), self.fingerprint.digest(),
-                                    slot_bytes=slot))
+                                    slot_bytes=slot, held_keys=self._held))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 box.append(exc)
 
@@ -98,6 +101,7 @@ class InstallWorker(WorkerBase):
             load = _Load(spec, keys, t_start=time.monotonic())
             with self._lock:
                 self._loads[spec.req_id] = load
+                self._local.update(keys[:self._first_chunk(load)])
             assert self.receiver is not None
             self.receiver.expect(spec.transfer_id)
             self.metrics.inflight.labels("decode").inc()
@@ -193,7 +197,15 @@ class InstallWorker(WorkerBase):
             if c not in load.installed:
                 load.failed.setdefault(c, reason)
 
+    def _held(self, keys: Sequence[bytes]) -> list[bool]:
+        """Receiver hook at Alloc time: chunks wholly inside D's own prefix-cache hit are not sent."""
+        with self._lock:
+            return [k in self._local for k in keys]
+
     def _complete(self, load: _Load) -> None:
+        with self._lock:
+            self._local.subtract(load.keys[:self._first_chunk(load)])
+            self._local += Counter()                 # drop keys whose count reached zero
         assert self.receiver is not None
         self.receiver.finish(load.spec.transfer_id)
         spec, n = load.spec, len(load.spec.token_ids)
