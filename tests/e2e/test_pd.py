@@ -62,6 +62,20 @@ def test_pipelined_install(pd_stack, reference):
     assert first_install < last_push_done, (first_install, last_push_done)
 
 
+def test_repeated_prompt_sends_only_what_decode_lacks(pd_stack, reference):
+    """A prompt D has seen sits in D's prefix cache: P is told those chunks are held and skips them."""
+    case = CASES[6]                                  # c1100, already served once by this stack
+    rid = _rid(pd_stack, case)
+    text, _ = run_case(openai_client(pd_stack.router_url), case, rid)
+    assert text == reference[case.name]
+    evs = pd_stack.wait_events(rid, {"load_done", "push_end"})
+    alloc = next(e for e in evs if e["event"] == "push_alloc")
+    done = next(e for e in evs if e["event"] == "load_done")
+    assert done["local_tokens"] >= 1024 and done["recomputed_tokens"] == 0, done
+    assert alloc["held"] == list(range(done["local_tokens"] // 256)), (alloc, done)
+    assert not [e for e in evs if e["event"] == "push_start" and e["chunk"] in alloc["held"]]
+
+
 def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict, dict]:
     req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **(headers or {})})
     try:
