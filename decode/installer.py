@@ -83,7 +83,7 @@ class InstallWorker(WorkerBase):
             pd.place_helper_thread(self.cfg.connector.helper_cpus)
             try:
                 box.append(Receiver(self.cfg, make_receiver_backend(self.cfg), self.fingerprint.digest(),
-                                    slot_bytes=slot, held_keys=self._held))
+                                    slot_bytes=slot, held_keys=self._held, consumer_wait_s=0.1))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 box.append(exc)
 

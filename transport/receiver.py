@@ -93,13 +93,14 @@ class _Pending:
     sender_id: str
     msg: P.Alloc
     deadline: float
+    arrived: float = 0.0
 
 
 class Receiver:
     """Owns the pool, the control socket and the receiving half of one backend."""
 
     def __init__(self, cfg: KVRelayConfig, backend: ReceiverBackend, fingerprint: bytes, *,
-                 slot_bytes: int, held_keys: HeldKeysFn | None = None,
+                 slot_bytes: int, held_keys: HeldKeysFn | None = None, consumer_wait_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic, receiver_id: str | None = None) -> None:
         self.cfg = cfg
         self.backend = backend
@@ -110,6 +111,9 @@ class Receiver:
         self.stats = ReceiverStats()
         self._clock = clock
         self._held_keys = held_keys
+        # An Alloc that arrives before the consumer called expect() waits up to this long for
+        # it, so held_keys answers with what the consumer knows (0 = grant at once).
+        self._consumer_wait_s = consumer_wait_s
         self._secret = cfg.transport.shared_secret.encode()
         self._lock = threading.RLock()
         self._transfers: dict[str, _Transfer] = {}
@@ -300,13 +304,17 @@ class Receiver:
             if msg.transfer_id in self._transfers:
                 raise _invalid(P.ErrorCode.INVALID, f"transfer {msg.transfer_id!r} already active")
         wait = min(msg.wait_s, self.cfg.timeouts.alloc_wait_s)
-        pending = _Pending(ident, sender, msg, self._clock() + max(wait, 0.0))
+        now = self._clock()
+        pending = _Pending(ident, sender, msg, now + max(wait, 0.0), now)
         if not self._try_grant(pending):
             self.stats.alloc_parked += 1
             self._pending.append(pending)
 
     def _try_grant(self, p: _Pending) -> bool:
         msg = p.msg
+        if (self._consumer_wait_s and msg.transfer_id not in self._queues
+                and self._clock() < p.arrived + self._consumer_wait_s):
+            return False                            # the consumer has not registered it yet
         held_flags = list(self._held_keys(msg.keys)) if self._held_keys else [False] * len(msg.keys)
         want = [i for i, h in enumerate(held_flags) if not h]
         try:
