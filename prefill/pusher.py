@@ -202,6 +202,9 @@ class PushWorker(WorkerBase):
 
     def _push(self, p: _Push, c: int, layout: KVLayout, ids: list[int], gathered: torch.Tensor | None) -> None:
         assert p.alloc is not None and p.sender is not None
+        if c in p.alloc.held:                                # D already has it (its prefix cache)
+            self.metrics.chunks.labels("prefill", "held").inc()
+            return
         t0 = time.monotonic()
         self.events.write("push_start", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c)
         regions, keep = self._regions(layout, ids, gathered)
