@@ -193,9 +193,17 @@ class StackHandle:
             time.sleep(0.1)
 
 
+_ACTIVE: list[launch.Stack] = []
+
+
 def start_stack(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> StackHandle:
+    """Start a stack; the previous one is stopped first (tests are grouped by stack, and a
+    2-core / 24 GiB host cannot hold several vLLM pairs at once)."""
+    while _ACTIVE:
+        _ACTIVE.pop().stop()
     cfg = _cfg(tiny_model, tmp, port0, **over)
     stack = launch.Stack(cfg)
+    _ACTIVE.append(stack)
     try:
         stack.start(progress=False)
     except BaseException:
