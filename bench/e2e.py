@@ -104,13 +104,7 @@ class Servers:
 
     def stop(self) -> None:
         for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            launch.stop_group(p)
         self.procs.clear()
 
 

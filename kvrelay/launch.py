@@ -141,6 +141,21 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log_pa
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s (log: {log_path})")
 
 
+def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """Stop a server started with ``start_new_session=True`` and everything it spawned.
+
+    vLLM's API server spawns an EngineCore and workers; signalling only the API server can
+    leave them orphaned, so the whole process group gets SIGINT, then SIGKILL after ``grace_s``.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace_s)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)       # stragglers of the group, if any
+    proc.wait()
+
+
 class Stack:
     """N prefill + M decode vLLM servers and the router, as child processes."""
 
@@ -206,12 +221,7 @@ class Stack:
                 os.killpg(p.pid, signal.SIGINT)
         deadline = time.monotonic() + 20
         for p in self.procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            stop_group(p, max(0.1, deadline - time.monotonic()))
         self.procs.clear()
 
     def __enter__(self) -> Stack:

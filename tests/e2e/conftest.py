@@ -155,12 +155,7 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         ref["turn2"] = run_turn2(client, ref["turn1"])
         return ref
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        launch.stop_group(proc)
 
 
 @dataclass
