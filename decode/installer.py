@@ -163,7 +163,7 @@ class InstallWorker(WorkerBase):
         try:
             if c >= len(load.keys) or ev.key != load.keys[c]:
                 raise KVRelayError(f"chunk {c} key mismatch: not this prompt's KV (misrouted)")
-            blocks = self._chunk_blocks(load, c)
+            blocks = self.chunk_block_ids(load.spec.block_ids, len(load.spec.token_ids), c)
             if ev.header.num_blocks != len(blocks) or ev.header.num_layers != self.layout.num_layers:
                 raise KVRelayError(f"chunk {c} shape {ev.header.num_layers}x{ev.header.num_blocks} blocks; "
                                    f"expected {self.layout.num_layers}x{len(blocks)}")
@@ -185,12 +185,6 @@ class InstallWorker(WorkerBase):
             self.metrics.chunks.labels("decode", "invalid").inc()
         finally:
             self.receiver.release(ev)
-
-    def _chunk_blocks(self, load: _Load, c: int) -> list[int]:
-        T, n = self.cfg.chunk_tokens, len(load.spec.token_ids)
-        nb = -(-min(T, n - c * T) // self.block_size)
-        start = c * self.blocks_per_chunk
-        return load.spec.block_ids[start:start + nb]
 
     def _fail_rest(self, load: _Load, reason: str) -> None:
         for c in range(self._first_chunk(load), len(load.keys)):

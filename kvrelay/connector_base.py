@@ -72,6 +72,16 @@ class WorkerBase:
         self.layout = KVLayout.from_caches(kv_caches)
         self.fingerprint = pd.engine_fingerprint(self.vllm_config, self.layout)
 
+    def blocks_in_chunk(self, prompt_len: int, c: int) -> int:
+        """Engine blocks chunk ``c`` of a ``prompt_len``-token prompt spans (the tail may be short)."""
+        tokens = min(self.cfg.chunk_tokens, prompt_len - c * self.cfg.chunk_tokens)
+        return -(-tokens // self.block_size)
+
+    def chunk_block_ids(self, block_ids: list[int], prompt_len: int, c: int) -> list[int]:
+        """The request's engine block ids that hold chunk ``c``."""
+        first = c * self.blocks_per_chunk
+        return block_ids[first:first + self.blocks_in_chunk(prompt_len, c)]
+
     def busy(self) -> bool:
         """Transfers in flight (the subclass says which)."""
         return False

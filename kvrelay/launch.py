@@ -149,6 +149,11 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     """
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGINT)
+    reap_group(proc, grace_s)
+
+
+def reap_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for an already signalled server, then SIGKILL what is left of its group."""
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(grace_s)
     with contextlib.suppress(ProcessLookupError):
@@ -220,8 +225,8 @@ class Stack:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGINT)
         deadline = time.monotonic() + 20
-        for p in self.procs.values():
-            stop_group(p, max(0.1, deadline - time.monotonic()))
+        for p in self.procs.values():            # all signalled at once above: shut down in parallel
+            reap_group(p, max(0.1, deadline - time.monotonic()))
         self.procs.clear()
 
     def __enter__(self) -> Stack:

@@ -168,7 +168,7 @@ class PushWorker(WorkerBase):
 
     def _allocate(self, p: _Push) -> None:
         p.sender = self._sender(p.spec.push_to)
-        sizes = [HEADER_SIZE + self.layout_or_fail().chunk_bytes(self._blocks_in(p, c)) for c in range(p.n_chunks)]
+        sizes = [HEADER_SIZE + self.layout_or_fail().chunk_bytes(self.blocks_in_chunk(p.spec.prompt_len, c)) for c in range(p.n_chunks)]
         p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes)
         self.events.write("push_alloc", req=p.spec.req_id, transfer=p.spec.transfer_id, chunks=p.n_chunks,
                           held=list(p.alloc.held))
@@ -178,15 +178,9 @@ class PushWorker(WorkerBase):
             raise KVRelayError("KV caches not registered yet")
         return self.layout
 
-    def _blocks_in(self, p: _Push, c: int) -> int:
-        T, n = self.cfg.chunk_tokens, p.spec.prompt_len
-        tokens = min(T, n - c * T)
-        return -(-tokens // self.block_size)
-
     def _write(self, p: _Push, c: int) -> None:
         layout = self.layout_or_fail()
-        first = c * self.blocks_per_chunk
-        ids = p.spec.block_ids[first:first + self._blocks_in(p, c)]
+        ids = self.chunk_block_ids(p.spec.block_ids, p.spec.prompt_len, c)
         full = len(ids) == self.blocks_per_chunk and (c + 1) * self.cfg.chunk_tokens <= p.spec.prompt_len
         gathered = None
         if self.store is not None and full and 0 <= p.spec.store_from <= c * self.cfg.chunk_tokens:
@@ -242,7 +236,7 @@ class PushWorker(WorkerBase):
         dt = time.monotonic() - t0
         self.metrics.store_latency.observe(dt)
         self.metrics.chunks.labels("prefill", "pushed").inc()
-        self.metrics.bytes.labels("prefill").inc(self.layout_or_fail().chunk_bytes(self._blocks_in(p, c)))
+        self.metrics.bytes.labels("prefill").inc(self.layout_or_fail().chunk_bytes(self.blocks_in_chunk(p.spec.prompt_len, c)))
         self.events.write("push_done", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c,
                           seconds=round(dt, 6))
 
