@@ -9,6 +9,11 @@ ran elsewhere). Reported per turn: median TTFT with the store on / off and their
 the store hit rate (tokens loaded / prompt tokens) and bytes loaded per tier; plus the
 store-path overhead: prefill latency of fresh prompts (nothing to reuse) with the store
 on vs off. JSON + PNG under ``--out``.
+
+The model defaults to the tiny model's ``wide`` variant (``--model wide``): the same KV
+layout, so every chunk is the same 2 MiB, but linear layers dominate its compute as in
+real models. ``--model narrow`` is the 3 M-parameter default model, whose compute is
+mostly attention; ``--model PATH`` runs any local checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 from bench.e2e import ALPHABET, _post
 from kvrelay import config as kcfg
 from kvrelay import launch
+from kvrelay.tiny_model import WIDTHS, ensure_tiny_model
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +40,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-tokens", type=int, default=512)
     p.add_argument("--answer-tokens", type=int, default=64)
     p.add_argument("--fresh-prompts", type=int, default=6, help="store-overhead probe: fresh prompts per run")
+    p.add_argument("--model", default="wide",
+                   help="'wide' (default) or 'narrow' tiny-model variant, or a local model path")
     p.add_argument("--base-port", type=int, default=19300)
     p.add_argument("--out", default="bench_results")
 
@@ -71,7 +79,7 @@ def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, 
 def _run(args: argparse.Namespace, out: Path, store: bool) -> dict[str, Any]:
     sub = out / ("store-on" if store else "store-off")
     sub.mkdir(parents=True, exist_ok=True)
-    data = {"engine": {"max_model_len": 8192, "served_model_name": launch.TINY_NAME,
+    data = {"engine": {"model": args.model_path, "max_model_len": 8192, "served_model_name": launch.TINY_NAME,
                        "prefill_args": ["--no-enable-prefix-caching"]},
             "deploy": {"base_port": args.base_port, "kv_base_port": args.base_port + 500, "log_dir": str(sub / "logs")},
             "router": {"port": args.base_port + 50},
@@ -118,10 +126,18 @@ def _store_stats(path: Path) -> dict[str, Any]:
             "chunks_loaded_per_tier": tiers}
 
 
+def _model_path(model: str) -> str:
+    """``wide`` / ``narrow``: the tiny model variant (created once under ~/.cache); else a path."""
+    if model not in WIDTHS:
+        return model
+    root = Path(kcfg.from_dict({}).engine.tiny_model_dir).expanduser()
+    return str(ensure_tiny_model(root if model == "narrow" else root.with_name(root.name + "-" + model), model))
+
+
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out) / f"multiturn-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    launch.model_path(kcfg.from_dict({}))
+    args.model_path = _model_path(args.model)
     on, off = _run(args, out, True), _run(args, out, False)
     lines = [f"{'turn':>4} {'history tok':>11} {'TTFT off ms':>11} {'TTFT on ms':>10} {'speed-up':>8}"]
     rows = []

@@ -26,7 +26,7 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from kvrelay.tiny_model import make_tiny_model
 
-    print(make_tiny_model(args.dir))
+    print(make_tiny_model(args.dir, "wide" if args.wide else "narrow"))
     return 0
 
 
@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("make-tiny-model", help="write the built-in tiny Llama checkpoint + tokenizer to DIR")
     m.add_argument("dir")
+    m.add_argument("--wide", action="store_true",
+                   help="the compute-heavy variant: same KV layout, 1024-wide residual, 4096-wide MLP (benchmarks)")
     m.set_defaults(func=_cmd_make_tiny_model)
 
     from kvrelay import warmup

@@ -21,6 +21,15 @@ from a fixed seed) that vLLM loads like any Hugging Face model:
   non-text.
 
 Writing the same directory twice gives byte-identical files.
+
+**Variants.** ``width="wide"`` (``kvrelay make-tiny-model DIR --wide``) keeps the KV
+layout above (so chunks, keys and transfers are identical) but has a 1,024-wide
+residual stream, 16 query heads sharing the 4 KV heads (GQA 4:1) and a 4,096-wide
+MLP: 61 M parameters instead of 3 M. Its compute per token is then dominated by the
+linear layers, as in real models, instead of by attention. The default model is
+~400 parameters per KV byte per token; Llama-3-8B is ~60,000; the wide variant is
+~7,500 - still far more KV-heavy than a real model, so reuse benchmarks on it
+understate rather than overstate what loading saves.
 """
 
 from __future__ import annotations
@@ -29,7 +38,11 @@ import json
 from pathlib import Path
 
 SPECIALS = ["<s>", "</s>", "<unk>", "<pad>"]
-HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 256, 4, 4, 4, 64, 512
+LAYERS, KV_HEADS, HEAD_DIM = 4, 4, 64          # the KV layout: identical in every variant
+WIDTHS = {  # variant -> (hidden size, query heads, MLP width)
+    "narrow": (256, 4, 512),
+    "wide": (1024, 16, 4096),
+}
 VOCAB_SIZE = 128            # 4 specials + 97 characters, padded
 MAX_POSITIONS = 8192
 SEED = 1234
@@ -71,12 +84,13 @@ def _write_tokenizer(out: Path) -> None:
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=2) + "\n")
 
 
-def _write_model(out: Path) -> None:
+def _write_model(out: Path, width: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                      num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+    hidden, heads, intermediate = WIDTHS[width]
+    cfg = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=LAYERS, num_attention_heads=heads, num_key_value_heads=KV_HEADS,
                       head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
                       bos_token_id=0, eos_token_id=1, pad_token_id=3,
                       tie_word_embeddings=False, dtype="float32")
@@ -98,20 +112,28 @@ def _write_model(out: Path) -> None:
         {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 3}, indent=2) + "\n")
 
 
-def make_tiny_model(out_dir: str | Path) -> Path:
-    """Write the tiny model into ``out_dir`` (created if missing); return its path."""
+def _marker(width: str) -> str:
+    hidden, heads, intermediate = WIDTHS[width]
+    return (f"kvrelay tiny Llama ({width}): {LAYERS} layers, {KV_HEADS} kv heads x {HEAD_DIM}, hidden {hidden}, "
+            f"{heads} query heads, mlp {intermediate}, float32, seed {SEED}\n")
+
+
+def make_tiny_model(out_dir: str | Path, width: str = "narrow") -> Path:
+    """Write the tiny model (``width``: a key of ``WIDTHS``) into ``out_dir``; return its path."""
+    if width not in WIDTHS:
+        raise ValueError(f"unknown tiny-model width {width!r}; expected one of {sorted(WIDTHS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(out)
-    _write_model(out)
-    (out / "KVRELAY_TINY_MODEL").write_text(
-        f"kvrelay tiny Llama: {LAYERS} layers, {KV_HEADS} kv heads x {HEAD_DIM}, float32, seed {SEED}\n")
+    _write_model(out, width)
+    (out / "KVRELAY_TINY_MODEL").write_text(_marker(width))
     return out
 
 
-def ensure_tiny_model(out_dir: str | Path) -> Path:
-    """Create the tiny model unless ``out_dir`` already holds one."""
+def ensure_tiny_model(out_dir: str | Path, width: str = "narrow") -> Path:
+    """Create the tiny model unless ``out_dir`` already holds this variant of it."""
     out = Path(out_dir)
-    if (out / "KVRELAY_TINY_MODEL").exists() and (out / "model.safetensors").exists():
+    marker = out / "KVRELAY_TINY_MODEL"
+    if marker.exists() and marker.read_text() == _marker(width) and (out / "model.safetensors").exists():
         return out
-    return make_tiny_model(out)
+    return make_tiny_model(out, width)
