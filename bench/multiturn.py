@@ -3,7 +3,7 @@
 A synthetic workload generated locally (no dataset): ``--users`` conversations of
 ``--turns`` turns share one system prompt; every turn appends a new user message to the
 growing history (and the model's previous answer). Both runs use the same 1P1D stack
-shape with vLLM's own prefix cache **off on the prefill node**, so the only reuse is
+shape (the store-on stack first, then the store-off one, on disjoint ports) with vLLM's own prefix cache **off on the prefill node**, so the only reuse is
 kvrelay's store (what a node sees when the engine cache is too small or the previous turn
 ran elsewhere). Reported per turn: median TTFT with the store on / off and their ratio,
 the store hit rate (tokens loaded / prompt tokens) and bytes loaded per tier; plus the
@@ -39,7 +39,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-tokens", type=int, default=1024)
     p.add_argument("--user-tokens", type=int, default=512)
     p.add_argument("--answer-tokens", type=int, default=64)
-    p.add_argument("--fresh-prompts", type=int, default=6, help="store-overhead probe: fresh prompts per run")
+    p.add_argument("--fresh-prompts", type=int, default=8,
+                   help="store-overhead probe: fresh 2048-token prompts, each sent to both prefill nodes")
     p.add_argument("--model", default="wide",
                    help="'wide' (default) or 'narrow' tiny-model variant, or a local model path")
     p.add_argument("--base-port", type=int, default=19300)
@@ -76,45 +77,79 @@ def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, 
     return (first or time.perf_counter()) - t0, "".join(parts), prompt_tokens
 
 
-def _run(args: argparse.Namespace, out: Path, store: bool) -> dict[str, Any]:
+def _stack(args: argparse.Namespace, out: Path, store: bool) -> tuple[launch.Stack, Path]:
+    """A 1P1D stack (not started) with the store on or off; the two use disjoint ports."""
     sub = out / ("store-on" if store else "store-off")
     sub.mkdir(parents=True, exist_ok=True)
+    base = args.base_port + (0 if store else 200)
     data = {"engine": {"model": args.model_path, "max_model_len": 8192, "served_model_name": launch.TINY_NAME,
                        "prefill_args": ["--no-enable-prefix-caching"]},
-            "deploy": {"base_port": args.base_port, "kv_base_port": args.base_port + 500, "log_dir": str(sub / "logs")},
-            "router": {"port": args.base_port + 50},
+            "deploy": {"base_port": base, "kv_base_port": base + 500, "log_dir": str(sub / "logs")},
+            "router": {"port": base + 50},
             "connector": {"events_path": str(sub / "events.jsonl")},
             "store": {"enabled": store, "cpu_bytes": "1GiB", "disk_path": str(sub / "disk"), "disk_bytes": "2GiB"},
             "transport": {"backend": "tcp"}}
-    cfg = kcfg.from_dict(data)
-    stack = launch.Stack(cfg)
+    return launch.Stack(kcfg.from_dict(data)), sub
+
+
+def _turns(args: argparse.Namespace, stack: launch.Stack, label: str) -> dict[str, Any]:
+    """Every user's turns through the router: TTFT and prompt tokens per turn."""
+    url = f"http://127.0.0.1:{stack.cfg.router.port}"
     system = {"role": "system", "content": _text(args.system_tokens, 1)}
     ttft: dict[int, list[float]] = {}
     history_tokens: dict[int, list[int]] = {}
+    convs = [[system] for _ in range(args.users)]
+    for turn in range(args.turns):
+        for u, msgs in enumerate(convs):
+            msgs.append({"role": "user", "content": _text(args.user_tokens, 1000 * u + turn + 7)})
+            t, answer, n = _chat(url, msgs, args.answer_tokens)
+            msgs.append({"role": "assistant", "content": answer})
+            ttft.setdefault(turn, []).append(t)
+            history_tokens.setdefault(turn, []).append(n)
+            print(f"  {label} turn {turn} user {u}: {n} tokens, TTFT {1e3 * t:.0f} ms", file=sys.stderr)
+    return {"ttft": ttft, "history_tokens": history_tokens}
+
+
+def _prefill_s(p_url: str, prompt: str) -> float:
+    t0 = time.perf_counter()
+    _post(f"{p_url}/v1/completions", {"model": launch.TINY_NAME, "prompt": prompt, "max_tokens": 1,
+                                      "temperature": 0})
+    return time.perf_counter() - t0
+
+
+def _overhead(args: argparse.Namespace, on: launch.Stack, off: launch.Stack) -> list[dict[str, float]]:
+    """Store-path overhead, paired: the same fresh prompt on both prefill nodes, back to back.
+
+    Both stacks are up; pairs alternate which node goes first, so drift in the host's
+    load cancels instead of landing on one side. Nothing is reusable (every prompt is
+    new) and, on the store-on node, every chunk is stored.
+    """
+    urls = {"on": on.url(on.specs[0]), "off": off.url(off.specs[0])}
+    for url in urls.values():               # one unrecorded 2048-token prefill each: warm both paths
+        _prefill_s(url, _text(2048, 4999))
+    pairs = []
+    for i in range(args.fresh_prompts):
+        prompt = _text(2048, 5000 + i)
+        order = ("on", "off") if i % 2 == 0 else ("off", "on")
+        t = {side: _prefill_s(urls[side], prompt) for side in order}
+        pairs.append(t | {"ratio": t["on"] / t["off"]})
+        print(f"  fresh prompt {i}: on {1e3 * t['on']:.0f} ms, off {1e3 * t['off']:.0f} ms", file=sys.stderr)
+    return pairs
+
+
+def _run_all(args: argparse.Namespace, out: Path) -> tuple[dict, dict, list[dict[str, float]]]:
+    (on_stack, on_dir), (off_stack, _) = _stack(args, out, True), _stack(args, out, False)
     try:
-        stack.start(progress=False)
-        url = f"http://127.0.0.1:{cfg.router.port}"
-        p_url = stack.url(stack.specs[0])
-        convs = [[system] for _ in range(args.users)]
-        for turn in range(args.turns):
-            for u, msgs in enumerate(convs):
-                msgs.append({"role": "user", "content": _text(args.user_tokens, 1000 * u + turn + 7)})
-                t, answer, n = _chat(url, msgs, args.answer_tokens)
-                msgs.append({"role": "assistant", "content": answer})
-                ttft.setdefault(turn, []).append(t)
-                history_tokens.setdefault(turn, []).append(n)
-                print(f"  {'on ' if store else 'off'} turn {turn} user {u}: {n} tokens, TTFT {1e3 * t:.0f} ms",
-                      file=sys.stderr)
-        fresh = []
-        for i in range(args.fresh_prompts):     # store-path overhead: nothing to reuse, everything stored
-            t0 = time.perf_counter()
-            _post(f"{p_url}/v1/completions", {"model": launch.TINY_NAME, "prompt": _text(2048, 5000 + i),
-                                              "max_tokens": 1, "temperature": 0})
-            fresh.append(time.perf_counter() - t0)
+        on_stack.start(progress=False)
+        on = _turns(args, on_stack, "on ")
+        off_stack.start(progress=False)
+        off = _turns(args, off_stack, "off")
+        pairs = _overhead(args, on_stack, off_stack)
     finally:
-        stack.stop()
-    return {"ttft": ttft, "history_tokens": history_tokens, "fresh_prefill_s": fresh,
-            "store": _store_stats(sub / "events.jsonl")}
+        off_stack.stop()
+        on_stack.stop()
+    on["store"] = _store_stats(on_dir / "events.jsonl")
+    return on, off, pairs
 
 
 def _store_stats(path: Path) -> dict[str, Any]:
@@ -138,7 +173,7 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out) / f"multiturn-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     args.model_path = _model_path(args.model)
-    on, off = _run(args, out, True), _run(args, out, False)
+    on, off, pairs = _run_all(args, out)
     lines = [f"{'turn':>4} {'history tok':>11} {'TTFT off ms':>11} {'TTFT on ms':>10} {'speed-up':>8}"]
     rows = []
     for turn in sorted(on["ttft"]):
@@ -149,14 +184,15 @@ def main(args: argparse.Namespace) -> int:
         lines.append(f"{turn:>4} {n:>11} {1e3 * a:>11.0f} {1e3 * b:>10.0f} {a / b:>8.2f}")
     st = on["store"]
     hit = st["loaded_tokens"] / max(st["prompt_tokens"], 1)
-    over = statistics.median(on["fresh_prefill_s"]) / statistics.median(off["fresh_prefill_s"]) - 1
+    over = statistics.median(p["ratio"] for p in pairs) - 1
     lines.append(f"store hit rate (tokens loaded / prompt tokens): {hit:.2f}; chunks loaded per tier: "
                  f"{st['chunks_loaded_per_tier']}")
-    lines.append(f"store-path overhead on fresh 2048-token prefills: {100 * over:+.1f}% (target <= +5%)")
+    lines.append(f"store-path overhead on fresh 2048-token prefills (median of {len(pairs)} paired ratios): "
+                 f"{100 * over:+.1f}% (target <= +5%)")
     table = "\n".join(lines)
     print(table)
     (out / "table.txt").write_text(table + "\n")
-    (out / "multiturn.json").write_text(json.dumps({"args": vars(args), "rows": rows, "on": on, "off": off,
+    (out / "multiturn.json").write_text(json.dumps({"args": vars(args), "rows": rows, "on": on, "off": off, "overhead_pairs": pairs,
                                                     "hit_rate": hit, "store_overhead": over}, indent=2, default=str))
     import matplotlib
 
