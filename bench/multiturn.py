@@ -3,12 +3,13 @@
 A synthetic workload generated locally (no dataset): ``--users`` conversations of
 ``--turns`` turns share one system prompt; every turn appends a new user message to the
 growing history (and the model's previous answer). Both runs use the same 1P1D stack
-shape (the store-on stack first, then the store-off one, on disjoint ports) with vLLM's own prefix cache **off on the prefill node**, so the only reuse is
-kvrelay's store (what a node sees when the engine cache is too small or the previous turn
-ran elsewhere). Reported per turn: median TTFT with the store on / off and their ratio,
-the store hit rate (tokens loaded / prompt tokens) and bytes loaded per tier; plus the
-store-path overhead: prefill latency of fresh prompts (nothing to reuse) with the store
-on vs off. JSON + PNG under ``--out``.
+shape (the store-on stack first, then the store-off one, on disjoint ports) with vLLM's
+own prefix cache **off on the prefill node**, so the only reuse is kvrelay's store (what
+a node sees when the engine cache is too small or the previous turn ran elsewhere).
+Reported per turn: median TTFT with the store on / off and their ratio, the store hit
+rate (tokens loaded / prompt tokens) and chunks loaded per tier; plus the store-path
+overhead: the median ratio of paired prefills of the same fresh prompt (nothing to
+reuse) on the store-on and store-off prefill nodes. JSON + PNG under ``--out``.
 
 The model defaults to the tiny model's ``wide`` variant (``--model wide``): the same KV
 layout, so every chunk is the same 2 MiB, but linear layers dominate its compute as in
