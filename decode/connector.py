@@ -27,6 +27,9 @@ Request lifecycle on a decode node (D)
    errors. Per request the worker logs and counts loaded vs recomputed tokens.
 6. A request aborted while loading keeps its blocks (``request_finished`` returns
    True) until the install task has stopped writing into them.
+7. With ``store.save_decoded``, a finished request's chunks that hold generated tokens
+   are saved into the shared store before its blocks are freed (:mod:`decode.saver`),
+   so the next turn's prefill node loads the previous answer instead of computing it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from decode.saver import SaveSpec, save_spec
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig
 from kvrelay.connector_base import RelayConnector, RelayMeta
@@ -60,6 +64,7 @@ class LoadSpec:
 class DecodeMeta(RelayMeta):
     loads: list[LoadSpec] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
 
 
 class DecodeScheduler:
@@ -70,6 +75,9 @@ class DecodeScheduler:
         self._cancelled: list[str] = []
         self._loading: set[str] = set()
         self._done: set[str] = set()
+        self._saves: list[SaveSpec] = []
+        self._saving: set[str] = set()
+        self._save_decoded = cfg.store.enabled and cfg.store.save_decoded
 
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
         rid = request.request_id
@@ -102,25 +110,32 @@ class DecodeScheduler:
 
     def build_meta(self, so: Any = None) -> DecodeMeta:
         idle = so is not None and so.total_num_scheduled_tokens == 0
-        meta = DecodeMeta(loads=self._loads, cancelled=self._cancelled, idle=idle)
-        self._loads, self._cancelled = [], []
+        meta = DecodeMeta(loads=self._loads, cancelled=self._cancelled, saves=self._saves, idle=idle)
+        self._loads, self._cancelled, self._saves = [], [], []
         return meta
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._pending.pop(rid, None)
         self._done.discard(rid)
         if rid in self._loading:                  # aborted mid-load: the worker still writes its blocks
             self._cancelled.append(rid)
             return True, None
-        return False, None
+        spec = save_spec(request, block_ids, self.cfg.chunk_tokens) if self._save_decoded else None
+        if spec is None:
+            return False, None
+        self._saves.append(spec)                  # blocks stay until the worker has saved them
+        self._saving.add(rid)
+        return True, None
 
     def update_output(self, out: Any) -> None:
         for rid in out.finished_recving or ():
             self._loading.discard(rid)
+        for rid in out.finished_sending or ():
+            self._saving.discard(rid)
 
     def has_pending(self) -> bool:
-        return bool(self._loading or self._cancelled)
+        return bool(self._loading or self._cancelled or self._saving)
 
 
 class DecodeConnector(RelayConnector):
@@ -139,7 +154,7 @@ class DecodeConnector(RelayConnector):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._meta()
         if self._worker is not None and isinstance(meta, DecodeMeta):
-            self._worker.start(meta.loads, meta.cancelled)
+            self._worker.start(meta.loads, meta.cancelled, meta.saves)
 
     def wait_for_save(self) -> None:
         return None
@@ -147,4 +162,5 @@ class DecodeConnector(RelayConnector):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return None, self._settled()
+        recving = self._settled()
+        return self._worker.take_saved() or None, recving

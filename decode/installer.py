@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from decode.saver import DecodeSaver
 from kernels.blocks import scatter
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig
@@ -32,6 +33,7 @@ from transport.wire import HEADER_SIZE
 
 if TYPE_CHECKING:
     from decode.connector import LoadSpec
+    from decode.saver import SaveSpec
 
 log = logging.getLogger("vllm.kvrelay.decode")
 
@@ -60,15 +62,32 @@ class InstallWorker(WorkerBase):
         self._loads: dict[str, _Load] = {}
         self._local: Counter[bytes] = Counter()   # keys of chunks D already holds (prefix cache)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvrelay-install")
+        self._saved: set[str] = set()
+        self.saver: DecodeSaver | None = None
+        if cfg.store.enabled and cfg.store.save_decoded:
+            self.saver = DecodeSaver(cfg, vllm_config, self.events, self._save_done)
 
     def busy(self) -> bool:
-        return bool(self._loads)
+        return bool(self._loads) or (self.saver is not None and self.saver.busy())
+
+    def _save_done(self, req_id: str) -> None:
+        with self._lock:
+            self._saved.add(req_id)
+            self._progress.set()
+
+    def take_saved(self) -> set[str]:
+        """Requests whose decode-side save ended: vLLM may free their blocks."""
+        with self._lock:
+            done, self._saved = self._saved, set()
+        return done
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register(kv_caches)
         assert self.layout is not None
         slot = HEADER_SIZE + self.layout.chunk_bytes(self.blocks_per_chunk)
         self.receiver = self._make_receiver(slot)
+        if self.saver is not None:
+            self.saver.bind(self.layout, self.fingerprint)
         pool = self.receiver.pool
         self.metrics.pool_leased.set_function(lambda: _busy_slots(pool))
         log.info("kvrelay decode: receiving on %s (%s), pool %d slots x %d B", self.receiver.endpoint,
@@ -95,7 +114,9 @@ class InstallWorker(WorkerBase):
         return box[0]
 
     # ---------------------------------------------------------------- model thread
-    def start(self, loads: list[LoadSpec], cancelled: list[str]) -> None:
+    def start(self, loads: list[LoadSpec], cancelled: list[str], saves: list[SaveSpec] = ()) -> None:  # type: ignore[assignment]
+        if saves and self.saver is not None:
+            self.saver.submit(list(saves))
         for spec in loads:
             keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
             load = _Load(spec, keys, t_start=time.monotonic())
@@ -233,5 +254,7 @@ class InstallWorker(WorkerBase):
         for load in list(self._loads.values()):
             load.cancelled.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.saver is not None:
+            self.saver.close()
         if self.receiver is not None:
             self.receiver.close()

@@ -135,6 +135,13 @@ class StoreConfig(_Section, frozen=True):
     disk_bytes: Size = 0
     redis_url: str = ""
     publish_port: Port = 0           # ZeroMQ PUB of chunk stored/evicted events for the router (0 = off)
+    save_decoded: bool = False       # decode nodes store the chunks their generated tokens complete (Redis)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.enabled and self.save_decoded and not self.redis_url:
+            raise ConfigError("store.save_decoded: prefill nodes can only find a decode node's chunks in a "
+                              "shared tier; set store.redis_url")
 
 
 class ConnectorConfig(_Section, frozen=True):
@@ -288,6 +295,8 @@ FIELD_HELP: dict[str, str] = {
     'store.disk_bytes': 'multi-tier store: disk tier size cap',
     'store.publish_port': 'prefill nodes publish chunk stored/evicted events here (ZeroMQ PUB) for cache-aware routing; 0 = off',
     'store.redis_url': 'multi-tier store: redis://host:port/db ("" = no Redis tier)',
+    'store.save_decoded': ('decode nodes also store the chunks completed by generated tokens (into store.redis_url, '
+                           'which the prefill nodes share), so the next turn finds the previous answer'),
     'connector.load_failure_policy': 'decode: a failed chunk is recomputed (recompute) or fails the request (fail)',
     'connector.first_chunk_s': "decode: wait this long for a transfer's first chunk, then recompute",
     'connector.free_deadline_s': 'prefill: blocks held for a push are freed after this anyway (counted)',

@@ -9,7 +9,7 @@ Contract of the halves:
 
 * scheduler half: ``matched(request, num_computed) -> (tokens, async)``,
   ``after_alloc(request, blocks, n)``, ``build_meta(scheduler_output) -> RelayMeta``,
-  ``request_finished(request) -> (delay_free, params)``, ``update_output(out)``,
+  ``request_finished(request, block_ids) -> (delay_free, params)``, ``update_output(out)``,
   ``has_pending() -> bool`` (keep the engine stepping);
 * worker half (:class:`WorkerBase`): ``register(kv_caches)``, ``take_finished()``,
   ``take_errors()``, ``wait_for_progress(timeout)``, ``close()``; the subclass
@@ -148,7 +148,7 @@ class RelayConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
-        result: tuple[bool, dict[str, Any] | None] = self._sched.request_finished(request)
+        result: tuple[bool, dict[str, Any] | None] = self._sched.request_finished(request, block_ids)
         return result
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -123,13 +123,17 @@ class StoreClient:
 
 
 class StoreService:
-    """Worker side: the store, the lookup server, and chunk load/save."""
+    """Worker side: the store, the lookup server, and chunk load/save.
 
-    def __init__(self, cfg: KVRelayConfig, vllm_config: Any, events: pd.EventLog) -> None:
+    A decode node that saves its generated chunks (``store.save_decoded``) builds one
+    with ``serve_lookups=False, publish=False``: it only writes."""
+
+    def __init__(self, cfg: KVRelayConfig, vllm_config: Any, events: pd.EventLog, *,
+                 serve_lookups: bool = True, publish: bool = True) -> None:
         self.cfg, self.events = cfg, events
         self.metrics = pd.metrics(cfg.connector.metrics_port)
         s = cfg.store
-        self.publisher = Publisher(cfg.transport.host, s.publish_port) if s.publish_port else None
+        self.publisher = Publisher(cfg.transport.host, s.publish_port) if s.publish_port and publish else None
         self.store = MultiTierStore(int(s.cpu_bytes), policy=s.eviction_policy.value, disk_path=s.disk_path,
                                     disk_bytes=int(s.disk_bytes), redis_url=s.redis_url,
                                     deferred_bytes=int(s.deferred_bytes), prefetch_ahead=s.prefetch_ahead,
@@ -139,8 +143,10 @@ class StoreService:
         self.fingerprint: Any = None
         self.block_size: int = vllm_config.cache_config.block_size
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kvrelay-store-lookup", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if serve_lookups:
+            self._thread = threading.Thread(target=self._serve, name="kvrelay-store-lookup", daemon=True)
+            self._thread.start()
 
     def bind(self, layout: KVLayout, fingerprint: Any) -> None:
         self.layout, self.fingerprint = layout, fingerprint
@@ -223,7 +229,8 @@ class StoreService:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        if self._thread is not None:
+            self._thread.join(timeout=2)
         self.store.close()
         if self.publisher is not None:
             self.publisher.close()

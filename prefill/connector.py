@@ -148,7 +148,7 @@ class PrefillScheduler:
             del self._params[rid]
         return spec
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         for d in (self._params, self._prompt_len, self._store_from, self._hits):
             d.pop(rid, None)

@@ -72,7 +72,7 @@ def test_prefill_tracks_blocks_over_chunked_steps_and_delays_free():
     # A later decode step of the same request produces no more push specs.
     assert s.build_meta(sched_out(cached_ids=["r1"], cached_new_blocks=[None], cached_computed=[1000],
                                   scheduled={"r1": 1})).pushes == []
-    assert s.request_finished(r) == (True, None)
+    assert s.request_finished(r, []) == (True, None)
     assert s.has_pending()
     assert s.build_meta(sched_out()).finished == ["r1"]
     s.update_output(Out(finished_sending={"r1"}))
@@ -87,7 +87,7 @@ def test_prefill_ignores_plain_and_malformed_requests():
     new = [SimpleNamespace(req_id=x, block_ids=([1],), num_computed_tokens=0, prompt_token_ids=[1])
            for x in ("a", "b")]
     assert s.build_meta(sched_out(new=new, scheduled={"a": 3, "b": 2})).pushes == []
-    assert s.request_finished(plain) == (False, None)
+    assert s.request_finished(plain, []) == (False, None)
     assert not s.has_pending()
 
 
@@ -106,7 +106,7 @@ def test_decode_reports_prompt_beyond_local_hit_as_async_and_hands_load_to_worke
     assert s.has_pending()
     s.update_output(Out(finished_recving={"d1"}))
     assert not s.has_pending()
-    assert s.request_finished(r) == (False, None)
+    assert s.request_finished(r, []) == (False, None)
 
 
 def test_decode_abort_mid_load_keeps_blocks_until_worker_stops():
@@ -115,7 +115,7 @@ def test_decode_abort_mid_load_keeps_blocks_until_worker_stops():
     s.matched(r, 0)
     s.after_alloc(r, Blocks([4, 5, 6]), 300)
     s.build_meta()
-    assert s.request_finished(r) == (True, None)     # worker may still write into the blocks
+    assert s.request_finished(r, []) == (True, None)     # worker may still write into the blocks
     assert s.build_meta().cancelled == ["d2"]
     s.update_output(Out(finished_recving={"d2"}))
     assert not s.has_pending()
@@ -128,3 +128,57 @@ def test_decode_without_params_or_with_bad_version_computes_locally():
     assert s.matched(Req("y", [1, 2, 3], bad), 0) == (0, False)
     with pytest.raises(pd.ParamsError, match="version 99"):
         pd.parse_params(bad)
+
+
+@dataclass
+class Done:
+    """A finished request as the scheduler sees it: prompt + output, KV computed for all but the last."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    kv_transfer_params: dict | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return len(self.all_token_ids) - 1
+
+
+SAVE_CFG = {"store": {"enabled": True, "save_decoded": True, "redis_url": "redis://127.0.0.1:1/0"}}
+
+
+@pytest.mark.parametrize("prompt,output,saved", [
+    (200, 100, (0, 1)),        # 299 computed: chunk 0 holds generated tokens 200..255
+    (200, 56, ()),             # 255 computed: no whole chunk yet
+    (200, 57, (0, 1)),         # 256 computed: exactly one chunk
+    (512, 300, (2, 3)),        # chunks 0-1 are all prompt (the prefill node stored them)
+    (600, 500, (2, 4)),        # chunk 2 straddles prompt and output; 3 is all output
+    (300, 5, ()),
+])
+def test_decode_saves_whole_chunks_holding_output_and_delays_the_free(prompt, output, saved):
+    s = DecodeScheduler(kcfg.from_dict(SAVE_CFG))
+    r = Done("s1", list(range(prompt)), list(range(7, 7 + output)))
+    blocks = list(range(100, 100 + -(-r.num_computed_tokens // 16)))
+    delay, _ = s.request_finished(r, blocks)
+    assert delay is bool(saved)
+    (spec,) = s.build_meta().saves or [None]
+    if not saved:
+        assert spec is None and not s.has_pending()
+        return
+    first, n_chunks = saved
+    assert (spec.first_chunk, len(spec.token_ids)) == (first, n_chunks * 256)
+    assert spec.token_ids == r.all_token_ids[:n_chunks * 256] and spec.block_ids == blocks
+    assert s.has_pending()
+    s.update_output(Out(finished_sending={"s1"}))
+    assert not s.has_pending()
+
+
+def test_decode_saves_nothing_unless_configured_and_config_needs_redis():
+    s = DecodeScheduler(kcfg.from_dict({"store": {"enabled": True}}))
+    assert s.request_finished(Done("s2", list(range(200)), list(range(300))), list(range(40))) == (False, None)
+    with pytest.raises(kcfg.ConfigError, match="store.redis_url"):
+        kcfg.from_dict({"store": {"enabled": True, "save_decoded": True}})

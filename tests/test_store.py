@@ -7,21 +7,16 @@ against the bytes that were stored, and corruption is caught by the wire checksu
 from __future__ import annotations
 
 import os
-import shutil
-import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.redis_server import REDIS, redis_server
 from transport.keys import KEY_BYTES
 from transport.store.policy import make_policy
 from transport.store.store import CpuTier, MultiTierStore
 from transport.store.tiers import DiskTier, RedisTier
 from transport.wire import make_header
-
-REDIS = shutil.which("redis-server")
 
 
 def record(i: int, size: int = 4096) -> tuple[bytes, bytes]:
@@ -34,24 +29,8 @@ def record(i: int, size: int = 4096) -> tuple[bytes, bytes]:
 def redis_url(tmp_path_factory: pytest.TempPathFactory):
     if REDIS is None:
         pytest.skip("redis-server not installed (deploy/setup.sh installs it)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    d = tmp_path_factory.mktemp("redis")
-    proc = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(d)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    for _ in range(100):
-        try:
-            redis.Redis.from_url(url).ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield url, proc
-    proc.kill()
-    proc.wait()
+    with redis_server(tmp_path_factory.mktemp("redis")) as (url, proc):
+        yield url, proc
 
 
 def test_store_evict_then_load_from_disk_is_byte_identical(tmp_path: Path):

@@ -64,6 +64,27 @@ def turn2_messages(answer1: str) -> list[dict]:
             {"role": "user", "content": Case("turn2", "chat", False, 700, 42).text()}]
 
 
+# Decode-side saves: turn 1 (~230 prompt tokens) answers with 100 tokens, so the first
+# whole chunk ends inside the answer - only the decode node ever computed all of it.
+DSAVE_ANSWER = 100
+
+
+def dsave_messages(answer1: str | None = None) -> list[dict]:
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": Case("dsave1", "chat", False, 180, 43).text()}]
+    if answer1 is None:
+        return msgs
+    return [*msgs, {"role": "assistant", "content": answer1},
+            {"role": "user", "content": Case("dsave2", "chat", False, 120, 44).text()}]
+
+
+def run_chat(client: Any, messages: list[dict], max_tokens: int, request_id: str = "") -> str:
+    headers = {"X-Request-Id": request_id} if request_id else None
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+                                          extra_headers=headers)
+    return str(resp.choices[0].message.content)
+
+
 def run_turn2(client: Any, answer1: str, request_id: str = "") -> str:
     headers = {"X-Request-Id": request_id} if request_id else None
     resp = client.chat.completions.create(model=MODEL, messages=turn2_messages(answer1), max_tokens=MAX_TOKENS,
@@ -153,6 +174,8 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         client = openai_client(url)
         ref = {c.name: run_case(client, c)[0] for c in [*CASES, PIPELINE_CASE, TURN1]}
         ref["turn2"] = run_turn2(client, ref["turn1"])
+        ref["dsave1"] = run_chat(client, dsave_messages(), DSAVE_ANSWER)
+        ref["dsave2"] = run_chat(client, dsave_messages(ref["dsave1"]), MAX_TOKENS)
         return ref
     finally:
         launch.stop_group(proc)

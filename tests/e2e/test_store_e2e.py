@@ -1,8 +1,9 @@
 """Multi-turn reuse on real vLLM: turn 2's prefill loads turn 1's chunks from the store.
 
 The prefill node runs with vLLM's own prefix cache off, so every reused token must come
-from kvrelay's store (CPU tier, demoting to a disk tier) - and the answers must still
-match a plain single vLLM server token for token.
+from kvrelay's store (CPU tier, demoting to disk and to a real redis-server) - and the
+answers must still match a plain single vLLM server token for token. The decode node
+saves the chunks its answers complete (``store.save_decoded``) into the same Redis.
 """
 
 from __future__ import annotations
@@ -12,17 +13,39 @@ import uuid
 
 import pytest
 
-from tests.e2e.conftest import TURN1, openai_client, run_case, run_turn2, start_stack
+from tests.e2e.conftest import (
+    DSAVE_ANSWER,
+    TURN1,
+    dsave_messages,
+    openai_client,
+    read_events,
+    run_case,
+    run_chat,
+    run_turn2,
+    start_stack,
+)
+from tests.redis_server import REDIS, redis_server
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
-def store_stack(reference, tiny_model, tmp_path_factory):
+def store_redis(tmp_path_factory):
+    """A real redis-server shared by the store stack's nodes ("" when not installed)."""
+    if REDIS is None:
+        yield ""
+        return
+    with redis_server(tmp_path_factory.mktemp("redis-e2e")) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="session")
+def store_stack(reference, tiny_model, tmp_path_factory, store_redis):
     tmp = tmp_path_factory.mktemp("stack-store")
+    redis = {"store__redis_url": store_redis, "store__save_decoded": True} if store_redis else {}
     handle = start_stack(tiny_model, tmp, 18900, transport__backend="tcp", store__enabled=True,
                          store__cpu_bytes="64MiB", store__disk_path=str(tmp / "disk"), store__disk_bytes="256MiB",
-                         engine__prefill_args=["--no-enable-prefix-caching"])
+                         engine__prefill_args=["--no-enable-prefix-caching"], **redis)
     yield handle
     handle.stack.stop()
 
@@ -41,6 +64,36 @@ def test_turn2_loads_turn1_prefix_from_store(store_stack, reference):
     assert loads[-1]["loaded_tokens"] >= shared - 256, (loads[-1], shared)
     # D still received the whole prompt by push (P pushes loaded chunks like computed ones).
     done = [e for e in events if e["event"] == "load_done" and r2 in e["transfer"]]
+    assert done and done[0]["recomputed_tokens"] == 0
+
+
+def _wait_event(path, kind: str, rid: str, timeout: float = 30) -> dict:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hits = [e for e in read_events(path) if e["event"] == kind and rid in e.get("req", "")]
+        if hits:
+            return hits[-1]
+        time.sleep(0.1)
+    raise AssertionError(f"no {kind} event for {rid} within {timeout} s")
+
+
+def test_decode_saves_answer_chunks_and_turn2_prefill_loads_them_from_redis(store_stack, store_redis, reference):
+    if not store_redis:
+        pytest.skip("redis-server not installed (deploy/setup.sh installs it)")
+    client = openai_client(store_stack.router_url)
+    r1, r2 = f"ds1-{uuid.uuid4().hex[:6]}", f"ds2-{uuid.uuid4().hex[:6]}"
+    answer1 = run_chat(client, dsave_messages(), DSAVE_ANSWER, r1)
+    assert answer1 == reference["dsave1"]
+    # Turn 1's prompt (< 256 tokens) never filled a chunk on P; D's answer did.
+    saved = _wait_event(store_stack.events_path, "decode_save", r1)
+    assert (saved["first_chunk"], saved["chunks"]) == (0, 1), saved
+    answer2 = run_chat(client, dsave_messages(answer1), 12, r2)
+    assert answer2 == reference["dsave2"]
+    load = _wait_event(store_stack.events_path, "store_load", r2)
+    assert load["loaded_tokens"] == 256 and load["tiers"].get("redis", 0) >= 1, load
+    done = [e for e in read_events(store_stack.events_path) if e["event"] == "load_done" and r2 in e["transfer"]]
     assert done and done[0]["recomputed_tokens"] == 0
 
 

@@ -1,0 +1,38 @@
+"""A real, throwaway redis-server for tests (no persistence, a free port, its own dir)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REDIS = shutil.which("redis-server")
+
+
+@contextlib.contextmanager
+def redis_server(workdir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start redis-server; yield (url, process); kill it on exit. Needs ``REDIS``."""
+    assert REDIS is not None, "redis-server not installed (deploy/setup.sh installs it)"
+    import redis
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        for _ in range(200):
+            try:
+                redis.Redis.from_url(url).ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        yield url, proc
+    finally:
+        proc.kill()
+        proc.wait()
