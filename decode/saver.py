@@ -1,25 +1,27 @@
-"""Decode-side saves: chunks completed by generated tokens go into the shared store.
+"""Decode-side saves: chunks completed by generated tokens go into the shared Redis tier.
 
 Why: a prefill node stores only the *prompt* chunks it computes. The next turn of a
 conversation resends the previous answer as part of its prompt, but the chunks that
 answer completed were computed on the decode node (D), so without this every turn
 recomputes the previous answer plus the prompt tail before it. With
-``store.enabled`` and ``store.save_decoded``:
+``store.enabled``, ``store.save_decoded`` and ``store.redis_url`` (the tier every
+prefill node reads):
 
 1. *Scheduler* (:class:`decode.connector.DecodeScheduler`): when a request finishes,
-   the full chunks of its computed tokens (prompt + output, minus the last sampled
-   token, whose KV was never computed) that contain at least one generated token
-   become a :class:`SaveSpec`. ``request_finished`` returns ``True`` so vLLM keeps the
-   blocks until the save is done; the next ``build_connector_meta`` hands it over.
-2. *Worker* (:class:`DecodeSaver`): one thread gathers each chunk from the paged KV,
-   wraps it in a checksummed record under the key computed from the tokens (the same
-   keys the prefill nodes compute), puts it into the store, flushes the store's
-   deferred buffer (so the chunks reach Redis now, not at the next 8 MiB), and reports
-   the request in ``finished_sending``: vLLM frees the blocks.
-3. The next turn's prefill node finds those chunks in Redis with its usual batched
-   lookup and loads them instead of computing them.
+   the whole chunks of its computed tokens (prompt + output, minus the last sampled
+   token, whose KV was never computed) that hold at least one generated token become
+   a :class:`SaveSpec`. ``request_finished`` returns ``True`` so vLLM keeps the blocks
+   until the save is done; the next ``build_connector_meta`` hands it over.
+2. *Worker* (:class:`DecodeSaver`): one thread asks Redis which of those chunks it
+   lacks (one pipelined query), gathers each missing chunk from the paged KV into a
+   checksummed record under the key computed from the tokens (the keys the prefill
+   nodes compute), writes them in pipelined batches of ``store.deferred_bytes``, and
+   reports the request in ``finished_sending``: vLLM frees the blocks.
+3. The next turn's prefill node finds the chunks with its batched lookup and loads
+   them instead of computing them.
 
-A save that fails is logged and dropped: it only costs the next turn a recompute.
+D keeps no CPU or disk tier of its own: nobody would read them. A Redis outage is a
+logged warning (the next turn recomputes), never a failed or stuck request.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ import torch
 from kernels.blocks import KVLayout, gather
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig
-from prefill.cache import StoreService
-from transport.errors import KVRelayError
+from prefill.cache import chunk_record
 from transport.keys import chunk_keys
+from transport.store.tiers import RedisTier
 
 log = logging.getLogger("vllm.kvrelay.decode")
 
@@ -70,7 +72,8 @@ class DecodeSaver:
     def __init__(self, cfg: KVRelayConfig, vllm_config: Any, events: pd.EventLog,
                  done: Callable[[str], None]) -> None:
         self.cfg, self.events, self.done = cfg, events, done
-        self.service = StoreService(cfg, vllm_config, events, serve_lookups=False, publish=False)
+        self.redis = RedisTier(cfg.store.redis_url)
+        self.metrics = pd.metrics(cfg.connector.metrics_port)
         self.block_size: int = vllm_config.cache_config.block_size
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None
@@ -79,13 +82,12 @@ class DecodeSaver:
         self._lock = threading.Lock()
         self._pending = 0
 
+    def bind(self, layout: KVLayout, fingerprint: Any) -> None:
+        self.layout, self.fingerprint = layout, fingerprint
+
     def busy(self) -> bool:
         with self._lock:
             return self._pending > 0
-
-    def bind(self, layout: KVLayout, fingerprint: Any) -> None:
-        self.layout, self.fingerprint = layout, fingerprint
-        self.service.bind(layout, fingerprint)
 
     def submit(self, specs: list[SaveSpec]) -> None:
         """Queue saves (model thread; returns at once)."""
@@ -98,27 +100,46 @@ class DecodeSaver:
         t0, saved = time.monotonic(), 0
         try:
             saved = self._save(spec)
-        except (KVRelayError, OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, ValueError) as exc:
             log.warning("request %s: decode-side save failed (%s); the next turn recomputes", spec.req_id, exc)
         finally:
             with self._lock:
                 self._pending -= 1
-            self.events.write("decode_save", req=spec.req_id, chunks=saved, first_chunk=spec.first_chunk,
-                              tokens=len(spec.token_ids), seconds=round(time.monotonic() - t0, 6))
+            self.events.write("decode_save", req=spec.req_id, first_chunk=spec.first_chunk,
+                              chunks=len(spec.token_ids) // self.cfg.chunk_tokens - spec.first_chunk,
+                              written=saved, seconds=round(time.monotonic() - t0, 6))
             self.done(spec.req_id)
 
     def _save(self, spec: SaveSpec) -> int:
+        """Write the chunks Redis lacks, in batches of ``store.deferred_bytes``; return how many."""
+        keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)[spec.first_chunk:]
+        have = self.redis.contains(keys)
+        batch: list[tuple[bytes, bytes]] = []
+        size = written = 0
+        for c, (key, present) in enumerate(zip(keys, have, strict=True), start=spec.first_chunk):
+            if present:
+                continue
+            record = chunk_record(key, c, self._gather(spec.block_ids, c))
+            batch.append((key, record))
+            size += len(record)
+            if size >= int(self.cfg.store.deferred_bytes):
+                written += self._put(batch)
+                batch, size = [], 0
+        return written + self._put(batch)
+
+    def _gather(self, block_ids: list[int], c: int) -> torch.Tensor:
         assert self.layout is not None
-        T = self.cfg.chunk_tokens
-        per = T // self.block_size
-        keys = chunk_keys(spec.token_ids, self.fingerprint, T)            # [n_chunks]
-        for c in range(spec.first_chunk, len(keys)):
-            ids = torch.tensor(spec.block_ids[c * per:(c + 1) * per], dtype=torch.int64, device=self.layout.device)
-            buf = torch.empty((self.layout.num_layers, per, self.layout.bytes_per_block), dtype=torch.uint8)
-            self.service.save(keys[c], c, gather(self.layout, ids, buf.to(self.layout.device)).cpu())
-        self.service.store.flush(wait=False)
-        return len(keys) - spec.first_chunk
+        per = self.cfg.chunk_tokens // self.block_size
+        ids = torch.tensor(block_ids[c * per:(c + 1) * per], dtype=torch.int64, device=self.layout.device)
+        out = torch.empty((self.layout.num_layers, per, self.layout.bytes_per_block), dtype=torch.uint8,
+                          device=self.layout.device)
+        return gather(self.layout, ids, out).cpu()                 # [L, per, bytes_per_block]
+
+    def _put(self, batch: list[tuple[bytes, bytes]]) -> int:
+        n = self.redis.put(batch) if batch else 0
+        self.metrics.store_stored.inc(n)
+        return n
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
-        self.service.close()
+        self.redis.close()

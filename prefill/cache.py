@@ -122,18 +122,21 @@ class StoreClient:
         return msgspec.msgpack.decode(self._sock.recv(), type=LookupReply).hit_tokens
 
 
+def chunk_record(key: bytes, c: int, gathered: torch.Tensor) -> bytes:
+    """A stored chunk: the wire header (key, xxh3 checksum) + ``[L, blocks, bpb]`` bytes."""
+    payload = gathered.numpy().data
+    return make_header(key, "store", c, [payload], num_layers=gathered.shape[0],
+                       num_blocks=gathered.shape[1]).pack() + bytes(payload)
+
+
 class StoreService:
-    """Worker side: the store, the lookup server, and chunk load/save.
+    """Worker side: the store, the lookup server, and chunk load/save."""
 
-    A decode node that saves its generated chunks (``store.save_decoded``) builds one
-    with ``serve_lookups=False, publish=False``: it only writes."""
-
-    def __init__(self, cfg: KVRelayConfig, vllm_config: Any, events: pd.EventLog, *,
-                 serve_lookups: bool = True, publish: bool = True) -> None:
+    def __init__(self, cfg: KVRelayConfig, vllm_config: Any, events: pd.EventLog) -> None:
         self.cfg, self.events = cfg, events
         self.metrics = pd.metrics(cfg.connector.metrics_port)
         s = cfg.store
-        self.publisher = Publisher(cfg.transport.host, s.publish_port) if s.publish_port and publish else None
+        self.publisher = Publisher(cfg.transport.host, s.publish_port) if s.publish_port else None
         self.store = MultiTierStore(int(s.cpu_bytes), policy=s.eviction_policy.value, disk_path=s.disk_path,
                                     disk_bytes=int(s.disk_bytes), redis_url=s.redis_url,
                                     deferred_bytes=int(s.deferred_bytes), prefetch_ahead=s.prefetch_ahead,
@@ -143,10 +146,8 @@ class StoreService:
         self.fingerprint: Any = None
         self.block_size: int = vllm_config.cache_config.block_size
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if serve_lookups:
-            self._thread = threading.Thread(target=self._serve, name="kvrelay-store-lookup", daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._serve, name="kvrelay-store-lookup", daemon=True)
+        self._thread.start()
 
     def bind(self, layout: KVLayout, fingerprint: Any) -> None:
         self.layout, self.fingerprint = layout, fingerprint
@@ -221,16 +222,12 @@ class StoreService:
     # ---------------------------------------------------------------- save (push thread)
     def save(self, key: bytes, c: int, gathered: torch.Tensor) -> None:
         """Put one full chunk (``[L, blocks, bpb]`` uint8 on CPU) into the store."""
-        payload = gathered.numpy().data
-        record = make_header(key, "store", c, [payload], num_layers=gathered.shape[0],
-                             num_blocks=gathered.shape[1]).pack() + bytes(payload)
-        if self.store.put(key, record):
+        if self.store.put(key, chunk_record(key, c, gathered)):
             self.metrics.store_stored.inc()
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
+        self._thread.join(timeout=2)
         self.store.close()
         if self.publisher is not None:
             self.publisher.close()

@@ -88,7 +88,7 @@ def test_decode_saves_answer_chunks_and_turn2_prefill_loads_them_from_redis(stor
     assert answer1 == reference["dsave1"]
     # Turn 1's prompt (< 256 tokens) never filled a chunk on P; D's answer did.
     saved = _wait_event(store_stack.events_path, "decode_save", r1)
-    assert (saved["first_chunk"], saved["chunks"]) == (0, 1), saved
+    assert (saved["first_chunk"], saved["chunks"], saved["written"]) == (0, 1, 1), saved
     answer2 = run_chat(client, dsave_messages(answer1), 12, r2)
     assert answer2 == reference["dsave2"]
     load = _wait_event(store_stack.events_path, "store_load", r2)

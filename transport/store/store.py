@@ -167,11 +167,19 @@ class MultiTierStore:
         with self._lock:
             batch, self._queue, self._queued_bytes = self._queue, [], 0
         if batch:
+            self._reap_done()
             self._pending.append(self._writer.submit(self._write_down, batch))
         if wait:
             for f in self._pending:
                 f.result()
             self._pending.clear()
+
+    def _reap_done(self) -> None:
+        """Drop finished write-downs (a long-lived store would pile them up), logging failures."""
+        for f in [f for f in self._pending if f.done()]:
+            self._pending.remove(f)
+            if f.exception() is not None:
+                log.warning("store: a deferred write-down failed: %s", f.exception())
 
     def _write_down(self, keys: list[bytes]) -> None:
         views = [(k, self.cpu.acquire(k, touch=False)) for k in keys]   # by reference: no copies
