@@ -20,6 +20,7 @@ mostly attention; ``--model PATH`` runs any local checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -32,6 +33,7 @@ from bench.e2e import ALPHABET, _post
 from kvrelay import config as kcfg
 from kvrelay import launch
 from kvrelay.tiny_model import WIDTHS, ensure_tiny_model
+from transport.store.local_redis import REDIS, redis_server
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +46,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="store-overhead probe: fresh 2048-token prompts, each sent to both prefill nodes")
     p.add_argument("--model", default="wide",
                    help="'wide' (default) or 'narrow' tiny-model variant, or a local model path")
+    p.add_argument("--save-decoded", action="store_true",
+                   help="store-on stack: also save the decode node's answer chunks (store.save_decoded) into a "
+                        "redis-server the benchmark starts")
     p.add_argument("--base-port", type=int, default=19300)
     p.add_argument("--out", default="bench_results")
 
@@ -78,7 +83,7 @@ def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, 
     return (first or time.perf_counter()) - t0, "".join(parts), prompt_tokens
 
 
-def _stack(args: argparse.Namespace, out: Path, store: bool) -> tuple[launch.Stack, Path]:
+def _stack(args: argparse.Namespace, out: Path, store: bool, redis_url: str = "") -> tuple[launch.Stack, Path]:
     """A 1P1D stack (not started) with the store on or off; the two use disjoint ports."""
     sub = out / ("store-on" if store else "store-off")
     sub.mkdir(parents=True, exist_ok=True)
@@ -90,6 +95,8 @@ def _stack(args: argparse.Namespace, out: Path, store: bool) -> tuple[launch.Sta
             "connector": {"events_path": str(sub / "events.jsonl")},
             "store": {"enabled": store, "cpu_bytes": "1GiB", "disk_path": str(sub / "disk"), "disk_bytes": "2GiB"},
             "transport": {"backend": "tcp"}}
+    if redis_url:
+        data["store"].update(redis_url=redis_url, save_decoded=True)
     return launch.Stack(kcfg.from_dict(data)), sub
 
 
@@ -139,7 +146,18 @@ def _overhead(args: argparse.Namespace, on: launch.Stack, off: launch.Stack) -> 
 
 
 def _run_all(args: argparse.Namespace, out: Path) -> tuple[dict, dict, list[dict[str, float]]]:
-    (on_stack, on_dir), (off_stack, _) = _stack(args, out, True), _stack(args, out, False)
+    with contextlib.ExitStack() as ctx:
+        url = ""
+        if args.save_decoded:
+            if REDIS is None:
+                raise SystemExit("--save-decoded needs redis-server (deploy/setup.sh installs it)")
+            (out / "redis").mkdir(exist_ok=True)
+            url, _ = ctx.enter_context(redis_server(out / "redis"))
+        return _run_stacks(args, out, url)
+
+
+def _run_stacks(args: argparse.Namespace, out: Path, redis_url: str) -> tuple[dict, dict, list[dict[str, float]]]:
+    (on_stack, on_dir), (off_stack, _) = _stack(args, out, True, redis_url), _stack(args, out, False)
     try:
         on_stack.start(progress=False)
         on = _turns(args, on_stack, "on ")
@@ -158,8 +176,9 @@ def _store_stats(path: Path) -> dict[str, Any]:
     loads = [e for e in evs if e["event"] == "store_load"]
     prompt = sum(e["prompt_tokens"] for e in evs if e["event"] == "load_done")
     tiers = loads[-1]["tiers"] if loads else {}
+    saved = sum(e["written"] for e in evs if e["event"] == "decode_save")
     return {"loaded_tokens": sum(e["loaded_tokens"] for e in loads), "prompt_tokens": prompt,
-            "chunks_loaded_per_tier": tiers}
+            "chunks_loaded_per_tier": tiers, "decode_saved_chunks": saved}
 
 
 def _model_path(model: str) -> str:
@@ -187,7 +206,7 @@ def main(args: argparse.Namespace) -> int:
     hit = st["loaded_tokens"] / max(st["prompt_tokens"], 1)
     over = statistics.median(p["ratio"] for p in pairs) - 1
     lines.append(f"store hit rate (tokens loaded / prompt tokens): {hit:.2f}; chunks loaded per tier: "
-                 f"{st['chunks_loaded_per_tier']}")
+                 f"{st['chunks_loaded_per_tier']}; answer chunks saved by the decode node: {st['decode_saved_chunks']}")
     lines.append(f"store-path overhead on fresh 2048-token prefills (median of {len(pairs)} paired ratios): "
                  f"{100 * over:+.1f}% (target <= +5%)")
     table = "\n".join(lines)

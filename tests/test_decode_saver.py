@@ -16,9 +16,9 @@ from decode.saver import DecodeSaver, SaveSpec  # noqa: E402
 from kernels.blocks import KVLayout  # noqa: E402
 from kvrelay import config as kcfg  # noqa: E402
 from kvrelay import pd  # noqa: E402
-from tests.redis_server import REDIS, redis_server  # noqa: E402
 from tests.test_kernels import BS, expected_chunk, vllm_like_caches  # noqa: E402
 from transport.keys import Fingerprint, chunk_keys  # noqa: E402
+from transport.store.local_redis import REDIS, redis_server  # noqa: E402
 from transport.store.tiers import RedisTier  # noqa: E402
 from transport.wire import HEADER_SIZE, verify_chunk  # noqa: E402
 

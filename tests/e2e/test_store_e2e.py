@@ -24,7 +24,7 @@ from tests.e2e.conftest import (
     run_turn2,
     start_stack,
 )
-from tests.redis_server import REDIS, redis_server
+from transport.store.local_redis import REDIS, redis_server
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""A real, throwaway redis-server for tests (no persistence, a free port, its own dir)."""
+"""A throwaway local redis-server for tests and benchmarks (no persistence, a free port, its own dir)."""
 
 from __future__ import annotations
 
