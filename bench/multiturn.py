@@ -176,9 +176,10 @@ def _store_stats(path: Path) -> dict[str, Any]:
     loads = [e for e in evs if e["event"] == "store_load"]
     prompt = sum(e["prompt_tokens"] for e in evs if e["event"] == "load_done")
     tiers = loads[-1]["tiers"] if loads else {}
+    tier_mib = {k: round(v / 2**20, 1) for k, v in (loads[-1].get("tier_bytes", {}) if loads else {}).items()}
     saved = sum(e["written"] for e in evs if e["event"] == "decode_save")
     return {"loaded_tokens": sum(e["loaded_tokens"] for e in loads), "prompt_tokens": prompt,
-            "chunks_loaded_per_tier": tiers, "decode_saved_chunks": saved}
+            "chunks_loaded_per_tier": tiers, "mib_loaded_per_tier": tier_mib, "decode_saved_chunks": saved}
 
 
 def _model_path(model: str) -> str:
@@ -206,7 +207,8 @@ def main(args: argparse.Namespace) -> int:
     hit = st["loaded_tokens"] / max(st["prompt_tokens"], 1)
     over = statistics.median(p["ratio"] for p in pairs) - 1
     lines.append(f"store hit rate (tokens loaded / prompt tokens): {hit:.2f}; chunks loaded per tier: "
-                 f"{st['chunks_loaded_per_tier']}; answer chunks saved by the decode node: {st['decode_saved_chunks']}")
+                 f"{st['chunks_loaded_per_tier']} ({st['mib_loaded_per_tier']} MiB); "
+                 f"answer chunks saved by the decode node: {st['decode_saved_chunks']}")
     lines.append(f"store-path overhead on fresh 2048-token prefills (median of {len(pairs)} paired ratios): "
                  f"{100 * over:+.1f}% (target <= +5%)")
     table = "\n".join(lines)

@@ -216,7 +216,8 @@ class StoreService:
         failed = set(block_ids[done_tokens // bs:end // bs]) if done_tokens < end else set()
         self.metrics.store_loaded_tokens.inc(done_tokens - start)
         self.events.write("store_load", req=req_id, hit_tokens=end - start, loaded_tokens=done_tokens - start,
-                          seconds=round(time.monotonic() - t0, 6), tiers=dict(self.store.stats.hits))
+                          seconds=round(time.monotonic() - t0, 6), tiers=dict(self.store.stats.hits),
+                          tier_bytes=dict(self.store.stats.bytes_loaded))
         return failed
 
     # ---------------------------------------------------------------- save (push thread)
