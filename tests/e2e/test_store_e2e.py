@@ -93,6 +93,7 @@ def test_decode_saves_answer_chunks_and_turn2_prefill_loads_them_from_redis(stor
     assert answer2 == reference["dsave2"]
     load = _wait_event(store_stack.events_path, "store_load", r2)
     assert load["loaded_tokens"] == 256 and load["tiers"].get("redis", 0) >= 1, load
+    assert load["tier_bytes"].get("redis", 0) >= 2 << 20, load          # a 2 MiB chunk + its header
     done = [e for e in read_events(store_stack.events_path) if e["event"] == "load_done" and r2 in e["transfer"]]
     assert done and done[0]["recomputed_tokens"] == 0
 
