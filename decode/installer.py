@@ -65,7 +65,7 @@ class InstallWorker(WorkerBase):
         self._saved: set[str] = set()
         self.saver: DecodeSaver | None = None
         if cfg.store.enabled and cfg.store.save_decoded:
-            self.saver = DecodeSaver(cfg, vllm_config, self.events, self._save_done)
+            self.saver = DecodeSaver(cfg, self.blocks_per_chunk, self.events, self._save_done)
 
     def busy(self) -> bool:
         return bool(self._loads) or (self.saver is not None and self.saver.busy())
@@ -114,9 +114,9 @@ class InstallWorker(WorkerBase):
         return box[0]
 
     # ---------------------------------------------------------------- model thread
-    def start(self, loads: list[LoadSpec], cancelled: list[str], saves: list[SaveSpec] = ()) -> None:  # type: ignore[assignment]
+    def start(self, loads: list[LoadSpec], cancelled: list[str], saves: list[SaveSpec]) -> None:
         if saves and self.saver is not None:
-            self.saver.submit(list(saves))
+            self.saver.submit(saves)
         for spec in loads:
             keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
             load = _Load(spec, keys, t_start=time.monotonic())

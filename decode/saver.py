@@ -34,9 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from kernels.blocks import KVLayout, gather
+from kernels.blocks import KVLayout, gather_to_host
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig
 from prefill.cache import chunk_record
@@ -69,12 +67,12 @@ def save_spec(request: Any, block_ids: list[int], chunk_tokens: int) -> SaveSpec
 class DecodeSaver:
     """Worker half of decode-side saves (one thread; ``done(req_id)`` when a save ends)."""
 
-    def __init__(self, cfg: KVRelayConfig, vllm_config: Any, events: pd.EventLog,
+    def __init__(self, cfg: KVRelayConfig, blocks_per_chunk: int, events: pd.EventLog,
                  done: Callable[[str], None]) -> None:
         self.cfg, self.events, self.done = cfg, events, done
         self.redis = RedisTier(cfg.store.redis_url)
         self.metrics = pd.metrics(cfg.connector.metrics_port)
-        self.block_size: int = vllm_config.cache_config.block_size
+        self.blocks_per_chunk = blocks_per_chunk
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-decode-save",
@@ -112,6 +110,8 @@ class DecodeSaver:
 
     def _save(self, spec: SaveSpec) -> int:
         """Write the chunks Redis lacks, in batches of ``store.deferred_bytes``; return how many."""
+        assert self.layout is not None
+        per = self.blocks_per_chunk
         keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)[spec.first_chunk:]
         have = self.redis.contains(keys)
         batch: list[tuple[bytes, bytes]] = []
@@ -119,21 +119,13 @@ class DecodeSaver:
         for c, (key, present) in enumerate(zip(keys, have, strict=True), start=spec.first_chunk):
             if present:
                 continue
-            record = chunk_record(key, c, self._gather(spec.block_ids, c))
+            record = chunk_record(key, c, gather_to_host(self.layout, spec.block_ids[c * per:(c + 1) * per]))
             batch.append((key, record))
             size += len(record)
             if size >= int(self.cfg.store.deferred_bytes):
                 written += self._put(batch)
                 batch, size = [], 0
         return written + self._put(batch)
-
-    def _gather(self, block_ids: list[int], c: int) -> torch.Tensor:
-        assert self.layout is not None
-        per = self.cfg.chunk_tokens // self.block_size
-        ids = torch.tensor(block_ids[c * per:(c + 1) * per], dtype=torch.int64, device=self.layout.device)
-        out = torch.empty((self.layout.num_layers, per, self.layout.bytes_per_block), dtype=torch.uint8,
-                          device=self.layout.device)
-        return gather(self.layout, ids, out).cpu()                 # [L, per, bytes_per_block]
 
     def _put(self, batch: list[tuple[bytes, bytes]]) -> int:
         n = self.redis.put(batch) if batch else 0

@@ -148,6 +148,17 @@ def gather(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torc
     return gather_ref(layout, block_ids, out)
 
 
+def gather_to_host(layout: KVLayout, block_ids: list[int]) -> torch.Tensor:
+    """Blocks ``block_ids`` of every layer as one ``[L, n, bytes_per_block]`` uint8 CPU tensor.
+
+    Gathers on the cache's device (one kernel launch for CUDA caches), then copies to host.
+    """
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=layout.device)
+    out = torch.empty((layout.num_layers, len(block_ids), layout.bytes_per_block), dtype=torch.uint8,
+                      device=layout.device)
+    return gather(layout, ids, out).cpu()
+
+
 def scatter(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
     if layout.device.type == "cuda":
         from kernels import cuda

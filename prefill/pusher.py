@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kernels.blocks import KVLayout, gather
+from kernels.blocks import KVLayout, gather_to_host
 from kvrelay import pd
 from kvrelay.config import KVRelayConfig, TransportKind
 from kvrelay.connector_base import WorkerBase
@@ -184,15 +184,10 @@ class PushWorker(WorkerBase):
         full = len(ids) == self.blocks_per_chunk and (c + 1) * self.cfg.chunk_tokens <= p.spec.prompt_len
         gathered = None
         if self.store is not None and full and 0 <= p.spec.store_from <= c * self.cfg.chunk_tokens:
-            gathered = self._gather(layout, ids)
+            gathered = gather_to_host(layout, ids)
             self.store.save(p.keys[c], c, gathered)
         if p.spec.push_to:
             self._push(p, c, layout, ids, gathered)
-
-    def _gather(self, layout: KVLayout, ids: list[int]) -> torch.Tensor:
-        buf = self._staging(layout, ids)
-        gather(layout, torch.tensor(ids, dtype=torch.int64, device=layout.device), buf)
-        return buf
 
     def _push(self, p: _Push, c: int, layout: KVLayout, ids: list[int], gathered: torch.Tensor | None) -> None:
         assert p.alloc is not None and p.sender is not None
@@ -206,7 +201,7 @@ class PushWorker(WorkerBase):
                              num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE)).pack()
         every = self.cfg.connector.fault_corrupt_every
         if every and (self._pushed % every) == 0:
-            keep = (keep if keep is not None else self._gather(layout, ids)).clone()
+            keep = (keep if keep is not None else gather_to_host(layout, ids)).clone()
             keep.view(-1)[keep.numel() // 2] ^= 0x5A          # fault injection: corrupt after checksumming
             regions = [keep.numpy().data]
             log.warning("fault injection: corrupted chunk %d of %s", c, p.spec.transfer_id)
@@ -218,9 +213,6 @@ class PushWorker(WorkerBase):
         else:                                                # receiver already holds it
             self._on_written(p, c, t0)
 
-    def _staging(self, layout: KVLayout, ids: list[int]) -> torch.Tensor:
-        return torch.empty((layout.num_layers, len(ids), layout.bytes_per_block), dtype=torch.uint8)
-
     def _regions(self, layout: KVLayout, ids: list[int],
                  gathered: torch.Tensor | None) -> tuple[list[Any], torch.Tensor | None]:
         """The chunk already gathered for the store, else zero-copy block regions for NIXL on
@@ -229,7 +221,7 @@ class PushWorker(WorkerBase):
             return [gathered.numpy().data], gathered
         if self.cfg.transport.backend is TransportKind.NIXL and layout.device.type == "cpu":
             return [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids], None
-        buf = self._gather(layout, ids)
+        buf = gather_to_host(layout, ids)
         return [buf.numpy().data], buf
 
     def _on_written(self, p: _Push, c: int, t0: float) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -29,8 +28,7 @@ T = 256                                     # chunk_tokens: 2 blocks of 128
 def _saver(url: str, events: str, done: list[str]) -> tuple[DecodeSaver, dict]:
     cfg = kcfg.from_dict({"store": {"enabled": True, "save_decoded": True, "redis_url": url}})
     caches = vllm_like_caches(seed=3)
-    saver = DecodeSaver(cfg, SimpleNamespace(cache_config=SimpleNamespace(block_size=BS)),
-                        pd.EventLog(events, "decode-test"), done.append)
+    saver = DecodeSaver(cfg, T // BS, pd.EventLog(events, "decode-test"), done.append)
     saver.bind(KVLayout.from_caches(caches), FP)
     return saver, caches
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import cuda
-from kernels.blocks import KVLayout, gather, gather_ref, scatter, scatter_ref
+from kernels.blocks import KVLayout, gather, gather_ref, gather_to_host, scatter, scatter_ref
 
 L, NB, H, BS, D2 = 4, 12, 4, 128, 128        # layers, blocks, kv heads, block size, 2*head_size
 
@@ -41,6 +41,8 @@ def test_gather_matches_per_block_bytes(separate):
     out = torch.empty((L, len(ids), lay.bytes_per_block), dtype=torch.uint8)
     gather(lay, torch.tensor(ids), out)
     assert out.numpy().tobytes() == expected_chunk(caches, ids)
+    host = gather_to_host(lay, ids)
+    assert host.device.type == "cpu" and host.numpy().tobytes() == expected_chunk(caches, ids)
 
 
 @pytest.mark.parametrize("separate", [False, True], ids=["one-buffer", "separate-tensors"])

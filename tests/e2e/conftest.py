@@ -86,10 +86,7 @@ def run_chat(client: Any, messages: list[dict], max_tokens: int, request_id: str
 
 
 def run_turn2(client: Any, answer1: str, request_id: str = "") -> str:
-    headers = {"X-Request-Id": request_id} if request_id else None
-    resp = client.chat.completions.create(model=MODEL, messages=turn2_messages(answer1), max_tokens=MAX_TOKENS,
-                                          temperature=0, extra_headers=headers)
-    return str(resp.choices[0].message.content)
+    return run_chat(client, turn2_messages(answer1), MAX_TOKENS, request_id)
 
 
 def run_case(client: Any, case: Case, request_id: str = "") -> tuple[str, dict | None]:
@@ -200,7 +197,8 @@ class StackHandle:
         return scrape(f"{self.stack.url(spec)}/metrics")
 
     def events(self, rid: str) -> list[dict]:
-        return [e for e in read_events(self.events_path) if rid in e.get("transfer", "")]
+        """Events of request ``rid``: its transfer's, and the per-request ones (store loads, saves)."""
+        return [e for e in read_events(self.events_path) if rid in e.get("transfer", "") or rid in e.get("req", "")]
 
     def wait_events(self, rid: str, kinds: set[str], timeout: float = 30) -> list[dict]:
         deadline = time.monotonic() + timeout

@@ -18,7 +18,6 @@ from tests.e2e.conftest import (
     TURN1,
     dsave_messages,
     openai_client,
-    read_events,
     run_case,
     run_chat,
     run_turn2,
@@ -67,18 +66,6 @@ def test_turn2_loads_turn1_prefix_from_store(store_stack, reference):
     assert done and done[0]["recomputed_tokens"] == 0
 
 
-def _wait_event(path, kind: str, rid: str, timeout: float = 30) -> dict:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        hits = [e for e in read_events(path) if e["event"] == kind and rid in e.get("req", "")]
-        if hits:
-            return hits[-1]
-        time.sleep(0.1)
-    raise AssertionError(f"no {kind} event for {rid} within {timeout} s")
-
-
 def test_decode_saves_answer_chunks_and_turn2_prefill_loads_them_from_redis(store_stack, store_redis, reference):
     if not store_redis:
         pytest.skip("redis-server not installed (deploy/setup.sh installs it)")
@@ -87,14 +74,15 @@ def test_decode_saves_answer_chunks_and_turn2_prefill_loads_them_from_redis(stor
     answer1 = run_chat(client, dsave_messages(), DSAVE_ANSWER, r1)
     assert answer1 == reference["dsave1"]
     # Turn 1's prompt (< 256 tokens) never filled a chunk on P; D's answer did.
-    saved = _wait_event(store_stack.events_path, "decode_save", r1)
+    saved = next(e for e in store_stack.wait_events(r1, {"decode_save"}) if e["event"] == "decode_save")
     assert (saved["first_chunk"], saved["chunks"], saved["written"]) == (0, 1, 1), saved
     answer2 = run_chat(client, dsave_messages(answer1), 12, r2)
     assert answer2 == reference["dsave2"]
-    load = _wait_event(store_stack.events_path, "store_load", r2)
+    evs = store_stack.wait_events(r2, {"store_load", "load_done"})
+    load = next(e for e in evs if e["event"] == "store_load")
     assert load["loaded_tokens"] == 256 and load["tiers"].get("redis", 0) >= 1, load
     assert load["tier_bytes"].get("redis", 0) >= 2 << 20, load          # a 2 MiB chunk + its header
-    done = [e for e in read_events(store_stack.events_path) if e["event"] == "load_done" and r2 in e["transfer"]]
+    done = [e for e in evs if e["event"] == "load_done"]
     assert done and done[0]["recomputed_tokens"] == 0
 
 
