@@ -7,7 +7,7 @@ shape (the store-on stack first, then the store-off one, on disjoint ports) with
 own prefix cache **off on the prefill node**, so the only reuse is kvrelay's store (what
 a node sees when the engine cache is too small or the previous turn ran elsewhere).
 Reported per turn: median TTFT with the store on / off and their ratio, the store hit
-rate (tokens loaded / prompt tokens) and chunks loaded per tier; plus the store-path
+rate (tokens loaded / prompt tokens) and chunks and MiB loaded per tier; plus the store-path
 overhead: the median ratio of paired prefills of the same fresh prompt (nothing to
 reuse) on the store-on and store-off prefill nodes. JSON + PNG under ``--out``.
 
