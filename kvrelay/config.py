@@ -130,6 +130,7 @@ class StoreConfig(_Section, frozen=True):
     cpu_bytes: Size = 1024 * MiB
     deferred_bytes: Size = 8 * MiB
     prefetch_ahead: NonNeg = 2
+    lookup_timeout_s: Seconds = 2.0  # the scheduler's prefix lookup; slower than this = a miss (computed)
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     disk_path: str = ""
     disk_bytes: Size = 0
@@ -290,6 +291,8 @@ FIELD_HELP: dict[str, str] = {
     'store.cpu_bytes': 'multi-tier store: CPU tier capacity',
     'store.deferred_bytes': 'multi-tier store: batch-and-defer buffer for new chunks',
     'store.prefetch_ahead': 'multi-tier store: chunks prefetched ahead of the one installing',
+    'store.lookup_timeout_s': ("prefill scheduler: a store prefix lookup that takes longer than this counts as a miss "
+                               "(the prompt is computed); the engine's step waits for it, so keep it short"),
     'store.eviction_policy': 'multi-tier store: lru, lfu or fifo',
     'store.disk_path': 'multi-tier store: disk tier directory ("" = no disk tier)',
     'store.disk_bytes': 'multi-tier store: disk tier size cap',

@@ -86,6 +86,9 @@ class Publisher:
             self._sock.close(linger=0)
 
 
+SLOW_LOOKUP_S = 0.1   # the worker logs lookups slower than this (the scheduler waits on them)
+
+
 def lookup_endpoint(vllm_config: Any) -> str:
     engine = vllm_config.kv_transfer_config.engine_id or "default"
     return f"ipc://{tempfile.gettempdir()}/kvrelay-store-{engine}.sock"
@@ -103,7 +106,7 @@ def hit_limit(n_prompt: int, chunk_tokens: int) -> int:
 class StoreClient:
     """Scheduler side. A lookup that times out counts as a miss (the prompt is computed)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 0.5) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 2.0) -> None:
         self.endpoint, self.timeout_ms = endpoint, int(timeout_s * 1000)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
@@ -115,7 +118,8 @@ class StoreClient:
             self._sock.connect(self.endpoint)
         self._sock.send(msgspec.msgpack.encode(Lookup(list(token_ids))))
         if not self._sock.poll(self.timeout_ms):
-            log.warning("store lookup timed out (%s); computing the prompt", self.endpoint)
+            log.warning("store lookup got no answer in %.1f s (%s); computing the prompt",
+                        self.timeout_ms / 1000, self.endpoint)
             self._sock.close(linger=0)
             self._sock = None
             return 0
@@ -172,7 +176,10 @@ class StoreService:
                     continue
                 try:
                     req = msgspec.msgpack.decode(sock.recv(), type=Lookup)
+                    t0 = time.monotonic()
                     hit = self._lookup(req.token_ids)
+                    if (took := time.monotonic() - t0) > SLOW_LOOKUP_S:
+                        log.warning("store lookup of %d tokens took %.3f s", len(req.token_ids), took)
                 except msgspec.DecodeError as exc:
                     log.warning("bad store lookup: %s", exc)
                     hit = 0

@@ -172,7 +172,8 @@ class PrefillConnector(RelayConnector):
     "kv_connector_extra_config": {"kvrelay": {...}}}'``."""
 
     def make_scheduler(self, vllm_config: Any) -> PrefillScheduler:
-        client = StoreClient(lookup_endpoint(vllm_config)) if store_enabled(self.cfg) else None
+        client = (StoreClient(lookup_endpoint(vllm_config), self.cfg.store.lookup_timeout_s)
+                  if store_enabled(self.cfg) else None)
         return PrefillScheduler(self.cfg, client)
 
     def make_worker(self, vllm_config: Any) -> PushWorker:
