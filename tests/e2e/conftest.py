@@ -200,6 +200,11 @@ class StackHandle:
         """Events of request ``rid``: its transfer's, and the per-request ones (store loads, saves)."""
         return [e for e in read_events(self.events_path) if rid in e.get("transfer", "") or rid in e.get("req", "")]
 
+    def log_lines(self, node: str, needle: str) -> list[str]:
+        """Lines of ``node``'s log (e.g. "prefill0") containing ``needle``: context for a failure."""
+        path = self.stack.log_dir / f"{node}.log"
+        return [ln for ln in path.read_text(errors="replace").splitlines() if needle in ln] if path.exists() else []
+
     def wait_events(self, rid: str, kinds: set[str], timeout: float = 30) -> list[dict]:
         deadline = time.monotonic() + timeout
         while True:
