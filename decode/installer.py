@@ -37,6 +37,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvrelay.decode")
 
+# An Alloc that reaches D before D's worker has registered its transfer waits this long for
+# it, so the held-chunk answer reflects D's prefix cache. Registration normally follows
+# within a step; on a loaded host a prefix-cached P can be faster than that.
+REGISTER_WAIT_S = 0.5
+
 
 @dataclass
 class _Load:
@@ -102,7 +107,7 @@ class InstallWorker(WorkerBase):
             pd.place_helper_thread(self.cfg.connector.helper_cpus)
             try:
                 box.append(Receiver(self.cfg, make_receiver_backend(self.cfg), self.fingerprint.digest(),
-                                    slot_bytes=slot, held_keys=self._held, consumer_wait_s=0.1))
+                                    slot_bytes=slot, held_keys=self._held, consumer_wait_s=REGISTER_WAIT_S))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 box.append(exc)
 
