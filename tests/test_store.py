@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from transport.keys import KEY_BYTES
-from transport.store.local_redis import REDIS, redis_server
+from transport.store.local_redis import REDIS, free_port, redis_server
 from transport.store.policy import make_policy
 from transport.store.store import CpuTier, MultiTierStore
 from transport.store.tiers import DiskTier, RedisTier
@@ -120,6 +120,25 @@ def test_redis_roundtrip_corruption_and_outage(redis_url, caplog):
         s2.put(*record(14))
         s2.flush()
     assert "redis tier unavailable" in caplog.text
+
+
+@pytest.mark.skipif(REDIS is None, reason="redis-server not installed (deploy/setup.sh installs it)")
+def test_an_unreachable_redis_is_skipped_for_retry_s_then_used_again(tmp_path, caplog):
+    now = [100.0]
+    port = free_port()                                   # nothing listens here yet
+    tier = RedisTier(f"redis://127.0.0.1:{port}/0", retry_s=5.0, clock=lambda: now[0])
+    (k1, r1) = record(21)
+    with caplog.at_level("WARNING", logger="kvrelay.store"):
+        assert tier.contains([k1]) == [False]
+    assert tier.errors == 1 and "redis tier unavailable during lookup" in caplog.text
+    with redis_server(tmp_path, port=port) as (url, _):
+        # Within retry_s the tier answers misses without trying the (now live) server.
+        assert tier.contains([k1]) == [False] and tier.get([k1]) == [None] and tier.put([(k1, r1)]) == 0
+        assert tier.errors == 1 and tier.skipped == 3
+        assert RedisTier(url).get([k1]) == [None]        # the skipped put really wrote nothing
+        now[0] += 5.0
+        assert tier.put([(k1, r1)]) == 1 and tier.get([k1]) == [r1] and tier.contains([k1]) == [True]
+        assert tier.errors == 1 and tier.skipped == 3
 
 
 @pytest.mark.parametrize("policy,expected", [("lru", b"C"), ("lfu", b"B"), ("fifo", b"A")])

@@ -13,15 +13,19 @@ from pathlib import Path
 REDIS = shutil.which("redis-server")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @contextlib.contextmanager
-def redis_server(workdir: Path) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start redis-server; yield (url, process); kill it on exit. Needs ``REDIS``."""
+def redis_server(workdir: Path, port: int = 0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start redis-server on ``port`` (0 = a free one); yield (url, process); kill it on exit. Needs ``REDIS``."""
     assert REDIS is not None, "redis-server not installed (deploy/setup.sh installs it)"
     import redis
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = port or free_port()
     proc = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"redis://127.0.0.1:{port}/0"

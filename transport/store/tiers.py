@@ -10,7 +10,9 @@ under the wrong key) is dropped and reported as a miss, never returned.
   never leaves a half-written record under a real name), with a byte cap.
 * :class:`RedisTier` - a real Redis server (binary-safe values, optional TTL, a
   connection pool, one pipelined round trip per batch). A server that goes away
-  degrades to misses with a logged warning; it never fails a request.
+  degrades to misses with a logged warning; it never fails a request. After an outage
+  the tier is skipped (instant misses, no connection attempts) for ``retry_s``, so an
+  unreachable server costs one socket timeout per ``retry_s``, not one per lookup.
 
 The CPU tier lives in :mod:`transport.store.cpu` (it owns the reference-counted buffers).
 """
@@ -21,7 +23,8 @@ import abc
 import logging
 import os
 import threading
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from transport.errors import ChunkError, ProtocolError
@@ -154,7 +157,8 @@ class DiskTier(Tier):
 class RedisTier(Tier):
     name = "redis"
 
-    def __init__(self, url: str, *, ttl_s: int = 0, prefix: bytes = b"kvrelay:", timeout_s: float = 1.0) -> None:
+    def __init__(self, url: str, *, ttl_s: int = 0, prefix: bytes = b"kvrelay:", timeout_s: float = 1.0,
+                 retry_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
         import redis
 
         self._redis = redis
@@ -162,17 +166,30 @@ class RedisTier(Tier):
         self.client = redis.Redis(connection_pool=self.pool)
         self.ttl = ttl_s
         self.prefix = prefix
+        self.retry_s, self._clock = retry_s, clock
+        self._down_until = 0.0
         self.corrupt = 0
-        self.errors = 0
+        self.errors = 0        # failed round trips
+        self.skipped = 0       # calls answered as misses while the tier was marked down
 
     def _k(self, key: bytes) -> bytes:
         return self.prefix + key
 
+    def _down(self) -> bool:
+        if self._clock() < self._down_until:
+            self.skipped += 1
+            return True
+        return False
+
     def _outage(self, what: str, exc: Exception) -> None:
         self.errors += 1
-        log.warning("redis tier unavailable during %s (%s); treating as a miss", what, exc)
+        self._down_until = self._clock() + self.retry_s
+        log.warning("redis tier unavailable during %s (%s); treating it as a miss for %.3g s", what, exc,
+                    self.retry_s)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        if self._down():
+            return [False] * len(keys)
         try:
             pipe = self.client.pipeline(transaction=False)
             for k in keys:
@@ -183,8 +200,8 @@ class RedisTier(Tier):
             return [False] * len(keys)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        if not keys:
-            return []
+        if not keys or self._down():
+            return [None] * len(keys)
         try:
             values = self.client.mget([self._k(k) for k in keys])
         except self._redis.RedisError as exc:
@@ -208,7 +225,7 @@ class RedisTier(Tier):
             self._outage("delete", exc)
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
-        if not items:
+        if not items or self._down():
             return 0
         try:
             pipe = self.client.pipeline(transaction=False)
