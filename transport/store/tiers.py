@@ -14,7 +14,7 @@ under the wrong key) is dropped and reported as a miss, never returned.
   the tier is skipped (instant misses, no connection attempts) for ``retry_s``, so an
   unreachable server costs one socket timeout per ``retry_s``, not one per lookup.
 
-The CPU tier lives in :mod:`transport.store.cpu` (it owns the reference-counted buffers).
+The CPU tier lives in :mod:`transport.store.store` (it owns the reference-counted buffers).
 """
 
 from __future__ import annotations
