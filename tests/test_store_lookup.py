@@ -26,7 +26,7 @@ def _vllm_config() -> SimpleNamespace:
                            cache_config=SimpleNamespace(block_size=16))
 
 
-def test_lookup_finds_the_stored_prefix_in_whole_chunks(tmp_path):
+def test_lookup_finds_the_stored_prefix_in_whole_chunks():
     import torch
 
     cfg = kcfg.from_dict({"store": {"enabled": True, "cpu_bytes": "16MiB"}})
