@@ -32,8 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrelay import config as kcfg
-from kvrelay import launch
+from core import config as kcfg
+from deploy import launch
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,;:!?0123456789\n"
 

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import ALPHABET, _post
-from kvrelay import config as kcfg
-from kvrelay import launch
-from kvrelay.tiny_model import WIDTHS, ensure_tiny_model
-from transport.store.local_redis import REDIS, redis_server
+from bench.local_redis import REDIS, redis_server
+from core import config as kcfg
+from deploy import launch
+from deploy.tiny_model import WIDTHS, ensure_tiny_model
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

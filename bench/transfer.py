@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from bench import raw
-from kvrelay import config as kcfg
+from core import config as kcfg
+from transport.config import parse_size
 from transport.events import ChunkArrival, TransferDone, TransferFailed
 from transport.wire import HEADER_SIZE
 
@@ -85,8 +86,8 @@ class BackendRun:
     """One receiver here + one sender child for a backend, reused across sizes and windows."""
 
     def __init__(self, cfg: kcfg.KVRelayConfig, backend: str, max_size: int, max_window: int) -> None:
+        from bench.peer import SenderPeer
         from transport.backends import make_receiver_backend
-        from transport.peer import SenderPeer
         from transport.receiver import Receiver
 
         slot = HEADER_SIZE + max_size
@@ -94,7 +95,7 @@ class BackendRun:
         over = [f"transport.backend={backend}", f"transport.pool_bytes={slots * (slot + 4096)}"]
         self.cfg = kcfg.load(None, over + [f"{k}={v}" for k, v in _cfg_overrides(cfg).items()])
         fp = hashlib.sha256(b"bench").digest()
-        self.receiver = Receiver(self.cfg, make_receiver_backend(self.cfg), fp, slot_bytes=slot)
+        self.receiver = Receiver(self.cfg.transport, self.cfg.timeouts, make_receiver_backend(self.cfg.transport), fp, slot_bytes=slot)
         self.peer = SenderPeer(self.cfg, self.receiver.endpoint, fp)
         self.peer.call("connect")
         self.n = 0
@@ -104,7 +105,7 @@ class BackendRun:
         self.n += 1
         tid = f"b{self.n}"
         if self.prepared != size:
-            self.peer.call("prepare", "src", max(size * 2, raw.SOURCE_BYTES // size * size), self.n)
+            self.peer.call("prepare", "src", max(size * 2, raw.SOURCE_BYTES // size * size), self.n, size)
             self.prepared = size
         arrivals: list[float] = []
         consumer = threading.Thread(target=self._consume, args=(tid, count, window, arrivals), daemon=True)
@@ -296,7 +297,7 @@ def main(args: argparse.Namespace) -> int:
     bad = [b for b in backends if b not in BACKENDS]
     if bad:
         raise SystemExit(f"unknown backend(s) {bad}; choose from {BACKENDS}")
-    sizes = [kcfg.parse_size(s.strip(), "--sizes") for s in args.sizes.split(",")]
+    sizes = [parse_size(s.strip(), "--sizes") for s in args.sizes.split(",")]
     windows = [int(w) for w in args.windows.split(",")]
     t0 = time.time()
     points = run(cfg, backends, sizes, windows, args.quick, not args.no_ceilings, args.reps)

@@ -38,10 +38,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from core.config import KVRelayConfig
+from core.connector_base import RelayConnector, RelayMeta
+from core.params import ParamsError, PullParams, parse_params
 from decode.saver import SaveSpec, save_spec
-from kvrelay import pd
-from kvrelay.config import KVRelayConfig
-from kvrelay.connector_base import RelayConnector, RelayMeta
 
 if TYPE_CHECKING:
     from decode.installer import InstallWorker
@@ -70,7 +70,7 @@ class DecodeMeta(RelayMeta):
 class DecodeScheduler:
     def __init__(self, cfg: KVRelayConfig) -> None:
         self.cfg = cfg
-        self._pending: dict[str, tuple[pd.PullParams, int]] = {}   # req -> (params, local tokens)
+        self._pending: dict[str, tuple[PullParams, int]] = {}   # req -> (params, local tokens)
         self._loads: list[LoadSpec] = []
         self._cancelled: list[str] = []
         self._loading: set[str] = set()
@@ -84,12 +84,12 @@ class DecodeScheduler:
         if rid in self._done or rid in self._loading:
             return 0, False
         try:
-            params = pd.parse_params(request.kv_transfer_params)
-        except pd.ParamsError as exc:
+            params = parse_params(request.kv_transfer_params)
+        except ParamsError as exc:
             log.warning("request %s: %s; computing the prompt locally", rid, exc)
             self._done.add(rid)
             return 0, False
-        if not isinstance(params, pd.PullParams):
+        if not isinstance(params, PullParams):
             return 0, False
         n = len(request.prompt_token_ids) - num_computed
         if n <= 0:

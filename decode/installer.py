@@ -11,19 +11,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from core.config import KVRelayConfig
+from core.connector_base import WorkerBase
+from core.placement import place_helper_thread
 from decode.saver import DecodeSaver
 from kernels.blocks import scatter
-from kvrelay import pd
-from kvrelay.config import KVRelayConfig
-from kvrelay.connector_base import WorkerBase
 from transport.backends import make_receiver_backend
 from transport.errors import KVRelayError, TransferTimeout
 from transport.events import ChunkArrival, ChunkRejected, TransferDone, TransferFailed
@@ -37,9 +35,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvrelay.decode")
 
-# An Alloc that reaches D before D's worker has registered its transfer waits this long for
-# it, so the held-chunk answer reflects D's prefix cache. Registration normally follows
-# within a step; on a loaded host a prefix-cached P can be faster than that.
+# An Alloc that reaches D before D's worker has registered its transfer (``expect``, which
+# names the chunks this request holds) waits this long for it. Registration normally
+# follows within a step; on a loaded host a prefix-cached P can be faster than that.
 REGISTER_WAIT_S = 0.5
 
 
@@ -65,7 +63,6 @@ class InstallWorker(WorkerBase):
         super().__init__(cfg, vllm_config)
         self.receiver: Receiver | None = None
         self._loads: dict[str, _Load] = {}
-        self._local: Counter[bytes] = Counter()   # keys of chunks D already holds (prefix cache)
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvrelay-install")
         self._saved: set[str] = set()
         self.saver: DecodeSaver | None = None
@@ -104,10 +101,10 @@ class InstallWorker(WorkerBase):
         box: list[Receiver | BaseException] = []
 
         def build() -> None:
-            pd.place_helper_thread(self.cfg.connector.helper_cpus)
+            place_helper_thread(self.cfg.connector.helper_cpus)
             try:
-                box.append(Receiver(self.cfg, make_receiver_backend(self.cfg), self.fingerprint.digest(),
-                                    slot_bytes=slot, held_keys=self._held, consumer_wait_s=REGISTER_WAIT_S))
+                box.append(Receiver(self.cfg.transport, self.cfg.timeouts, make_receiver_backend(self.cfg.transport),
+                                    self.fingerprint.digest(), slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 box.append(exc)
 
@@ -127,9 +124,9 @@ class InstallWorker(WorkerBase):
             load = _Load(spec, keys, t_start=time.monotonic())
             with self._lock:
                 self._loads[spec.req_id] = load
-                self._local.update(keys[:self._first_chunk(load)])
             assert self.receiver is not None
-            self.receiver.expect(spec.transfer_id)
+            # chunks wholly inside this request's own local prefix-cache hit are not sent
+            self.receiver.expect(spec.transfer_id, held=keys[:self._first_chunk(load)])
             self.metrics.inflight.labels("decode").inc()
             self.events.write("load_start", req=spec.req_id, transfer=spec.transfer_id, tokens=spec.num_tokens)
             self._pool.submit(self._run, load)
@@ -146,7 +143,7 @@ class InstallWorker(WorkerBase):
         return load.spec.local_tokens // self.cfg.chunk_tokens
 
     def _run(self, load: _Load) -> None:
-        pd.place_helper_thread(self.cfg.connector.helper_cpus)
+        place_helper_thread(self.cfg.connector.helper_cpus)
         try:
             self._receive(load)
         except Exception as exc:  # noqa: BLE001 - never leave the request waiting forever
@@ -217,15 +214,7 @@ class InstallWorker(WorkerBase):
             if c not in load.installed:
                 load.failed.setdefault(c, reason)
 
-    def _held(self, keys: Sequence[bytes]) -> list[bool]:
-        """Receiver hook at Alloc time: chunks wholly inside D's own prefix-cache hit are not sent."""
-        with self._lock:
-            return [k in self._local for k in keys]
-
     def _complete(self, load: _Load) -> None:
-        with self._lock:
-            self._local.subtract(load.keys[:self._first_chunk(load)])
-            self._local += Counter()                 # drop keys whose count reached zero
         assert self.receiver is not None
         self.receiver.finish(load.spec.transfer_id)
         spec, n = load.spec, len(load.spec.token_ids)

@@ -34,11 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from core.config import KVRelayConfig
+from core.placement import place_helper_thread
+from core.telemetry import EventLog, metrics
 from kernels.blocks import KVLayout, gather_to_host
-from kvrelay import pd
-from kvrelay.config import KVRelayConfig
-from prefill.cache import chunk_record
 from transport.keys import chunk_keys
+from transport.store.records import make_record
 from transport.store.tiers import RedisTier
 
 log = logging.getLogger("vllm.kvrelay.decode")
@@ -67,16 +68,16 @@ def save_spec(request: Any, block_ids: list[int], chunk_tokens: int) -> SaveSpec
 class DecodeSaver:
     """Worker half of decode-side saves (one thread; ``done(req_id)`` when a save ends)."""
 
-    def __init__(self, cfg: KVRelayConfig, blocks_per_chunk: int, events: pd.EventLog,
+    def __init__(self, cfg: KVRelayConfig, blocks_per_chunk: int, events: EventLog,
                  done: Callable[[str], None]) -> None:
         self.cfg, self.events, self.done = cfg, events, done
         self.redis = RedisTier(cfg.store.redis_url)
-        self.metrics = pd.metrics(cfg.connector.metrics_port)
+        self.metrics = metrics(cfg.connector.metrics_port)
         self.blocks_per_chunk = blocks_per_chunk
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-decode-save",
-                                        initializer=pd.place_helper_thread, initargs=(cfg.connector.helper_cpus,))
+                                        initializer=place_helper_thread, initargs=(cfg.connector.helper_cpus,))
         self._lock = threading.Lock()
         self._pending = 0
 
@@ -119,7 +120,8 @@ class DecodeSaver:
         for c, (key, present) in enumerate(zip(keys, have, strict=True), start=spec.first_chunk):
             if present:
                 continue
-            record = chunk_record(key, c, gather_to_host(self.layout, spec.block_ids[c * per:(c + 1) * per]))
+            gathered = gather_to_host(self.layout, spec.block_ids[c * per:(c + 1) * per])   # [L, per, bpb]
+            record = make_record(key, c, gathered.numpy().data, num_layers=gathered.shape[0], num_blocks=per)
             batch.append((key, record))
             size += len(record)
             if size >= int(self.cfg.store.deferred_bytes):

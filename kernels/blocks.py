@@ -1,18 +1,26 @@
 """Gather (engine blocks -> chunk) and scatter (chunk -> engine blocks), all layers at once.
 
-vLLM hands a connector one KV tensor per attention layer, each shaped
-``[num_blocks, ...]`` with a contiguous block (CPU: ``[num_blocks, kv_heads,
-block_size, 2*head_size]``; the inside of a block is engine-private - K is stored
-transposed - so blocks are copied as opaque bytes and never sliced per token).
+vLLM hands a connector one KV tensor per attention layer. :class:`KVLayout` turns
+them into *planes*, each ``[num_blocks, ...]`` with a contiguous block, and copies
+whole blocks of every plane as opaque bytes (never per token: on CPU K sits
+transposed inside a block). The shapes vLLM's backends use:
+
+* CPU attention: ``[num_blocks, kv_heads, block_size, 2*head_size]`` - one plane;
+* FlashInfer, MLA: ``[num_blocks, 2, block_size, heads, head]`` / ``[num_blocks,
+  block_size, dim]`` - one plane (the block is the leading dimension);
+* FlashAttention: ``[2, num_blocks, block_size, kv_heads, head]`` (K and V apart) -
+  two planes, ``[0]`` (K) and ``[1]`` (V), named ``<layer>.k`` / ``<layer>.v``.
 
 :class:`KVLayout` views those tensors as bytes. When every layer is a view into
 one buffer at a constant stride (what vLLM allocates), it builds one strided
 ``[L, num_blocks, bytes_per_block]`` uint8 view so a gather or scatter over all
 layers is a single indexed copy; otherwise it falls back to a per-layer loop.
 
-A chunk's payload is ``[layer][block]``: ``L x n`` blocks of ``bytes_per_block``.
-The pure-torch functions here are the reference (and the CPU path); the CUDA
-versions in :mod:`kernels.cuda` are tested against them.
+A chunk's payload is ``[plane][block]``: ``L x n`` blocks of ``bytes_per_block``
+(``L`` = planes, called layers below). The pure-torch functions here are the
+reference (and the CPU path); the CUDA versions in :mod:`kernels.cuda` are tested
+against them, and :func:`gather` / :func:`scatter` fall back to the reference for
+any layout the fast path does not take.
 """
 
 from __future__ import annotations
@@ -48,8 +56,7 @@ class KVLayout:
 
     @classmethod
     def from_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
-        names = list(kv_caches)
-        layers = [kv_caches[n] for n in names]
+        names, layers = _planes(kv_caches)
         if not layers:
             raise ValueError("no KV cache tensors registered")
         first = layers[0]
@@ -62,21 +69,33 @@ class KVLayout:
         bpb = first[0].numel() * first.element_size()
         return cls(names, layers, first.shape[0], bpb, first.dtype, _stacked_view(layers, bpb))
 
-    def base_regions(self) -> list[tuple[int, int]]:
-        """(address, nbytes) spans covering every layer's tensor (for memory registration)."""
-        spans = sorted((t.data_ptr(), t.shape[0] * t.stride(0) * t.element_size()) for t in self.layers)
-        merged: list[tuple[int, int]] = []
-        for addr, n in spans:
-            if merged and addr <= merged[-1][0] + merged[-1][1]:
-                a0, n0 = merged[-1]
-                merged[-1] = (a0, max(n0, addr + n - a0))
-            else:
-                merged.append((addr, n))
-        return merged
+    def plane_spans(self) -> list[tuple[int, int]] | None:
+        """``(address, nbytes)`` of each layer's blocks, in layer order, when every layer's blocks
+        sit back to back (block ``b`` at ``address + b * bytes_per_block``); else None."""
+        spans = []
+        for t in self.layers:
+            if t.stride(0) * t.element_size() != self.bytes_per_block:
+                return None
+            spans.append((t.data_ptr(), self.num_blocks * self.bytes_per_block))
+        return spans
 
     def block_view(self, layer: int, block: int) -> torch.Tensor:
         """One block of one layer as flat uint8 (a view into the engine's cache)."""
         return self.layers[layer][block].reshape(-1).view(torch.uint8)
+
+
+def _planes(kv_caches: Mapping[str, torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
+    """Split FlashAttention's ``[2, num_blocks, block_size, heads, head]`` layers into K and V planes."""
+    names: list[str] = []
+    planes: list[torch.Tensor] = []
+    for name, t in kv_caches.items():
+        if t.dim() == 5 and t.shape[0] == 2:
+            names += [f"{name}.k", f"{name}.v"]
+            planes += [t[0], t[1]]
+        else:
+            names.append(name)
+            planes.append(t)
+    return names, planes
 
 
 def _stacked_view(layers: Sequence[torch.Tensor], bpb: int) -> torch.Tensor | None:
@@ -138,13 +157,21 @@ def scatter_ref(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) ->
         t.index_copy_(0, block_ids, src[i].view(t.dtype).reshape(len(block_ids), *shape))
 
 
+def _fast_path(layout: KVLayout) -> bool:
+    """The CUDA kernel takes device caches whose planes sit at one stride in one buffer."""
+    if layout.device.type != "cuda" or layout.stacked is None:
+        return False
+    from kernels import cuda
+
+    return cuda.available()
+
+
 def gather(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Dispatch: the CUDA kernel for device caches when available, else the reference."""
-    if layout.device.type == "cuda":
+    """Dispatch: the CUDA kernel where the layout allows it, else the reference."""
+    if _fast_path(layout):
         from kernels import cuda
 
-        if cuda.available():
-            return cuda.gather(layout, block_ids, out)
+        return cuda.gather(layout, block_ids, out)
     return gather_ref(layout, block_ids, out)
 
 
@@ -160,10 +187,10 @@ def gather_to_host(layout: KVLayout, block_ids: list[int]) -> torch.Tensor:
 
 
 def scatter(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-    if layout.device.type == "cuda":
+    """Dispatch: the CUDA kernel where the layout allows it, else the reference."""
+    if _fast_path(layout):
         from kernels import cuda
 
-        if cuda.available():
-            cuda.scatter(layout, block_ids, src)
-            return
+        cuda.scatter(layout, block_ids, src)
+        return
     scatter_ref(layout, block_ids, src)

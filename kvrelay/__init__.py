@@ -1,9 +1,8 @@
 """kvrelay: disaggregated prefill/decode serving for vLLM.
 
-The ``kvrelay`` package holds what the whole distribution shares: the typed
-configuration tree (:mod:`kvrelay.config`) and the command line
-(:mod:`kvrelay.cli`). The transport layer lives in the top-level ``transport``
-package; the engine connectors in ``prefill`` and ``decode``.
+The ``kvrelay`` package is the command line (:mod:`kvrelay.cli`), the top floor:
+nothing imports it. The README's code map lists every package, what it owns and
+what it may import.
 """
 
 __version__ = "0.1.0"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core import config as kcfg
 from kvrelay import __version__
-from kvrelay import config as kcfg
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -24,7 +24,7 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from kvrelay.tiny_model import make_tiny_model
+    from deploy.tiny_model import make_tiny_model
 
     print(make_tiny_model(args.dir, "wide" if args.wide else "narrow"))
     return 0
@@ -46,7 +46,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from kvrelay import launch
+    from deploy import launch
 
     cfg = kcfg.config_from_args(args)
     role = launch.Role(args.role)
@@ -67,7 +67,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import threading
     import time
 
-    from kvrelay import launch
+    from deploy import launch
 
     cfg = kcfg.config_from_args(args)
     stack = launch.Stack(cfg)
@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the compute-heavy variant: same KV layout, 1024-wide residual, 4096-wide MLP (benchmarks)")
     m.set_defaults(func=_cmd_make_tiny_model)
 
-    from kvrelay import warmup
+    from deploy import warmup
 
     w = sub.add_parser("warmup", help="run hot prompts through prefill nodes so their chunks land in the store",
                        description=(warmup.__doc__ or "").split("\n\n")[1])

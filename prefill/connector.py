@@ -30,10 +30,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kvrelay import pd
-from kvrelay.config import KVRelayConfig
-from kvrelay.connector_base import RelayConnector, RelayMeta
-from prefill.cache import StoreClient, hit_limit, lookup_endpoint, store_enabled
+from core.config import KVRelayConfig
+from core.connector_base import RelayConnector, RelayMeta
+from core.params import ParamsError, PushParams, parse_params
+from prefill.lookup import StoreClient, hit_limit, lookup_endpoint
 
 if TYPE_CHECKING:
     from prefill.pusher import PushWorker
@@ -79,7 +79,7 @@ class PrefillScheduler:
     def __init__(self, cfg: KVRelayConfig, store: StoreClient | None = None) -> None:
         self.cfg = cfg
         self.store = store
-        self._params: dict[str, pd.PushParams | None] = {}   # tracked while their prefill runs
+        self._params: dict[str, PushParams | None] = {}   # tracked while their prefill runs
         self._prompt_len: dict[str, int] = {}
         self._store_from: dict[str, int] = {}
         self._blocks: dict[str, list[int]] = {}
@@ -93,12 +93,12 @@ class PrefillScheduler:
         if rid in self._params:
             return
         try:
-            params = pd.parse_params(request.kv_transfer_params)
-        except pd.ParamsError as exc:
+            params = parse_params(request.kv_transfer_params)
+        except ParamsError as exc:
             log.warning("request %s: %s; serving it without a push", rid, exc)
             params = None
-        if isinstance(params, pd.PushParams) or self.store is not None:
-            self._params[rid] = params if isinstance(params, pd.PushParams) else None
+        if isinstance(params, PushParams) or self.store is not None:
+            self._params[rid] = params if isinstance(params, PushParams) else None
             self._prompt_len[rid] = len(request.prompt_token_ids)
 
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
@@ -173,7 +173,7 @@ class PrefillConnector(RelayConnector):
 
     def make_scheduler(self, vllm_config: Any) -> PrefillScheduler:
         client = (StoreClient(lookup_endpoint(vllm_config), self.cfg.store.lookup_timeout_s)
-                  if store_enabled(self.cfg) else None)
+                  if self.cfg.store.active else None)
         return PrefillScheduler(self.cfg, client)
 
     def make_worker(self, vllm_config: Any) -> PushWorker:

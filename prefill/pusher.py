@@ -7,28 +7,37 @@ does the network work, so the model thread never blocks on a decode node.
 Chunk ``c`` of a prompt covers tokens ``[c*T, min((c+1)*T, prompt_len))`` with
 ``T = chunk_tokens``, i.e. engine blocks ``[c*T/bs, ...)`` of the request's block
 list. Its payload is ``[layer][block]`` whole blocks (opaque bytes).
+
+How a chunk leaves is the backend's call, not a branch on its name: a backend with
+``capabilities.registered_layout`` gets the host KV cache registered once and each
+chunk named by its block ids (no copy); any other gets the chunk gathered into one
+host buffer. A chunk already gathered for the store is sent from that buffer.
+``connector.push_hook`` (``"module:function"``) sees every chunk after its header
+(and checksum) is built and returns the bytes to send: tests install their fault
+injection this way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import importlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from core.config import KVRelayConfig
+from core.connector_base import WorkerBase
+from core.placement import place_helper_thread
 from kernels.blocks import KVLayout, gather_to_host
-from kvrelay import pd
-from kvrelay.config import KVRelayConfig, TransportKind
-from kvrelay.connector_base import WorkerBase
-from prefill.cache import StoreService, store_enabled
+from prefill.store_service import StoreService
 from transport.backends import make_sender_backend
-from transport.backends.base import WriteHandle, WriteState
-from transport.errors import KVRelayError
+from transport.backends.base import BlockPayload, MemRegion, Payload, SourceLayout, WriteHandle, WriteState
+from transport.errors import KVRelayError, PeerDeadError, TransferAborted, TransferTimeout, TransportError
 from transport.keys import chunk_keys
 from transport.sender import Allocation, Sender
 from transport.wire import HEADER_SIZE, DType, make_header
@@ -39,6 +48,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvrelay.prefill")
 
 _DTYPES = {torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16, torch.float32: DType.FLOAT32}
+PushHook = Callable[[str, int, torch.Tensor], torch.Tensor]   # (transfer id, chunk, [L, n, bpb] bytes) -> bytes
+
+
+def load_hook(spec: str) -> PushHook | None:
+    """``"module:function"`` -> the function (None for ``""``)."""
+    if not spec:
+        return None
+    module, _, name = spec.partition(":")
+    try:
+        hook: PushHook = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise KVRelayError(f"connector.push_hook {spec!r} cannot be loaded: {exc}") from exc
+    return hook
+
+
+def source_layout(layout: KVLayout) -> SourceLayout | None:
+    """The host KV cache as registrable memory: one region per layer of back-to-back blocks."""
+    spans = layout.plane_spans()
+    if layout.device.type != "cpu" or spans is None:
+        return None
+    return SourceLayout(tuple(MemRegion(addr, n) for addr, n in spans), layout.bytes_per_block)
 
 
 @dataclass
@@ -53,7 +83,7 @@ class _Push:
     ready_chunks: int = 0
     inflight: list[tuple[WriteHandle, Any, float]] = field(default_factory=list)
     closing: bool = False        # the scheduler finished the request; report once settled
-    failed: str = ""
+    failed: str = ""             # why the push failed ("" = it has not)
 
 
 class PushWorker(WorkerBase):
@@ -63,9 +93,10 @@ class PushWorker(WorkerBase):
         super().__init__(cfg, vllm_config)
         self._pushes: dict[str, _Push] = {}
         self._senders: dict[str, Sender] = {}
-        self._pushed = 0
+        self._hook = load_hook(cfg.connector.push_hook)
+        self._source: SourceLayout | None = None
         self.store: StoreService | None = None
-        if store_enabled(cfg):
+        if cfg.store.active:
             self.store = StoreService(cfg, vllm_config, self.events)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="kvrelay-push", daemon=True)
@@ -79,6 +110,7 @@ class PushWorker(WorkerBase):
         assert self.layout is not None
         if self.store is not None:
             self.store.bind(self.layout, self.fingerprint)
+        self._source = source_layout(self.layout)
         log.info("kvrelay prefill: %d layers, %d blocks x %d B, chunk %d tokens = %d B, backend %s",
                  self.layout.num_layers, self.layout.num_blocks, self.layout.bytes_per_block,
                  self.cfg.chunk_tokens, self.layout.chunk_bytes(self.blocks_per_chunk),
@@ -126,7 +158,7 @@ class PushWorker(WorkerBase):
 
     # ---------------------------------------------------------------- push thread
     def _run(self) -> None:
-        pd.place_helper_thread(self.cfg.connector.helper_cpus)
+        place_helper_thread(self.cfg.connector.helper_cpus)
         while True:
             with self._lock:
                 if self._stop:
@@ -140,10 +172,10 @@ class PushWorker(WorkerBase):
                 try:
                     self._advance(p)
                 except KVRelayError as exc:
-                    self._fail(p, f"{type(exc).__name__}: {exc}")
+                    self._fail(p, exc)
                 except Exception as exc:  # noqa: BLE001 - a push bug must not kill the engine
                     log.exception("push of %s crashed", p.spec.req_id)
-                    self._fail(p, f"internal error: {exc!r}")
+                    self._fail(p, exc)
                 self._maybe_settle(p)
             if not any(p.inflight for p in work):
                 time.sleep(0.0005)
@@ -161,7 +193,7 @@ class PushWorker(WorkerBase):
             handle, _keep, t0 = item
             state = p.sender.poll(handle)
             if state is WriteState.FAILED:
-                raise KVRelayError(f"chunk {handle.chunk_index} write failed: {handle.error}")
+                raise TransportError(f"chunk {handle.chunk_index} write failed: {handle.error}")
             if state is WriteState.DONE:
                 p.inflight.remove(item)
                 self._on_written(p, handle.chunk_index, t0)
@@ -196,33 +228,30 @@ class PushWorker(WorkerBase):
             return
         t0 = time.monotonic()
         self.events.write("push_start", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c)
-        regions, keep = self._regions(layout, ids, gathered)
-        header = make_header(p.keys[c], p.spec.transfer_id, c, regions, num_layers=layout.num_layers,
-                             num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE)).pack()
-        every = self.cfg.connector.fault_corrupt_every
-        if every and (self._pushed % every) == 0:
-            keep = (keep if keep is not None else gather_to_host(layout, ids)).clone()
-            keep.view(-1)[keep.numel() // 2] ^= 0x5A          # fault injection: corrupt after checksumming
-            regions = [keep.numpy().data]
-            log.warning("fault injection: corrupted chunk %d of %s", c, p.spec.transfer_id)
-        self._pushed += 1
-        handle = p.sender.write_chunk(p.alloc, c, regions, num_layers=layout.num_layers, num_blocks=len(ids),
+        payload, header, keep = self._payload(p, c, layout, ids, gathered)
+        handle = p.sender.write_chunk(p.alloc, c, payload, num_layers=layout.num_layers, num_blocks=len(ids),
                                       header=header)
         if handle is not None:
             p.inflight.append((handle, keep, t0))
         else:                                                # receiver already holds it
             self._on_written(p, c, t0)
 
-    def _regions(self, layout: KVLayout, ids: list[int],
-                 gathered: torch.Tensor | None) -> tuple[list[Any], torch.Tensor | None]:
-        """The chunk already gathered for the store, else zero-copy block regions for NIXL on
-        host memory, else one gathered buffer."""
-        if gathered is not None:
-            return [gathered.numpy().data], gathered
-        if self.cfg.transport.backend is TransportKind.NIXL and layout.device.type == "cpu":
-            return [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids], None
-        buf = gather_to_host(layout, ids)
-        return [buf.numpy().data], buf
+    def _payload(self, p: _Push, c: int, layout: KVLayout, ids: list[int],
+                 gathered: torch.Tensor | None) -> tuple[Payload, bytes, torch.Tensor | None]:
+        """(payload, header, buffer to keep alive until written) for chunk ``c``."""
+        def header(regions: list[Any]) -> bytes:
+            return make_header(p.keys[c], p.spec.transfer_id, c, regions, num_layers=layout.num_layers,
+                               num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE)).pack()
+
+        assert p.sender is not None
+        if gathered is None and self._hook is None and p.sender.layout is not None:
+            views = [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids]
+            return BlockPayload(tuple(ids)), header(views), None     # straight from the KV cache
+        buf = gathered if gathered is not None else gather_to_host(layout, ids)     # [L, n, bpb] uint8
+        hdr = header([buf.numpy().data])
+        if self._hook is not None:
+            buf = self._hook(p.spec.transfer_id, c, buf)
+        return [buf.numpy().data], hdr, buf
 
     def _on_written(self, p: _Push, c: int, t0: float) -> None:
         dt = time.monotonic() - t0
@@ -232,25 +261,27 @@ class PushWorker(WorkerBase):
         self.events.write("push_done", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c,
                           seconds=round(dt, 6))
 
-    def _fail(self, p: _Push, reason: str) -> None:
+    def _fail(self, p: _Push, exc: BaseException) -> None:
         if p.failed:
             return
+        reason = f"{type(exc).__name__}: {exc}"
         p.failed = reason
         log.warning("push of %s (transfer %s) failed: %s", p.spec.req_id, p.spec.transfer_id, reason)
         self.metrics.chunks.labels("prefill", "failed").inc(max(p.n_chunks - p.next_chunk, 1))
         self.events.write("push_failed", req=p.spec.req_id, transfer=p.spec.transfer_id, reason=reason)
         if p.sender is not None:
             p.sender.abort(p.spec.transfer_id, reason)
-        if p.sender is not None and "PeerDead" in reason:
+        if p.sender is not None and isinstance(exc, PeerDeadError):
             self._drop_sender(p.spec.push_to)
 
     def _maybe_settle(self, p: _Push) -> None:
         complete = p.next_chunk >= p.n_chunks and not p.inflight
         if not p.failed and p.closing and not complete and p.next_chunk >= p.ready_chunks and not p.inflight:
-            self._fail(p, "request finished before its prompt was computed")
+            self._fail(p, TransferAborted("request finished before its prompt was computed"))
         if not p.failed and not complete and time.monotonic() > p.deadline:
             self.metrics.forced_frees.inc()
-            self._fail(p, f"push not complete after free_deadline_s={self.cfg.connector.free_deadline_s}")
+            self._fail(p, TransferTimeout(f"push not complete after free_deadline_s="
+                                          f"{self.cfg.connector.free_deadline_s}"))
         settled = (complete or p.failed) and not p.inflight
         if settled and p.closing:
             with self._lock:
@@ -263,21 +294,17 @@ class PushWorker(WorkerBase):
     def _sender(self, endpoint: str) -> Sender:
         s = self._senders.get(endpoint)
         if s is None:
-            s = Sender(self.cfg, endpoint, make_sender_backend(self.cfg), self.fingerprint.digest())
+            tc = self.cfg.transport
+            s = Sender(tc, self.cfg.timeouts, endpoint, make_sender_backend(tc), self.fingerprint.digest())
             try:
                 s.connect()
+                if self._source is not None and s.backend.capabilities.registered_layout:
+                    s.register_layout(self._source)       # once per process: the backend shares it
             except KVRelayError:
                 s.close()
                 raise
-            self._register_sources(s)
             self._senders[endpoint] = s
         return s
-
-    def _register_sources(self, s: Sender) -> None:
-        if self.cfg.transport.backend is not TransportKind.NIXL or self.layout is None:
-            return
-        for addr, n in self.layout.base_regions():
-            s.backend.register_source(memoryview((ctypes.c_char * n).from_address(addr)).cast("B"))
 
     def _drop_sender(self, endpoint: str) -> None:
         s = self._senders.pop(endpoint, None)

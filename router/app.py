@@ -31,8 +31,8 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from kvrelay import pd
-from kvrelay.config import KVRelayConfig, RoutingPolicy
+from core.config import KVRelayConfig, RoutingPolicy
+from core.params import PullParams, PushParams, params_dict
 from router.cache_index import ChunkIndex, PromptTokenizer
 from router.pools import Node, NoHealthyNode, Pool, health_loop, pools_from_config
 
@@ -172,8 +172,8 @@ class Router:
     async def _prefill(self, endpoint: str, body: dict[str, Any], node: Node, d_node: Node,
                        tid: str, rid: str) -> None:
         pbody = dict(body)
-        pbody.update(stream=False, max_tokens=1, kv_transfer_params=pd.params_dict(
-            pd.PushParams(transfer_id=tid, push_to=d_node.kv_endpoint)))
+        pbody.update(stream=False, max_tokens=1, kv_transfer_params=params_dict(
+            PushParams(transfer_id=tid, push_to=d_node.kv_endpoint)))
         pbody.pop("stream_options", None)
         if "max_completion_tokens" in pbody:
             pbody["max_completion_tokens"] = 1
@@ -211,7 +211,7 @@ class Router:
                       tid: str, rid: str, t0: float, p_url: str) -> web.StreamResponse:
         assert self.session is not None
         dbody = dict(body)
-        dbody["kv_transfer_params"] = pd.params_dict(pd.PullParams(transfer_id=tid))
+        dbody["kv_transfer_params"] = params_dict(PullParams(transfer_id=tid))
         node.outstanding += 1
         try:
             async with self.session.post(f"{node.url}{endpoint}", json=dbody,

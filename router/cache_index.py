@@ -24,9 +24,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from prefill.cache import StoreEvent
 from router.pools import Node
 from transport.keys import chunk_keys_from_digest
+from transport.store.events import StoreEvent, decode_event
 
 log = logging.getLogger("kvrelay.router")
 
@@ -62,8 +62,8 @@ class ChunkIndex:
             while True:
                 raw = await sock.recv()
                 try:
-                    ev = msgspec.msgpack.decode(raw, type=StoreEvent)
-                except msgspec.DecodeError as exc:
+                    ev = decode_event(raw)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     log.warning("bad store event from %s: %s", endpoint, exc)
                     continue
                 self.apply(i, ev)

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from kvrelay.config import RouterConfig, RoutingPolicy
+from core.config import RouterConfig, RoutingPolicy
+from transport.errors import KVRelayError
 
 log = logging.getLogger("kvrelay.router")
 
@@ -24,8 +25,8 @@ class Node:
     failures: int = 0
 
 
-class NoHealthyNode(RuntimeError):
-    pass
+class NoHealthyNode(KVRelayError):
+    """Every node of a pool is out of rotation (failed health checks)."""
 
 
 class Pool:

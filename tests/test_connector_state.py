@@ -14,9 +14,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from core import config as kcfg  # noqa: E402
+from core import params as pd  # noqa: E402
 from decode.connector import DecodeScheduler  # noqa: E402
-from kvrelay import config as kcfg  # noqa: E402
-from kvrelay import pd  # noqa: E402
 from prefill.connector import PrefillScheduler  # noqa: E402
 
 

@@ -11,13 +11,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from bench.local_redis import REDIS, redis_server  # noqa: E402
+from core import config as kcfg  # noqa: E402
+from core.telemetry import EventLog  # noqa: E402
 from decode.saver import DecodeSaver, SaveSpec  # noqa: E402
 from kernels.blocks import KVLayout  # noqa: E402
-from kvrelay import config as kcfg  # noqa: E402
-from kvrelay import pd  # noqa: E402
 from tests.test_kernels import BS, expected_chunk, vllm_like_caches  # noqa: E402
 from transport.keys import Fingerprint, chunk_keys  # noqa: E402
-from transport.store.local_redis import REDIS, redis_server  # noqa: E402
 from transport.store.tiers import RedisTier  # noqa: E402
 from transport.wire import HEADER_SIZE, verify_chunk  # noqa: E402
 
@@ -28,7 +28,7 @@ T = 256                                     # chunk_tokens: 2 blocks of 128
 def _saver(url: str, events: str, done: list[str]) -> tuple[DecodeSaver, dict]:
     cfg = kcfg.from_dict({"store": {"enabled": True, "save_decoded": True, "redis_url": url}})
     caches = vllm_like_caches(seed=3)
-    saver = DecodeSaver(cfg, T // BS, pd.EventLog(events, "decode-test"), done.append)
+    saver = DecodeSaver(cfg, T // BS, EventLog(events, "decode-test"), done.append)
     saver.bind(KVLayout.from_caches(caches), FP)
     return saver, caches
 

@@ -69,6 +69,61 @@ def test_layout_rejects_mismatched_layers():
         KVLayout.from_caches(caches)
 
 
+def _flash_attn_caches(seed: int) -> dict[str, torch.Tensor]:
+    """vLLM FlashAttention on GPU: per layer [2, num_blocks, block_size, kv_heads, head] (K, V apart)."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn((L, 2, NB, 16, H, 64), generator=g).to(torch.float16)
+    return {f"layers.{i}.attn": buf[i] for i in range(L)}
+
+
+def _flashinfer_caches(seed: int) -> dict[str, torch.Tensor]:
+    """FlashInfer: per layer [num_blocks, 2, block_size, kv_heads, head]."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn((L, NB, 2, 16, H, 64), generator=g).to(torch.float16)
+    return {f"layers.{i}.attn": buf[i] for i in range(L)}
+
+
+def _mla_caches(seed: int) -> dict[str, torch.Tensor]:
+    """MLA: per layer [num_blocks, block_size, latent dim]."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i}.attn": torch.randn((NB, 16, 576), generator=g).to(torch.bfloat16) for i in range(L)}
+
+
+def _block_bytes(caches: dict[str, torch.Tensor], ids: list[int]) -> bytes:
+    """Independent oracle: every plane's blocks, in [plane][block] order, straight from the tensors."""
+    planes = []
+    for t in caches.values():
+        planes += [t[0], t[1]] if t.dim() == 5 and t.shape[0] == 2 else [t]
+    return b"".join(p[b].contiguous().view(torch.uint8).numpy().tobytes() for p in planes for b in ids)
+
+
+@pytest.mark.parametrize("make,planes", [(_flash_attn_caches, 2 * L), (_flashinfer_caches, L), (_mla_caches, L)],
+                         ids=["flash-attn-2xNB", "flashinfer-NBx2", "mla"])
+def test_gpu_backend_layouts_gather_and_scatter_whole_blocks(make, planes):
+    caches = make(1)
+    lay = KVLayout.from_caches(caches)
+    assert lay.num_layers == planes
+    ids = [6, 0, 11]
+    assert gather_to_host(lay, ids).numpy().tobytes() == _block_bytes(caches, ids)
+    dst = make(2)
+    before = {k: v.clone() for k, v in dst.items()}
+    scatter(KVLayout.from_caches(dst), torch.tensor([2, 9, 4]), gather_to_host(lay, ids))
+    assert _block_bytes(dst, [2, 9, 4]) == _block_bytes(caches, ids)
+    others = [b for b in range(NB) if b not in (2, 9, 4)]
+    assert _block_bytes(dst, others) == _block_bytes(before, others)
+
+
+def test_dispatch_falls_back_to_the_reference_for_layouts_the_kernel_cannot_take(monkeypatch):
+    """A CUDA-resident layout without one strided view must not reach the kernel."""
+    from kernels import blocks
+
+    lay = KVLayout.from_caches({k: v.clone() for k, v in vllm_like_caches().items()})
+    assert lay.stacked is None
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(type(lay), "device", property(lambda self: torch.device("cuda")))
+    assert not blocks._fast_path(lay)
+
+
 needs_cuda = pytest.mark.skipif(not cuda.available(), reason="needs CUDA and Triton")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvrelay import config as kcfg
+from core import config as kcfg
 from router.app import Router
 from router.pools import Node, Pool
 

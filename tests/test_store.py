@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.local_redis import REDIS, free_port, redis_server
 from transport.keys import KEY_BYTES
-from transport.store.local_redis import REDIS, free_port, redis_server
 from transport.store.policy import make_policy
 from transport.store.store import CpuTier, MultiTierStore
 from transport.store.tiers import DiskTier, RedisTier

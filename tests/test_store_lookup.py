@@ -12,13 +12,19 @@ from types import SimpleNamespace
 import msgspec
 import zmq
 
-from kvrelay import config as kcfg
-from kvrelay import pd
-from prefill.cache import Lookup, LookupReply, StoreClient, StoreService, chunk_record, lookup_endpoint
+from core import config as kcfg
+from core.telemetry import EventLog
+from prefill.lookup import Lookup, LookupReply, StoreClient, lookup_endpoint
+from prefill.store_service import StoreService
 from transport.keys import Fingerprint, chunk_keys
+from transport.store.records import make_record
 
 FP = Fingerprint("tiny", "float32", "cpu", 16, 4, 8192)
 T = 256
+
+
+def record(key, c, gathered):
+    return make_record(key, c, gathered.numpy().data, num_layers=gathered.shape[0], num_blocks=gathered.shape[1])
 
 
 def _vllm_config() -> SimpleNamespace:
@@ -31,7 +37,7 @@ def test_lookup_finds_the_stored_prefix_in_whole_chunks():
 
     cfg = kcfg.from_dict({"store": {"enabled": True, "cpu_bytes": "16MiB"}})
     vc = _vllm_config()
-    svc = StoreService(cfg, vc, pd.EventLog("", "prefill-test"))
+    svc = StoreService(cfg, vc, EventLog("", "prefill-test"))
     svc.bind(None, FP)  # type: ignore[arg-type]  # lookups need only the fingerprint
     client = StoreClient(lookup_endpoint(vc), cfg.store.lookup_timeout_s)
     try:
@@ -40,9 +46,9 @@ def test_lookup_finds_the_stored_prefix_in_whole_chunks():
         gathered = torch.zeros(4, T // 16, 64, dtype=torch.uint8)
         assert client.lookup(tokens) == 0                           # nothing stored yet
         for c in (0, 2):
-            svc.store.put(keys[c], chunk_record(keys[c], c, gathered))
+            svc.store.put(keys[c], record(keys[c], c, gathered))
         assert client.lookup(tokens + [5]) == T                     # a hole (chunk 1) ends the prefix
-        svc.store.put(keys[1], chunk_record(keys[1], 1, gathered))
+        svc.store.put(keys[1], record(keys[1], 1, gathered))
         assert client.lookup(tokens) == 2 * T                       # the last token is always computed
         assert client.lookup(tokens + [5]) == 3 * T
         assert client.lookup([99] + tokens[1:]) == 0                # chained keys: a new first token misses all

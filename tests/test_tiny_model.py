@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvrelay.tiny_model import ensure_tiny_model, make_tiny_model
+from deploy.tiny_model import ensure_tiny_model, make_tiny_model
 
 
 def _cfg(path) -> dict:

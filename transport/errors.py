@@ -5,8 +5,11 @@ Backends translate their library's exceptions (``zmq.ZMQError``,
 ``raise TransportError(...) from exc`` so callers only ever catch these.
 
     KVRelayError
+    ├── ConfigError              a config key or value is invalid (the message names the key)
+    ├── ParamsError              malformed kv_transfer_params (core.params)
+    ├── NoHealthyNode            the router has no healthy node in a pool (router.pools)
     └── TransportError
-        ├── ProtocolError        malformed / oversize / wrong-version message
+        ├── ProtocolError        malformed / oversize / wrong-version message (``.code``)
         ├── HandshakeError       Hello refused: fingerprint mismatch, bad HMAC
         ├── ChunkError           chunk failed validation (never installed)
         │   ├── ChecksumError    payload checksum mismatch
@@ -19,17 +22,41 @@ Backends translate their library's exceptions (``zmq.ZMQError``,
 
 from __future__ import annotations
 
+import enum
+
 
 class KVRelayError(Exception):
     """Base of every error kvrelay raises on purpose."""
+
+
+class ConfigError(KVRelayError, ValueError):
+    """A configuration value or key is invalid; the message names the key."""
 
 
 class TransportError(KVRelayError):
     """Something in the transport layer failed."""
 
 
+class ErrorCode(str, enum.Enum):
+    """Why a control frame was refused; travels in ``protocol.Error.code``."""
+
+    MALFORMED = "malformed"
+    OVERSIZE = "oversize"
+    VERSION = "version"
+    UNAUTHENTICATED = "unauthenticated"
+    UNKNOWN_TRANSFER = "unknown_transfer"
+    BAD_SLOT = "bad_slot"
+    INVALID = "invalid"
+
+
 class ProtocolError(TransportError):
-    """A control or data frame is malformed, oversize or of an unsupported version."""
+    """A control or data frame is malformed, oversize or of an unsupported version.
+
+    ``code`` says which, and is what the receiver answers in its ``Error`` reply."""
+
+    def __init__(self, reason: str, code: ErrorCode = ErrorCode.INVALID) -> None:
+        super().__init__(reason)
+        self.code = code
 
 
 class HandshakeError(TransportError):

@@ -13,22 +13,22 @@ Conversation (sender = prefill node P, receiver = decode node D)::
     P ─ Alloc(transfer_id, keys, chunk_bytes, wait_s) ─▶ D     D skips keys it already holds
     P ◀─ Slots(transfer_id, grants, held) | Refused ──── D     back-pressure: D parks the Alloc
     P ═ data plane: write(chunk, slot) ═════════════════▶ D     (nixl / tcp / shm / ucx)
-    P ─ ChunkDone(transfer_id, index, slot) ───────────▶ D     only for out-of-band backends
     P ─ Abort(transfer_id, reason) ─────────────────────▶ D     frees the transfer's slots
     P ─ Heartbeat(sender_id) ───────────────────────────▶ D     liveness, own socket
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import hmac
 
 import msgspec
 
-from transport.errors import ProtocolError
+from transport.errors import ErrorCode, ProtocolError
 
-PROTOCOL_VERSION = 1
+__all__ = ["ErrorCode", "ProtocolError"]   # re-exported: callers say P.ErrorCode
+
+PROTOCOL_VERSION = 2                       # 2: ChunkDone removed (every backend reports arrival in band)
 HELLO_CONTEXT = b"kvrelay-hello-v1"
 
 
@@ -78,13 +78,6 @@ class Refused(_Msg, tag="refused", frozen=True):
     reason: str
 
 
-class ChunkDone(_Msg, tag="chunk_done", frozen=True):
-    transfer_id: str
-    chunk_index: int
-    slot: int
-    generation: int
-
-
 class Abort(_Msg, tag="abort", frozen=True):
     transfer_id: str
     reason: str = ""
@@ -103,17 +96,7 @@ class Error(_Msg, tag="error", frozen=True):
     reason: str
 
 
-Message = Hello | HelloAck | Alloc | Slots | Refused | ChunkDone | Abort | Heartbeat | Bye | Error
-
-
-class ErrorCode(str, enum.Enum):
-    MALFORMED = "malformed"
-    OVERSIZE = "oversize"
-    VERSION = "version"
-    UNAUTHENTICATED = "unauthenticated"
-    UNKNOWN_TRANSFER = "unknown_transfer"
-    BAD_SLOT = "bad_slot"
-    INVALID = "invalid"
+Message = Hello | HelloAck | Alloc | Slots | Refused | Abort | Heartbeat | Bye | Error
 
 
 class _Probe(msgspec.Struct):
@@ -130,28 +113,22 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(frame: bytes, max_bytes: int) -> Message:
-    """Decode one frame; raise :class:`ProtocolError` (``.code``) on anything wrong."""
+    """Decode one frame; raise :class:`ProtocolError` (with its ``code``) on anything wrong."""
     if len(frame) > max_bytes:
-        raise _perr(ErrorCode.OVERSIZE, f"frame of {len(frame)} bytes exceeds limit {max_bytes}")
+        raise ProtocolError(code=ErrorCode.OVERSIZE, reason=f"frame of {len(frame)} bytes exceeds limit {max_bytes}")
     try:
         version = _probe.decode(frame).v
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise _perr(ErrorCode.MALFORMED, f"not a kvrelay control message: {exc}") from exc
+        raise ProtocolError(code=ErrorCode.MALFORMED, reason=f"not a kvrelay control message: {exc}") from exc
     if version == -1:
-        raise _perr(ErrorCode.VERSION, "message has no protocol version field `v`")
+        raise ProtocolError(code=ErrorCode.VERSION, reason="message has no protocol version field `v`")
     if version != PROTOCOL_VERSION:
-        raise _perr(ErrorCode.VERSION,
-                    f"protocol version {version} not supported (this node speaks {PROTOCOL_VERSION})")
+        raise ProtocolError(code=ErrorCode.VERSION,
+                            reason=f"protocol version {version} not supported (this node speaks {PROTOCOL_VERSION})")
     try:
         return _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise _perr(ErrorCode.MALFORMED, f"invalid message: {exc}") from exc
-
-
-def _perr(code: ErrorCode, reason: str) -> ProtocolError:
-    err = ProtocolError(reason)
-    err.code = code  # type: ignore[attr-defined]
-    return err
+        raise ProtocolError(code=ErrorCode.MALFORMED, reason=f"invalid message: {exc}") from exc
 
 
 def hello_mac(secret: bytes, sender_id: str, fingerprint: bytes, backend: str, nonce: bytes) -> bytes:

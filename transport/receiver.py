@@ -4,8 +4,12 @@ Lifecycle of one transfer on the receiver (decode node D)::
 
     1. A sender's Hello passes the fingerprint and HMAC checks; D answers with
        its backend's connection info (HelloAck).
-    2. Alloc(transfer_id, keys) arrives. Keys D already holds (``held_keys``)
-       are skipped; the rest get slots. If the pool is full the Alloc is parked
+    2. The consumer registers the transfer with ``expect(transfer_id, held)``:
+       ``held`` are the leading chunk keys it already holds *for this transfer*
+       (its own prefix-cache hit). Alloc(transfer_id, keys) arrives; chunks whose
+       key matches ``held`` are answered as held and never sent, the rest get
+       slots. An Alloc that comes before ``expect`` waits up to
+       ``consumer_wait_s`` for it. If the pool is full the Alloc is parked
        (back-pressure) until slots free up or ``wait_s`` passes, then Refused.
     3. The data plane reports each chunk as its bytes complete (``_deliver``):
        D verifies header, routing and checksum, then publishes a ChunkArrival on
@@ -34,9 +38,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvrelay.config import KVRelayConfig
 from transport import protocol as P
 from transport.backends.base import ReceiverBackend
+from transport.config import TimeoutConfig, TransportConfig
 from transport.errors import (
     ChecksumError,
     ChunkError,
@@ -52,7 +56,6 @@ from transport.pool import ReceivePool, SlotRef
 from transport.wire import HEADER_SIZE, transfer_tag, verify_chunk
 
 log = logging.getLogger(__name__)
-HeldKeysFn = Callable[[Sequence[bytes]], Sequence[bool]]
 MAX_TRANSFER_ID = 256
 
 
@@ -99,22 +102,23 @@ class _Pending:
 class Receiver:
     """Owns the pool, the control socket and the receiving half of one backend."""
 
-    def __init__(self, cfg: KVRelayConfig, backend: ReceiverBackend, fingerprint: bytes, *,
-                 slot_bytes: int, held_keys: HeldKeysFn | None = None, consumer_wait_s: float = 0.0,
+    def __init__(self, transport: TransportConfig, timeouts: TimeoutConfig, backend: ReceiverBackend,
+                 fingerprint: bytes, *,
+                 slot_bytes: int, consumer_wait_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic, receiver_id: str | None = None) -> None:
-        self.cfg = cfg
+        self.transport, self.timeouts = transport, timeouts
         self.backend = backend
         self.fingerprint = fingerprint
         self.receiver_id = receiver_id or f"recv-{uuid.uuid4().hex[:8]}"
-        self.pool = ReceivePool(int(cfg.transport.pool_bytes), slot_bytes, lease_s=cfg.timeouts.lease_s,
+        self.pool = ReceivePool(int(transport.pool_bytes), slot_bytes, lease_s=timeouts.lease_s,
                                 clock=clock, shared=backend.needs_shared_pool)
         self.stats = ReceiverStats()
         self._clock = clock
-        self._held_keys = held_keys
+        self._held: dict[str, tuple[bytes, ...]] = {}              # transfer -> keys the consumer holds
         # An Alloc that arrives before the consumer called expect() waits up to this long for
-        # it, so held_keys answers with what the consumer knows (0 = grant at once).
+        # it, so the held answer is what the consumer knows (0 = grant at once).
         self._consumer_wait_s = consumer_wait_s
-        self._secret = cfg.transport.shared_secret.encode()
+        self._secret = transport.shared_secret.encode()
         self._lock = threading.RLock()
         self._transfers: dict[str, _Transfer] = {}
         self._by_tag: dict[bytes, str] = {}
@@ -125,29 +129,32 @@ class Receiver:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, cfg.transport.max_message_bytes + 4096)
-        host, port = cfg.transport.host, cfg.transport.control_port
+        self._sock.setsockopt(zmq.MAXMSGSIZE, transport.max_message_bytes + 4096)
+        host, port = transport.host, transport.control_port
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._stop = threading.Event()
-        self.backend.start(self.pool, self._deliver, self._peer_lost)
+        self.backend.start(self.pool, self._deliver, self._peer_lost, self._chunk_failed)
         self._thread = threading.Thread(target=self._loop, name="kvrelay-recv-ctl", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ consumer API
-    def expect(self, transfer_id: str) -> None:
-        """Create the event queue for a transfer before its Alloc arrives (optional)."""
+    def expect(self, transfer_id: str, held: Sequence[bytes] = ()) -> None:
+        """Register a transfer before its Alloc arrives. ``held``: the keys of its leading
+        chunks the consumer already holds (they are answered as held, never sent). Non-blocking."""
         with self._lock:
             self._queues.setdefault(transfer_id, queue.SimpleQueue())
+            if held:
+                self._held[transfer_id] = tuple(held)
 
     def next_event(self, transfer_id: str, timeout: float) -> Event:
         """Block for the transfer's next event. A returned ChunkArrival's slot is now held
         by the caller, who must :meth:`release` it. Raises TransferTimeout."""
-        self.expect(transfer_id)
-        q = self._queues[transfer_id]
+        with self._lock:
+            q = self._queues.setdefault(transfer_id, queue.SimpleQueue())
         ev = self._poll_for(q, timeout) if self.backend.poll_driven else self._wait_for(q, timeout)
         if ev is None:
             raise TransferTimeout(f"no event for transfer {transfer_id!r} in {timeout:.3g}s")
@@ -231,11 +238,11 @@ class Receiver:
             return
         ident, body = frames
         try:
-            msg = P.decode(body, self.cfg.transport.max_message_bytes)
+            msg = P.decode(body, self.transport.max_message_bytes)
             self._dispatch(ident, msg)
         except ProtocolError as exc:
             self.stats.malformed += 1
-            code = getattr(exc, "code", P.ErrorCode.INVALID)
+            code = exc.code
             log.info("rejected control frame (%s): %s", code.value, exc)
             self._reply(ident, P.Error(code=code.value, reason=str(exc)))
 
@@ -256,8 +263,6 @@ class Receiver:
         self._peers[sender] = self._clock()
         if isinstance(msg, P.Alloc):
             self._on_alloc(ident, sender, msg)
-        elif isinstance(msg, P.ChunkDone):
-            self._on_chunk_done(sender, msg)
         elif isinstance(msg, P.Abort):
             self.stats.aborts += 1
             with self._lock:
@@ -281,8 +286,8 @@ class Receiver:
         elif hello.fingerprint != self.fingerprint:
             reason = (f"incompatible KV fingerprint {hello.fingerprint.hex()[:16]} != "
                       f"{self.fingerprint.hex()[:16]} (model, dtype, layout, block size or TP differ)")
-        elif hello.backend != self.cfg.transport.backend.value:
-            reason = f"backend mismatch: sender uses {hello.backend}, receiver {self.cfg.transport.backend.value}"
+        elif hello.backend != self.transport.backend.value:
+            reason = f"backend mismatch: sender uses {hello.backend}, receiver {self.transport.backend.value}"
         elif ident != hello.sender_id.encode():
             reason = "socket identity does not match sender_id"
         if reason:
@@ -303,7 +308,7 @@ class Receiver:
         with self._lock:
             if msg.transfer_id in self._transfers:
                 raise _invalid(P.ErrorCode.INVALID, f"transfer {msg.transfer_id!r} already active")
-        wait = min(msg.wait_s, self.cfg.timeouts.alloc_wait_s)
+        wait = min(msg.wait_s, self.timeouts.alloc_wait_s)
         now = self._clock()
         pending = _Pending(ident, sender, msg, now + max(wait, 0.0), now)
         if not self._try_grant(pending):
@@ -315,7 +320,9 @@ class Receiver:
         if (self._consumer_wait_s and msg.transfer_id not in self._queues
                 and self._clock() < p.arrived + self._consumer_wait_s):
             return False                            # the consumer has not registered it yet
-        held_flags = list(self._held_keys(msg.keys)) if self._held_keys else [False] * len(msg.keys)
+        with self._lock:
+            mine = self._held.get(msg.transfer_id, ())
+        held_flags = [i < len(mine) and key == mine[i] for i, key in enumerate(msg.keys)]
         want = [i for i, h in enumerate(held_flags) if not h]
         try:
             refs = self.pool.try_allocate(len(want), msg.transfer_id)
@@ -348,12 +355,6 @@ class Receiver:
             q = self._queues.get(p.msg.transfer_id)
         if q is not None:
             q.put(TransferFailed(p.msg.transfer_id, FailReason.POOL_FULL, reason))
-
-    def _on_chunk_done(self, sender: str, msg: P.ChunkDone) -> None:
-        if self.backend.in_band_arrival:
-            return                                        # arrival already reported by the data plane
-        self._deliver(sender, transfer_tag(msg.transfer_id), msg.chunk_index,
-                      SlotRef(msg.slot, msg.generation))
 
     # ------------------------------------------------------------------ data-plane callbacks
     def _deliver(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef,
@@ -389,6 +390,16 @@ class Receiver:
             self.stats.bytes_arrived += hdr.total_len
             self._queues[t.transfer_id].put(ChunkArrival(t.transfer_id, chunk_index, key, ref, hdr, t_arr))
             self._maybe_done(t)
+
+    def _chunk_failed(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, reason: str) -> None:
+        """A backend's receive of ``chunk_index`` failed in the library: reject it now. Any thread."""
+        with self._lock:
+            tid = self._by_tag.get(tag)
+            t = self._transfers.get(tid) if tid is not None else None
+            if t is None or t.slots.get(chunk_index) != ref or chunk_index in t.resolved:
+                self.stats.stale_writes += 1
+                return
+        self._reject(t, chunk_index, ChunkError(f"receive failed: {reason}"))
 
     def _reject(self, t: _Transfer, chunk_index: int, exc: TransportError) -> None:
         reason = FailReason.CHECKSUM if isinstance(exc, ChecksumError) else FailReason.INVALID_CHUNK
@@ -435,6 +446,7 @@ class Receiver:
         self.backend.on_release(t.sender_id, transfer_id)
 
     def _end_transfer(self, transfer_id: str) -> None:
+        self._held.pop(transfer_id, None)
         t = self._transfers.pop(transfer_id, None)
         if t is None:
             return
@@ -466,9 +478,9 @@ class Receiver:
                                                           f"slot {ref.index} lease expired"))
                     self._maybe_done(t)
         with self._lock:
-            dead = [s for s, seen in self._peers.items() if now - seen > self.cfg.timeouts.peer_s]
+            dead = [s for s, seen in self._peers.items() if now - seen > self.timeouts.peer_s]
         for sender in dead:
-            self._peer_lost(sender, f"no heartbeat for {self.cfg.timeouts.peer_s:.3g}s")
+            self._peer_lost(sender, f"no heartbeat for {self.timeouts.peer_s:.3g}s")
 
     def close(self) -> None:
         self._stop.set()
@@ -485,9 +497,7 @@ class Receiver:
 
 
 def _invalid(code: P.ErrorCode, reason: str) -> ProtocolError:
-    err = ProtocolError(reason)
-    err.code = code  # type: ignore[attr-defined]
-    return err
+    return ProtocolError(reason, code)
 
 
 def _validate_alloc(msg: P.Alloc, slot_bytes: int) -> None:

@@ -2,7 +2,7 @@
 
 Typical use (one Sender per decode node)::
 
-    sender = Sender(cfg, endpoint, make_sender_backend(cfg), fp.digest())
+    sender = Sender(cfg.transport, cfg.timeouts, endpoint, make_sender_backend(cfg.transport), fp.digest())
     sender.connect()                                    # Hello -> HelloAck, data path open
     alloc = sender.alloc("req-1", keys, chunk_bytes)     # may wait (back-pressure)
     for i, regions in chunks:                            # as each chunk's KV is saved
@@ -27,9 +27,18 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvrelay.config import KVRelayConfig
 from transport import protocol as P
-from transport.backends.base import Buffer, SenderBackend, WriteHandle, WriteState
+from transport.backends.base import (
+    BlockPayload,
+    Buffer,
+    Payload,
+    SenderBackend,
+    SourceLayout,
+    WriteHandle,
+    WriteState,
+    host_buffers,
+)
+from transport.config import TimeoutConfig, TransportConfig
 from transport.errors import (
     HandshakeError,
     PeerDeadError,
@@ -53,15 +62,16 @@ class Allocation:
 
 
 class Sender:
-    def __init__(self, cfg: KVRelayConfig, endpoint: str, backend: SenderBackend, fingerprint: bytes,
-                 *, sender_id: str | None = None) -> None:
-        self.cfg = cfg
+    def __init__(self, transport: TransportConfig, timeouts: TimeoutConfig, endpoint: str,
+                 backend: SenderBackend, fingerprint: bytes, *, sender_id: str | None = None) -> None:
+        self.transport, self.timeouts = transport, timeouts
         self.endpoint = endpoint
         self.backend = backend
         self.fingerprint = fingerprint
         self.sender_id = sender_id or f"send-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.slot_bytes = 0
         self.receiver_id = ""
+        self.layout: SourceLayout | None = None
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._socket(self.sender_id)
         self._hb_stop = threading.Event()
@@ -84,9 +94,10 @@ class Sender:
             if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
                 raise PeerDeadError(f"receiver {self.endpoint} did not answer {type(msg).__name__} "
                                     f"within {timeout:.3g}s")
-            reply = P.decode(self._sock.recv(), self.cfg.transport.max_message_bytes)
+            reply = P.decode(self._sock.recv(), self.transport.max_message_bytes)
             if isinstance(reply, P.Error):
-                raise ProtocolError(f"receiver rejected {type(msg).__name__}: [{reply.code}] {reply.reason}")
+                code = P.ErrorCode(reply.code) if reply.code in P.ErrorCode._value2member_map_ else P.ErrorCode.INVALID
+                raise ProtocolError(f"receiver rejected {type(msg).__name__}: [{reply.code}] {reply.reason}", code)
             if isinstance(reply, want | P.Refused) and getattr(reply, "transfer_id", ref) == ref:
                 return reply
             log.debug("dropping unrelated reply %s", type(reply).__name__)
@@ -94,12 +105,12 @@ class Sender:
     def connect(self) -> None:
         """Handshake and open the data path. Raises HandshakeError with the receiver's reason."""
         nonce = os.urandom(16)
-        backend = self.cfg.transport.backend.value
-        mac = P.hello_mac(self.cfg.transport.shared_secret.encode(), self.sender_id, self.fingerprint,
+        backend = self.transport.backend.value
+        mac = P.hello_mac(self.transport.shared_secret.encode(), self.sender_id, self.fingerprint,
                           backend, nonce)
         hello = P.Hello(sender_id=self.sender_id, fingerprint=self.fingerprint, backend=backend,
                         nonce=nonce, mac=mac, info=self.backend.local_info(self.sender_id))
-        ack = self._request(hello, P.HelloAck, "", self.cfg.timeouts.connect_s)
+        ack = self._request(hello, P.HelloAck, "", self.timeouts.connect_s)
         assert isinstance(ack, P.HelloAck)
         if not ack.ok:
             raise HandshakeError(f"receiver {self.endpoint} refused Hello: {ack.reason}")
@@ -112,7 +123,7 @@ class Sender:
         sock = self._socket(f"{self.sender_id}/hb")
         try:
             msg = P.encode(P.Heartbeat(sender_id=self.sender_id))
-            while not self._hb_stop.wait(self.cfg.timeouts.heartbeat_s):
+            while not self._hb_stop.wait(self.timeouts.heartbeat_s):
                 with contextlib.suppress(zmq.Again):
                     sock.send(msg, zmq.NOBLOCK)
         finally:
@@ -121,9 +132,9 @@ class Sender:
     def alloc(self, transfer_id: str, keys: Sequence[bytes], chunk_bytes: Sequence[int],
               wait_s: float | None = None) -> Allocation:
         """Ask for slots. Blocks while the receiver applies back-pressure; PoolFullError if refused."""
-        wait = self.cfg.timeouts.alloc_wait_s if wait_s is None else wait_s
+        wait = self.timeouts.alloc_wait_s if wait_s is None else wait_s
         msg = P.Alloc(transfer_id=transfer_id, keys=list(keys), chunk_bytes=list(chunk_bytes), wait_s=wait)
-        reply = self._request(msg, P.Slots, transfer_id, wait + self.cfg.timeouts.connect_s)
+        reply = self._request(msg, P.Slots, transfer_id, wait + self.timeouts.connect_s)
         if isinstance(reply, P.Refused):
             raise PoolFullError(f"receiver refused transfer {transfer_id!r}: {reply.reason}")
         assert isinstance(reply, P.Slots)
@@ -134,13 +145,27 @@ class Sender:
             self._sock.send(P.encode(P.Abort(transfer_id=transfer_id, reason=reason)), zmq.NOBLOCK)
 
     # ------------------------------------------------------------------ data plane
-    def write_chunk(self, alloc: Allocation, chunk_index: int, regions: Sequence[Buffer], *,
+    def register_layout(self, layout: SourceLayout) -> None:
+        """Register the paged KV cache with a ``registered_layout`` backend (once per Sender;
+        the backend shares the registration process-wide). Later writes may name blocks."""
+        self.backend.register_layout(layout)
+        self.layout = layout
+
+    def _payload_bytes(self, payload: Payload) -> int:
+        if isinstance(payload, BlockPayload):
+            if self.layout is None:
+                raise TransportError("a BlockPayload needs register_layout first")
+            return len(self.layout.regions) * len(payload.block_ids) * self.layout.block_bytes
+        return sum(memoryview(r).nbytes for r in payload)
+
+    def write_chunk(self, alloc: Allocation, chunk_index: int, payload: Payload, *,
                     num_layers: int = 1, num_blocks: int = 1, dtype: DType = DType.OPAQUE,
                     header: bytes | None = None) -> WriteHandle | None:
         """Post one chunk. Returns None if the receiver already holds it.
 
+        ``payload`` is host buffers, or blocks of the registered layout (:class:`BlockPayload`).
         ``header`` may be passed pre-built (``make_header(...).pack()``) when the producer
-        computed the checksum while gathering; otherwise it is computed here.
+        computed the checksum while gathering; it is required for a BlockPayload.
         """
         grant = alloc.grants.get(chunk_index)
         if grant is None:
@@ -148,38 +173,25 @@ class Sender:
                 return None
             raise TransportError(f"chunk {chunk_index} of {alloc.transfer_id!r} has no slot")
         if header is None:
-            header = make_header(alloc.keys[chunk_index], alloc.transfer_id, chunk_index, regions,
+            header = make_header(alloc.keys[chunk_index], alloc.transfer_id, chunk_index, host_buffers(payload),
                                  num_layers=num_layers, num_blocks=num_blocks, dtype=dtype).pack()
-        nbytes = HEADER_SIZE + sum(memoryview(r).nbytes for r in regions)
+        nbytes = HEADER_SIZE + self._payload_bytes(payload)
         if nbytes > self.slot_bytes:
             raise TransportError(f"chunk {chunk_index} is {nbytes} bytes; slots hold {self.slot_bytes}")
-        handle = self.backend.write(alloc.transfer_id, chunk_index, header, regions, grant)
+        handle = self.backend.write(alloc.transfer_id, chunk_index, header, payload, grant)
         alloc.handles.append(handle)
-        if self.backend.poll(handle) is WriteState.DONE:
-            self._after_done(handle)
         return handle
 
-    def _after_done(self, handle: WriteHandle) -> None:
-        if not self.backend.in_band_arrival and not handle.notified:
-            handle.notified = True
-            g = handle.grant
-            self._sock.send(P.encode(P.ChunkDone(transfer_id=handle.transfer_id, chunk_index=g.chunk_index,
-                                                 slot=g.slot, generation=g.generation)))
-
     def poll(self, handle: WriteHandle) -> WriteState:
-        state = self.backend.poll(handle)
-        if state is WriteState.DONE:
-            self._after_done(handle)
-        return state
+        return self.backend.poll(handle)
 
     def wait(self, handle: WriteHandle, timeout: float | None = None) -> None:
-        t = self.cfg.timeouts.chunk_s if timeout is None else timeout
+        t = self.timeouts.chunk_s if timeout is None else timeout
         state = self.backend.wait(handle, t)
         if state is WriteState.FAILED:
             raise TransportError(f"write of chunk {handle.chunk_index} failed: {handle.error}")
         if state is not WriteState.DONE:
             raise TransferTimeout(f"write of chunk {handle.chunk_index} not done after {t:.3g}s")
-        self._after_done(handle)
 
     def wait_all(self, alloc: Allocation, timeout: float | None = None) -> None:
         for h in alloc.handles:

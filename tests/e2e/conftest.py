@@ -21,9 +21,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvrelay import config as kcfg  # noqa: E402
-from kvrelay import launch  # noqa: E402
-from kvrelay.tiny_model import make_tiny_model  # noqa: E402
+from core import config as kcfg  # noqa: E402
+from deploy import launch  # noqa: E402
+from deploy.tiny_model import make_tiny_model  # noqa: E402
 
 MODEL = "kvrelay-tiny"
 MAX_TOKENS = 12

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from kvrelay.launch import Role
+from deploy.launch import Role
 from tests.e2e.conftest import CASES, PIPELINE_CASE, openai_client, run_case, start_stack
 
 pytestmark = pytest.mark.slow
@@ -125,7 +125,7 @@ def test_no_leaked_slots_or_stuck_requests(pd_stack):
 @pytest.fixture(scope="session")
 def corrupt_stack(reference, tiny_model, tmp_path_factory):
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-corrupt"), 18500,
-                         transport__backend="tcp", connector__fault_corrupt_every=2)
+                         transport__backend="tcp", connector__push_hook="tests.e2e.faults:corrupt_every_other")
     yield handle
     handle.stack.stop()
 

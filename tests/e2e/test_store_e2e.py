@@ -13,6 +13,7 @@ import uuid
 
 import pytest
 
+from bench.local_redis import REDIS, redis_server
 from tests.e2e.conftest import (
     DSAVE_ANSWER,
     TURN1,
@@ -23,7 +24,6 @@ from tests.e2e.conftest import (
     run_turn2,
     start_stack,
 )
-from transport.store.local_redis import REDIS, redis_server
 
 pytestmark = pytest.mark.slow
 
@@ -111,8 +111,8 @@ def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_sta
     import sys
     import time
 
-    from kvrelay import config as kcfg
-    from kvrelay.launch import Role, wait_healthy
+    from core import config as kcfg
+    from deploy.launch import Role, wait_healthy
     from tests.e2e.conftest import Case
 
     stack = two_prefill_stack

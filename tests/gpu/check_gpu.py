@@ -76,7 +76,7 @@ def check_pinned(results: dict) -> None:
 def check_nixl_vram(results: dict) -> None:
     import hashlib
 
-    from kvrelay.config import from_dict
+    from core.config import from_dict
     from transport.backends import make_receiver_backend, make_sender_backend
     from transport.backends.nixl import DeviceRegion
     from transport.events import ChunkArrival
@@ -88,8 +88,8 @@ def check_nixl_vram(results: dict) -> None:
     cfg = from_dict({"transport": {"backend": "nixl", "pool_bytes": "64MiB"}})
     fp = hashlib.sha256(b"gpu-check").digest()
     src = torch.randint(0, 255, (8 << 20,), dtype=torch.uint8, device="cuda")
-    with Receiver(cfg, make_receiver_backend(cfg), fp, slot_bytes=HEADER_SIZE + (8 << 20)) as rx, \
-            Sender(cfg, rx.endpoint, make_sender_backend(cfg), fp) as tx:
+    with Receiver(cfg.transport, cfg.timeouts, make_receiver_backend(cfg.transport), fp, slot_bytes=HEADER_SIZE + (8 << 20)) as rx, \
+            Sender(cfg.transport, cfg.timeouts, rx.endpoint, make_sender_backend(cfg.transport), fp) as tx:
         tx.connect()
         region = DeviceRegion(src.data_ptr(), src.numel(), src.device.index or 0, "VRAM")
         tx.backend.register_source(region)

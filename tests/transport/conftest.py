@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvrelay import config
+from bench.peer import SenderPeer
+from core import config
 from transport.backends import make_receiver_backend
-from transport.peer import SenderPeer
 from transport.receiver import Receiver
 from transport.wire import HEADER_SIZE
 
@@ -32,7 +32,7 @@ def make_cfg(backend: str, **over: object) -> config.KVRelayConfig:
 
 
 def make_receiver(cfg: config.KVRelayConfig, slot_bytes: int = SLOT, **kw: Any) -> Receiver:
-    return Receiver(cfg, make_receiver_backend(cfg), FP, slot_bytes=slot_bytes, **kw)
+    return Receiver(cfg.transport, cfg.timeouts, make_receiver_backend(cfg.transport), FP, slot_bytes=slot_bytes, **kw)
 
 
 @contextlib.contextmanager

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
+from bench.peer import RemoteError
 from tests.transport.conftest import SLOT, assert_no_leases, keys_for, make_cfg, open_pair
 from transport.errors import TransferTimeout
 from transport.events import ChunkArrival, ChunkRejected, FailReason, TransferDone, TransferFailed
-from transport.peer import RemoteError
 from transport.wire import HEADER_SIZE
 
 
@@ -53,6 +53,27 @@ def test_random_payloads_arrive_byte_identical(pair):
     assert got == want
     assert isinstance(events[-1][0], TransferDone) and events[-1][0].arrived == len(SIZES)
     assert receiver.stats.checksum_failures == 0
+
+
+def test_named_blocks_of_a_registered_layout_arrive_byte_identical(pair):
+    """Chunks named as blocks of a registered KV layout (prepared descriptor lists on nixl;
+    plain buffers where a backend has no such capability) land intact, chunk after chunk,
+    so reposting the prepared lists into reused slots is covered too."""
+    receiver, peer = pair
+    block, n = 16384, 6
+    peer.call("prepare", "kv", n * 2 * block, 99, block)       # 2 blocks per chunk
+    for rnd in range(2):
+        tid = f"blocks{rnd}"
+        peer.call("alloc", tid, keys_for(tid, n), [HEADER_SIZE + 2 * block] * n)
+        want = {}
+        for i in range(n):
+            c = (i + rnd) % n                                   # a different block pair per round
+            want[i] = peer.call("digest", "kv", c * 2 * block, 2 * block)
+            peer.call("write", tid, i, "kv", c * 2 * block, 2 * block, 1, False, True, True)
+        events = drain(receiver, tid)
+        assert {ev.chunk_index: d for ev, d in events if isinstance(ev, ChunkArrival)} == want
+    assert receiver.stats.checksum_failures == 0
+    assert_no_leases(receiver)
 
 
 def test_arrivals_fire_in_completion_order_while_last_chunk_is_held_back(pair):
@@ -163,11 +184,17 @@ def test_full_pool_applies_backpressure_then_refuses(backend):
 
 
 def test_alloc_skips_keys_the_receiver_holds(backend):
-    held = set(keys_for("skip", 4)[:2])
-    with open_pair(make_cfg(backend), held_keys=lambda ks: [k in held for k in ks]) as (receiver, peer):
+    keys = keys_for("skip", 4)
+    with open_pair(make_cfg(backend)) as (receiver, peer):
+        receiver.expect("skip", held=keys[:2])
+        receiver.expect("other")             # same keys, but this transfer holds nothing
         peer.call("prepare", "src", 4096, 2)
-        got = peer.call("alloc", "skip", keys_for("skip", 4), [HEADER_SIZE + 4096] * 4)
+        got = peer.call("alloc", "skip", keys, [HEADER_SIZE + 4096] * 4)
         assert got == {"grants": [2, 3], "held": [0, 1]}
+        other = peer.call("alloc", "other", keys, [HEADER_SIZE + 4096] * 4)
+        assert other == {"grants": [0, 1, 2, 3], "held": []}, "held must be per transfer"
+        peer.call("abort", "other")
+        receiver.finish("other")
         for i in (2, 3):
             peer.call("write", "skip", i, "src", 0, 4096)
         events = drain(receiver, "skip")

@@ -17,7 +17,6 @@ from transport import protocol as P
 VALID = [
     P.Hello(sender_id="s", fingerprint=FP, backend="tcp", nonce=b"n" * 16, mac=b"m" * 32),
     P.Alloc(transfer_id="t", keys=[b"k" * 32] * 3, chunk_bytes=[4096] * 3),
-    P.ChunkDone(transfer_id="t", chunk_index=1, slot=2, generation=3),
     P.Abort(transfer_id="t", reason="x"),
     P.Heartbeat(sender_id="s"),
 ]

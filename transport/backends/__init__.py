@@ -2,28 +2,28 @@
 
 from __future__ import annotations
 
-from kvrelay.config import KVRelayConfig, TransportKind
 from transport.backends.base import ReceiverBackend, SenderBackend
+from transport.config import TransportConfig, TransportKind
 
 
-def make_receiver_backend(cfg: KVRelayConfig) -> ReceiverBackend:
-    kind = cfg.transport.backend
+def make_receiver_backend(cfg: TransportConfig) -> ReceiverBackend:
+    kind = cfg.backend
     if kind in (TransportKind.TCP, TransportKind.SHM):
         from transport.backends.sockets import SocketReceiver
 
-        return SocketReceiver(inline_payload=kind is TransportKind.TCP, host=cfg.transport.host,
-                              port=cfg.transport.data_port)
+        return SocketReceiver(inline_payload=kind is TransportKind.TCP, host=cfg.host,
+                              port=cfg.data_port)
     if kind is TransportKind.NIXL:
         from transport.backends.nixl import NixlReceiver
 
-        return NixlReceiver(error_mode=cfg.transport.nixl_error_mode.value)
+        return NixlReceiver(error_mode=cfg.nixl_error_mode.value)
     from transport.backends.ucx import UcxReceiver
 
     return UcxReceiver()
 
 
-def make_sender_backend(cfg: KVRelayConfig) -> SenderBackend:
-    kind = cfg.transport.backend
+def make_sender_backend(cfg: TransportConfig) -> SenderBackend:
+    kind = cfg.backend
     if kind in (TransportKind.TCP, TransportKind.SHM):
         from transport.backends.sockets import SocketSender
 
@@ -31,7 +31,7 @@ def make_sender_backend(cfg: KVRelayConfig) -> SenderBackend:
     if kind is TransportKind.NIXL:
         from transport.backends.nixl import NixlSender
 
-        return NixlSender(error_mode=cfg.transport.nixl_error_mode.value)
+        return NixlSender(error_mode=cfg.nixl_error_mode.value)
     from transport.backends.ucx import UcxSender
 
     return UcxSender()

@@ -8,8 +8,10 @@ A backend has two halves that live in different processes:
   thread). ``payload_sum`` is the xxh3_64 the backend computed over the payload
   bytes *in the slot* as they landed (tcp hashes each received piece while it
   is hot in cache), or None; the receiver then verifies - hashing the slot
-  itself when no sum was given - and publishes the arrival. A broken data connection is
-  reported with ``peer_lost(sender_id, reason)``.
+  itself when no sum was given - and publishes the arrival. A receive the library
+  failed is reported at once with ``chunk_failed(sender_id, tag, chunk_index, SlotRef,
+  reason)`` (the chunk is rejected, not left to its lease); a broken data connection
+  with ``peer_lost(sender_id, reason)``.
 * :class:`SenderBackend` on the prefill node. ``write`` posts one chunk
   (header + ``[layer][block]`` payload regions) into a granted slot and returns a
   :class:`WriteHandle`; ``poll``/``wait`` report completion.
@@ -17,9 +19,14 @@ A backend has two halves that live in different processes:
 Handshake data flows through the control plane: ``SenderBackend.local_info()``
 travels in ``Hello.info`` to ``ReceiverBackend.on_hello``, and
 ``ReceiverBackend.info()`` returns in ``HelloAck.info`` to ``SenderBackend.connect``.
-Backends whose data path cannot signal arrival (``shm``) set
-``in_band_arrival = False``; the sender then sends ``ChunkDone`` on the control
-plane after the write completes, and the receiver treats that as the arrival.
+Every backend reports arrival in band (the data path itself tells the receiver).
+
+Callers never branch on a backend's name; they ask its :class:`Capabilities`:
+
+* ``registered_layout`` - the backend can write a chunk straight from registered KV
+  memory: the caller registers the cache once (:meth:`SenderBackend.register_layout`)
+  and names a chunk's payload by block ids (:class:`BlockPayload`), with no
+  sender-side copy. Otherwise the payload is a list of host buffers.
 """
 
 from __future__ import annotations
@@ -34,13 +41,59 @@ from transport.pool import ReceivePool, SlotRef
 from transport.protocol import Grant
 
 Buffer = bytes | bytearray | memoryview
+
+
 class DeliverFn(Protocol):
     def __call__(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef,
                  payload_sum: int | None = None, /) -> None: ...
 
 
-
 PeerLostFn = Callable[[str, str], None]
+
+
+class ChunkFailedFn(Protocol):
+    def __call__(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, reason: str, /) -> None: ...
+
+
+class MemType(str, enum.Enum):
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+@dataclass(frozen=True)
+class MemRegion:
+    """A long-lived region by raw address: host memory, or device memory (never a Python buffer)."""
+
+    address: int
+    nbytes: int
+    mem_type: MemType = MemType.DRAM
+    device: int = 0
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """Registered KV memory: ``regions[r]`` (one per layer) holds whole blocks of ``block_bytes``."""
+
+    regions: tuple[MemRegion, ...]
+    block_bytes: int
+
+    def blocks_per_region(self) -> int:
+        return self.regions[0].nbytes // self.block_bytes
+
+
+@dataclass(frozen=True)
+class BlockPayload:
+    """A chunk payload named by blocks of the registered layout, in ``[region][block]`` order."""
+
+    block_ids: tuple[int, ...]
+
+
+Payload = Sequence[Buffer] | BlockPayload
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    registered_layout: bool = False    # write() takes a BlockPayload after register_layout()
 
 
 class WriteState(enum.Enum):
@@ -57,18 +110,17 @@ class WriteHandle:
     nbytes: int
     state: WriteState = WriteState.POSTED
     error: str = ""
-    notified: bool = False                             # ChunkDone sent (out-of-band backends)
     native: object = field(default=None, repr=False)   # backend's own request object
 
 
 class ReceiverBackend(abc.ABC):
     """Decode-node half. Created by :class:`transport.receiver.Receiver`."""
 
-    in_band_arrival: bool = True
     needs_shared_pool: bool = False     # peers map the pool by name (shm)
 
     @abc.abstractmethod
-    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn) -> None:
+    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn,
+              chunk_failed: ChunkFailedFn) -> None:
         """Bind to the pool and start any I/O threads. Called once, before ``info``."""
 
     @abc.abstractmethod
@@ -101,7 +153,7 @@ class ReceiverBackend(abc.ABC):
 class SenderBackend(abc.ABC):
     """Prefill-node half. One instance talks to one receiver."""
 
-    in_band_arrival: bool = True
+    capabilities = Capabilities()
 
     def local_info(self, sender_id: str) -> bytes:
         """Data for the receiver's ``on_hello`` (e.g. NIXL agent metadata). Called before ``connect``."""
@@ -111,13 +163,16 @@ class SenderBackend(abc.ABC):
     def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int) -> None:
         """Open the data path to the receiver described by ``receiver_info``. Blocks until ready."""
 
-    def register_source(self, buf: Buffer) -> None:  # noqa: B027 - optional hook
-        """Register a long-lived source buffer (e.g. the paged KV cache) for zero-copy writes."""
+    def register_layout(self, layout: SourceLayout) -> None:
+        """Register long-lived source memory (the paged KV cache) once; later writes name its
+        blocks with :class:`BlockPayload`. Only for ``capabilities.registered_layout``. Blocks."""
+        raise NotImplementedError(f"{type(self).__name__} cannot write from a registered layout")
 
     @abc.abstractmethod
-    def write(self, transfer_id: str, chunk_index: int, header: bytes, regions: Sequence[Buffer],
+    def write(self, transfer_id: str, chunk_index: int, header: bytes, payload: Payload,
               grant: Grant) -> WriteHandle:
-        """Post header + payload regions into the granted slot. May complete synchronously."""
+        """Post header + payload into the granted slot. May complete synchronously. Library
+        errors are raised as :class:`transport.errors.TransportError`."""
 
     @abc.abstractmethod
     def poll(self, handle: WriteHandle) -> WriteState:
@@ -135,3 +190,10 @@ class SenderBackend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Close the data path. Idempotent."""
+
+
+def host_buffers(payload: Payload) -> Sequence[Buffer]:
+    """The payload as host buffers, for backends without ``registered_layout``."""
+    if isinstance(payload, BlockPayload):
+        raise TypeError("this backend cannot write a BlockPayload (capabilities.registered_layout is False)")
+    return payload

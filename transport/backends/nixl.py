@@ -1,12 +1,18 @@
 """NIXL backend (UCX underneath): one-sided WRITEs straight into the decode node's pool.
 
 * The receiver registers the whole pool once (DRAM here; the pool is pinned on
-  CUDA hosts) and ships its agent metadata in ``HelloAck.info``.
-* The sender registers its long-lived sources once (:meth:`NixlSender.register_source`,
-  e.g. the paged KV cache; DRAM or VRAM) and posts each chunk's payload as a
-  descriptor list ``[region_0, region_1, ...]`` against consecutive ranges of the
-  remote slot after its header - no sender-side copy. A region outside
-  registered memory is registered for the duration of that write.
+  CUDA hosts) and ships its agent metadata and pool geometry in ``HelloAck.info``.
+* One NIXL agent per process (:class:`ProcessAgent`) serves every Sender of that
+  process and talks to many remote agents; a remote agent is removed when the
+  last Sender using it closes.
+* The sender registers the paged KV cache once (:meth:`NixlSender.register_layout`,
+  DRAM or VRAM as the layout says) and prepares a descriptor list of every
+  ``[layer][block]`` once (``prep_xfer_dlist``). Each peer's pool gets a prepared
+  list of every slot's block-sized ranges, once. A chunk is then posted with
+  ``make_prepped_xfer`` and two index lists - no registration, no descriptor
+  building, no sender-side copy per chunk.
+* Payloads given as plain buffers (not named blocks) go through ``initialize_xfer``;
+  a buffer outside registered memory is registered for the duration of that write.
 * The 128-byte chunk header does not travel as data: it rides in the WRITE's
   notification (``NOTIF``: slot, generation, chunk index, then the header),
   which NIXL delivers only after the payload is complete. The receiver's poller
@@ -30,18 +36,22 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
 from transport.backends.base import (
+    BlockPayload,
     Buffer,
+    Capabilities,
+    ChunkFailedFn,
     DeliverFn,
+    Payload,
     PeerLostFn,
     ReceiverBackend,
     SenderBackend,
+    SourceLayout,
     WriteHandle,
     WriteState,
 )
@@ -57,20 +67,11 @@ NOTIF_MAGIC = b"KVRN"
 CONSUMER_GRACE_S = 2e-3     # background polling backs off while a consumer polled this recently
 
 
-@dataclass(frozen=True)
-class DeviceRegion:
-    """A region in device memory (or any raw address) that cannot be a Python buffer."""
-
-    address: int
-    nbytes: int
-    device: int = 0
-    mem_type: str = "VRAM"
-
-
 class NixlInfo(msgspec.Struct, frozen=True):
     agent: str
     metadata: bytes
     base: int                 # address of the receiver's pool
+    slots: int = 0            # receiver: slots in the pool (slot i at base + i * slot_bytes)
 
 
 def _import_nixl() -> Any:
@@ -111,10 +112,13 @@ class NixlReceiver(ReceiverBackend):
         self._reg: Any = None
         self._poll_lock = threading.Lock()
         self._consumer_polled = 0.0
+        self._remotes: dict[str, bytes] = {}      # remote agent name -> its metadata
+        self._senders: dict[str, str] = {}        # remote agent name -> sender id of its latest Hello
 
     poll_driven = True
 
-    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn) -> None:
+    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn,
+              chunk_failed: ChunkFailedFn) -> None:
         self._pool, self._deliver = pool, deliver
         self._base = pool.arena.address
         self._reg = self.agent.register_memory([(self._base, pool.arena.buf.nbytes, 0, "")], "DRAM")
@@ -122,16 +126,25 @@ class NixlReceiver(ReceiverBackend):
         self._thread.start()
 
     def info(self) -> bytes:
-        return msgspec.msgpack.encode(NixlInfo(self.name, self.agent.get_agent_metadata(), self._base))
+        return msgspec.msgpack.encode(NixlInfo(self.name, self.agent.get_agent_metadata(), self._base,
+                                               self._pool.num_slots))
 
     def on_hello(self, sender_id: str, info: bytes) -> None:
         try:
             meta = msgspec.msgpack.decode(info, type=NixlInfo)
-            self.agent.add_remote_agent(meta.metadata)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise HandshakeError(f"bad NIXL hello info: {exc}") from exc
-        except Exception as exc:  # noqa: BLE001 - nixl binding errors
-            raise HandshakeError(f"NIXL could not load the sender's metadata: {exc}") from exc
+        with self._lock:
+            if self._remotes.get(meta.agent) != meta.metadata:   # a process's agent may say Hello again
+                if meta.agent in self._remotes:
+                    with contextlib.suppress(Exception):
+                        self.agent.remove_remote_agent(meta.agent)
+                try:
+                    self.agent.add_remote_agent(meta.metadata)
+                except Exception as exc:  # noqa: BLE001 - nixl binding errors
+                    raise HandshakeError(f"NIXL could not load the sender's metadata: {exc}") from exc
+                self._remotes[meta.agent] = meta.metadata
+            self._senders[meta.agent] = sender_id      # notifications name the agent; we report the sender
 
     def on_grants(self, sender_id: str, transfer_id: str, grants: Sequence[tuple[int, SlotRef]]) -> None:
         with self._lock:
@@ -182,16 +195,17 @@ class NixlReceiver(ReceiverBackend):
         _, chunk_index, slot, gen = NOTIF.unpack_from(raw)
         ref = SlotRef(slot, gen)
         header = raw[NOTIF.size:]
+        sender = self._senders.get(agent_name, agent_name)
         try:
             self._pool.begin_write(ref)         # the slot must still be leased to this chunk
         except TransportError:
-            self._deliver(agent_name, header[40:56], chunk_index, ref)   # counted as stale
+            self._deliver(sender, header[40:56], chunk_index, ref)   # counted as stale
             return
         try:
             self._pool.view(ref, HEADER_SIZE)[:] = header
         finally:
             self._pool.end_write(ref)
-        self._deliver(agent_name, header[40:56], chunk_index, ref)
+        self._deliver(sender, header[40:56], chunk_index, ref)
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -205,82 +219,209 @@ class NixlReceiver(ReceiverBackend):
             self._reg = None
 
 
+class ProcessAgent:
+    """The one NIXL agent of this process (per UCX error mode), shared by every NixlSender.
+
+    Owns what is registered once per process: the KV layout (memory + a prepared local
+    descriptor list of every ``[region][block]``), remote agents (reference counted by
+    the Senders using them) and each remote pool's prepared list of slot ranges.
+    Thread-safe; Senders may live on different threads.
+    """
+
+    _instances: dict[str, ProcessAgent] = {}
+    _class_lock = threading.Lock()
+
+    @classmethod
+    def get(cls, error_mode: str) -> ProcessAgent:
+        with cls._class_lock:
+            inst = cls._instances.get(error_mode)
+            if inst is None:
+                inst = cls._instances[error_mode] = cls(error_mode)
+            return inst
+
+    def __init__(self, error_mode: str) -> None:
+        self.name = f"kvrelay-{error_mode}-{uuid.uuid4().hex[:12]}"
+        self.agent = make_agent(self.name, error_mode)
+        self._lock = threading.Lock()
+        self._ranges: list[tuple[int, int]] = []                 # registered (start, end), sorted
+        self._layouts: dict[SourceLayout, Any] = {}              # layout -> prepared local dlist
+        self._remotes: dict[str, int] = {}                       # remote agent -> Senders using it
+        self._remote_dlists: dict[tuple[str, int], Any] = {}     # (remote, block bytes) -> dlist
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def register_layout(self, layout: SourceLayout) -> Any:
+        """Register the layout's memory and prepare its block list, once per process."""
+        with self._lock:
+            if layout in self._layouts:
+                return self._layouts[layout]
+            mem_type = layout.regions[0].mem_type.value
+            try:
+                self.agent.register_memory([(r.address, r.nbytes, r.device, "") for r in layout.regions], mem_type)
+                descs = [(r.address + b * layout.block_bytes, layout.block_bytes, r.device)
+                         for r in layout.regions for b in range(layout.blocks_per_region())]
+                dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
+            except Exception as exc:  # noqa: BLE001 - nixl binding errors
+                raise TransportError(f"NIXL could not register the KV layout: {exc}") from exc
+            for r in layout.regions:
+                bisect.insort(self._ranges, (r.address, r.address + r.nbytes))
+            self._layouts[layout] = dlist
+            return dlist
+
+    def covered(self, addr: int, nbytes: int) -> bool:
+        with self._lock:
+            i = bisect.bisect_right(self._ranges, (addr, float("inf"))) - 1
+            return i >= 0 and self._ranges[i][0] <= addr and addr + nbytes <= self._ranges[i][1]
+
+    def add_remote(self, metadata: bytes) -> str:
+        with self._lock:
+            try:
+                name = self.agent.add_remote_agent(metadata)
+            except Exception as exc:  # noqa: BLE001 - nixl binding errors
+                raise HandshakeError(f"cannot load the receiver's NIXL metadata: {exc}") from exc
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            self._remotes[name] = self._remotes.get(name, 0) + 1
+            return name
+
+    def remote_dlist(self, remote: str, info: NixlInfo, slot_bytes: int, block_bytes: int) -> Any:
+        """The remote pool as ``slots x regions`` block-sized ranges after each slot's header."""
+        with self._lock:
+            key = (remote, block_bytes)
+            if key not in self._remote_dlists:
+                per_slot = (slot_bytes - HEADER_SIZE) // block_bytes
+                descs = [(info.base + s * slot_bytes + HEADER_SIZE + j * block_bytes, block_bytes, 0)
+                         for s in range(info.slots) for j in range(per_slot)]
+                try:
+                    self._remote_dlists[key] = self.agent.prep_xfer_dlist(remote, descs, "DRAM")
+                except Exception as exc:  # noqa: BLE001 - nixl binding errors
+                    raise TransportError(f"NIXL could not prepare {remote}'s slot list: {exc}") from exc
+            return self._remote_dlists[key]
+
+    def drop_remote(self, remote: str) -> None:
+        """One Sender stopped using ``remote``; the last one removes it (and its lists)."""
+        with self._lock:
+            left = self._remotes.get(remote, 0) - 1
+            if left > 0:
+                self._remotes[remote] = left
+                return
+            self._remotes.pop(remote, None)
+            for key in [k for k in self._remote_dlists if k[0] == remote]:
+                with contextlib.suppress(Exception):
+                    self.agent.release_dlist_handle(self._remote_dlists.pop(key))
+            with contextlib.suppress(Exception):
+                self.agent.remove_remote_agent(remote)
+
+    def remote_count(self) -> int:
+        with self._lock:
+            return len(self._remotes)
+
+
 class NixlSender(SenderBackend):
+    """One decode node's data path on the process's shared agent."""
+
+    capabilities = Capabilities(registered_layout=True)
+
     def __init__(self, *, error_mode: str = "none") -> None:
         self.error_mode = error_mode
-        self.agent: Any = None
-        self._ranges: list[tuple[int, int]] = []   # registered (start, end), sorted
-        self._regs: list[Any] = []
+        self.shared: ProcessAgent | None = None
         self._remote = ""
-        self._remote_base = 0
+        self._info: NixlInfo | None = None
+        self._slot_bytes = 0
+        self._layout: SourceLayout | None = None
+        self._local_dlist: Any = None
         self.dynamic_registrations = 0
 
-    def _ensure_agent(self, name: str) -> None:
-        if self.agent is None:
-            self.agent = make_agent(name, self.error_mode)
+    @property
+    def agent(self) -> Any:
+        if self.shared is None:
+            raise TransportError("NIXL sender used before local_info/connect")
+        return self.shared.agent
 
     def local_info(self, sender_id: str) -> bytes:
-        self._ensure_agent(sender_id)          # agent name == sender id: notifications name us
-        return msgspec.msgpack.encode(NixlInfo(sender_id, self.agent.get_agent_metadata(), 0))
+        self.shared = ProcessAgent.get(self.error_mode)
+        return msgspec.msgpack.encode(NixlInfo(self.shared.name, self.shared.metadata(), 0))
 
-    def _register(self, addr: int, nbytes: int, mem_type: str = "DRAM", device: int = 0) -> Any:
-        reg = self.agent.register_memory([(addr, nbytes, device, "")], mem_type)
-        self._regs.append(reg)
-        bisect.insort(self._ranges, (addr, addr + nbytes))
-        return reg
-
-    def register_source(self, buf: Buffer | DeviceRegion) -> None:
-        if self.agent is None:
-            raise TransportError("register_source before the NIXL agent exists (call after connect)")
-        if isinstance(buf, DeviceRegion):
-            self._register(buf.address, buf.nbytes, buf.mem_type, buf.device)
-        else:
-            self._register(*buffer_address(buf))
+    def register_layout(self, layout: SourceLayout) -> None:
+        if self.shared is None:
+            self.shared = ProcessAgent.get(self.error_mode)
+        self._local_dlist = self.shared.register_layout(layout)
+        self._layout = layout
 
     def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int) -> None:
+        if self.shared is None:
+            self.shared = ProcessAgent.get(self.error_mode)
         try:
             info = msgspec.msgpack.decode(receiver_info, type=NixlInfo)
-            self._remote = self.agent.add_remote_agent(info.metadata)
-        except Exception as exc:  # noqa: BLE001 - nixl binding errors
-            raise HandshakeError(f"cannot load the receiver's NIXL metadata: {exc}") from exc
-        if isinstance(self._remote, bytes):
-            self._remote = self._remote.decode()
-        self._remote_base = info.base
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise HandshakeError(f"bad NIXL receiver info: {exc}") from exc
+        self._remote = self.shared.add_remote(info.metadata)
+        self._info, self._slot_bytes = info, slot_bytes
 
-    def _covered(self, addr: int, nbytes: int) -> bool:
-        i = bisect.bisect_right(self._ranges, (addr, float("inf"))) - 1
-        return i >= 0 and self._ranges[i][0] <= addr and addr + nbytes <= self._ranges[i][1]
-
-    def write(self, transfer_id: str, chunk_index: int, header: bytes, regions: Sequence[Buffer],
+    def write(self, transfer_id: str, chunk_index: int, header: bytes, payload: Payload,
               grant: Grant) -> WriteHandle:
-        local: list[tuple[int, int, int]] = []
-        mem_type, temp = "DRAM", []
-        for r in regions:
-            if isinstance(r, DeviceRegion):
-                addr, n, dev, mem_type = r.address, r.nbytes, r.device, r.mem_type
-            else:
-                (addr, n), dev = buffer_address(r), 0
-            if not self._covered(addr, n):
-                self.dynamic_registrations += 1
-                temp.append(self.agent.register_memory([(addr, n, dev, "")], mem_type))
-            local.append((addr, n, dev))
-        dst = self._remote_base + grant.offset + HEADER_SIZE
-        remote, off = [], 0
-        for _, n, _ in local:
-            remote.append((dst + off, n, 0))
-            off += n
         notif = NOTIF.pack(NOTIF_MAGIC, chunk_index, grant.slot, grant.generation) + header
-        handle = WriteHandle(transfer_id, chunk_index, grant, HEADER_SIZE + off)
+        temp: list[Any] = []
+        if isinstance(payload, BlockPayload):
+            xfer, nbytes = self._prepped(payload, grant, notif), self._block_bytes(payload)
+        else:
+            xfer, temp, nbytes = self._initialized(payload, grant, notif, chunk_index)
+        handle = WriteHandle(transfer_id, chunk_index, grant, HEADER_SIZE + nbytes)
         try:
-            xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, mem_type),
-                                              self.agent.get_xfer_descs(remote, "DRAM"), self._remote, notif)
             state = self.agent.transfer(xfer)
         except Exception as exc:  # noqa: BLE001 - nixl binding errors
             self._drop(temp)
+            with contextlib.suppress(Exception):
+                self.agent.release_xfer_handle(xfer)
             raise TransportError(f"NIXL WRITE of chunk {chunk_index} failed to post: {exc}") from exc
         handle.native = (xfer, temp)
         self._settle(handle, state)
         return handle
+
+    def _block_bytes(self, payload: BlockPayload) -> int:
+        assert self._layout is not None
+        return len(self._layout.regions) * len(payload.block_ids) * self._layout.block_bytes
+
+    def _prepped(self, payload: BlockPayload, grant: Grant, notif: bytes) -> Any:
+        """``make_prepped_xfer`` from the prepared block list into the peer's prepared slot list."""
+        layout, info, shared = self._layout, self._info, self.shared
+        if layout is None or info is None or shared is None:
+            raise TransportError("BlockPayload written before register_layout and connect")
+        remote_dlist = shared.remote_dlist(self._remote, info, self._slot_bytes, layout.block_bytes)
+        per_region, ids = layout.blocks_per_region(), payload.block_ids
+        local = [r * per_region + b for r in range(len(layout.regions)) for b in ids]    # [region][block]
+        per_slot = (self._slot_bytes - HEADER_SIZE) // layout.block_bytes
+        remote = [grant.slot * per_slot + j for j in range(len(local))]
+        try:
+            return self.agent.make_prepped_xfer("WRITE", self._local_dlist, local, remote_dlist, remote, notif)
+        except Exception as exc:  # noqa: BLE001 - nixl binding errors
+            raise TransportError(f"NIXL could not post a prepared WRITE: {exc}") from exc
+
+    def _initialized(self, payload: Sequence[Buffer], grant: Grant, notif: bytes,
+                     chunk_index: int) -> tuple[Any, list[Any], int]:
+        """``initialize_xfer`` of host buffers; buffers outside registered memory are registered
+        for this write only."""
+        assert self.shared is not None and self._info is not None
+        local: list[tuple[int, int, int]] = []
+        temp: list[Any] = []
+        for r in payload:
+            addr, n = buffer_address(r)
+            if not self.shared.covered(addr, n):
+                self.dynamic_registrations += 1
+                temp.append(self.agent.register_memory([(addr, n, 0, "")], "DRAM"))
+            local.append((addr, n, 0))
+        dst = self._info.base + grant.offset + HEADER_SIZE
+        remote, off = [], 0
+        for _, n, _ in local:
+            remote.append((dst + off, n, 0))
+            off += n
+        try:
+            xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, "DRAM"),
+                                              self.agent.get_xfer_descs(remote, "DRAM"), self._remote, notif)
+        except Exception as exc:  # noqa: BLE001 - nixl binding errors
+            self._drop(temp)
+            raise TransportError(f"NIXL WRITE of chunk {chunk_index} failed to post: {exc}") from exc
+        return xfer, temp, off
 
     def _settle(self, handle: WriteHandle, state: str) -> None:
         if state == "PROC":
@@ -302,15 +443,17 @@ class NixlSender(SenderBackend):
 
     def poll(self, handle: WriteHandle) -> WriteState:
         if handle.state is WriteState.POSTED and isinstance(handle.native, tuple):
-            self._settle(handle, self.agent.check_xfer_state(handle.native[0]))
+            try:
+                state = self.agent.check_xfer_state(handle.native[0])
+            except Exception as exc:  # noqa: BLE001 - nixl binding errors: the write failed
+                state = f"ERR ({exc})"
+            self._settle(handle, state)
         return handle.state
 
     def close(self) -> None:
-        if self.agent is None:
-            return
-        self._drop(self._regs)
-        self._regs.clear()
-        if self._remote:
-            with contextlib.suppress(Exception):
-                self.agent.remove_remote_agent(self._remote)
-        self.agent = None
+        """Stop using the remote agent (the last Sender on it removes it). The process's agent and
+        its registered layout stay: they outlive any one peer."""
+        if self.shared is not None and self._remote:
+            self.shared.drop_remote(self._remote)
+        self._remote = ""
+        self._info = None

@@ -21,19 +21,21 @@ import logging
 import socket
 import struct
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import msgspec
 import xxhash
 
 from transport.backends.base import (
-    Buffer,
+    ChunkFailedFn,
     DeliverFn,
+    Payload,
     PeerLostFn,
     ReceiverBackend,
     SenderBackend,
     WriteHandle,
     WriteState,
+    host_buffers,
 )
 from transport.errors import PeerDeadError, ProtocolError, TransportError
 from transport.pool import ReceivePool, SharedArena, SlotRef
@@ -128,7 +130,8 @@ class SocketReceiver(ReceiverBackend):
         self._closed = threading.Event()
         self._pool: ReceivePool | None = None
 
-    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn) -> None:
+    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn,
+              chunk_failed: ChunkFailedFn) -> None:
         self._pool, self._deliver, self._peer_lost = pool, deliver, peer_lost
         if not self.inline:
             self._info = SocketInfo("unix", self._info.address, shm_name=pool.arena.name)
@@ -251,17 +254,18 @@ class SocketSender(SenderBackend):
                 sock.connect("\0" + info.address)
                 self._arena = SharedArena(0, name=info.shm_name, create=False)
             sock.settimeout(None)
+            name = sender_id.encode()
+            sock.sendall(FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_HELLO, 0, b"\0" * 16, 0, 0, 0, len(name))
+                         + name)
         except OSError as exc:
             raise PeerDeadError(f"cannot open data connection to {info.address}: {exc}") from exc
-        name = sender_id.encode()
-        sock.sendall(FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_HELLO, 0, b"\0" * 16, 0, 0, 0, len(name)) + name)
         self._sock = sock
 
-    def write(self, transfer_id: str, chunk_index: int, header: bytes, regions: Sequence[Buffer],
+    def write(self, transfer_id: str, chunk_index: int, header: bytes, payload: Payload,
               grant: Grant) -> WriteHandle:
         if self._sock is None:
             raise TransportError("not connected")
-        views = [memoryview(header)] + [memoryview(r) for r in regions]
+        views = [memoryview(header)] + [memoryview(r) for r in host_buffers(payload)]
         nbytes = sum(v.nbytes for v in views)
         tag = header[40:56]                                   # transfer tag field of the chunk header
         frame = FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_CHUNK, 0, tag, chunk_index, grant.slot,

@@ -29,13 +29,15 @@ from typing import Any
 import numpy as np
 
 from transport.backends.base import (
-    Buffer,
+    ChunkFailedFn,
     DeliverFn,
+    Payload,
     PeerLostFn,
     ReceiverBackend,
     SenderBackend,
     WriteHandle,
     WriteState,
+    host_buffers,
 )
 from transport.errors import HandshakeError, TransportError
 from transport.polling import Backoff
@@ -87,8 +89,9 @@ class UcxReceiver(ReceiverBackend):
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn) -> None:
-        self._pool, self._deliver = pool, deliver
+    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn,
+              chunk_failed: ChunkFailedFn) -> None:
+        self._pool, self._deliver, self._chunk_failed = pool, deliver, chunk_failed
         self._base: Any = np.frombuffer(pool.arena.buf, dtype=np.uint8)
         self._thread = threading.Thread(target=self._poll_loop, name="kvrelay-ucx-rx", daemon=True)
         self._thread.start()
@@ -130,16 +133,19 @@ class UcxReceiver(ReceiverBackend):
             self._wake.clear()
             with self._lock:
                 self.worker.progress()
-                done = self._collect()
+                done, failed = self._collect()
             for sender, chunk, ref, tid in done:
                 self._deliver(sender, transfer_tag(tid), chunk, ref)
+            for sender, chunk, ref, tid, reason in failed:
+                self._chunk_failed(sender, transfer_tag(tid), chunk, ref, reason)
             if done:
                 backoff.reset()
             else:
                 backoff.wait()
 
-    def _collect(self) -> list[tuple[str, int, SlotRef, str]]:
-        done = []
+    def _collect(self) -> tuple[list[tuple[str, int, SlotRef, str]], list[tuple[str, int, SlotRef, str, str]]]:
+        done: list[tuple[str, int, SlotRef, str]] = []
+        failed: list[tuple[str, int, SlotRef, str, str]] = []
         for tid, entries in self._posted.items():
             keep = []
             for e in entries:
@@ -149,12 +155,12 @@ class UcxReceiver(ReceiverBackend):
                         hreq.check_error()
                         preq.check_error()
                         done.append((sender, chunk, ref, tid))
-                    except Exception as exc:  # noqa: BLE001 - UCXError family
-                        log.warning("UCX receive for chunk %d failed: %s", chunk, exc)
+                    except Exception as exc:  # noqa: BLE001 - UCXError family: fail the chunk now
+                        failed.append((sender, chunk, ref, tid, f"UCX receive failed: {exc}"))
                 else:
                     keep.append(e)
             self._posted[tid] = keep
-        return done
+        return done, failed
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -182,9 +188,10 @@ class UcxSender(SenderBackend):
         except Exception as exc:  # noqa: BLE001 - UCXError family
             raise HandshakeError(f"cannot connect a UCX endpoint to the receiver: {exc}") from exc
 
-    def write(self, transfer_id: str, chunk_index: int, header: bytes, regions: Sequence[Buffer],
+    def write(self, transfer_id: str, chunk_index: int, header: bytes, payload: Payload,
               grant: Grant) -> WriteHandle:
         lib, Array = _import_ucxx()
+        regions = host_buffers(payload)
         if len(regions) == 1:
             body = np.frombuffer(regions[0], dtype=np.uint8)
         else:

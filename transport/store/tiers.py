@@ -1,10 +1,9 @@
 """Storage tiers of the multi-tier KV store, all addressed by 32-byte chunk key.
 
-A stored chunk is a *record*: the wire header (``transport.wire``: key, xxh3 payload
-checksum, header checksum) followed by the ``[layer][block]`` payload - the same bytes
-that travel between nodes. Every tier verifies a record when it reads it back; a
-record that fails (a flipped bit on disk, a truncated Redis value, a record stored
-under the wrong key) is dropped and reported as a miss, never returned.
+A stored chunk is a *record* (:mod:`transport.store.records` owns the format). Every
+tier checks a record when it reads it back; a record that fails (a flipped bit on
+disk, a truncated Redis value, a record stored under the wrong key) is dropped and
+reported as a miss, never returned.
 
 * :class:`DiskTier` - one file per key, written to a temp file then renamed (a crash
   never leaves a half-written record under a real name), with a byte cap.
@@ -27,20 +26,10 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from transport.errors import ChunkError, ProtocolError
 from transport.store.policy import Policy, make_policy
-from transport.wire import verify_chunk
+from transport.store.records import check_record
 
 log = logging.getLogger("kvrelay.store")
-
-
-def check_record(key: bytes, record: bytes | memoryview) -> bool:
-    """True if ``record`` is an intact chunk stored under ``key``."""
-    try:
-        verify_chunk(record, key=key)
-    except (ChunkError, ProtocolError):
-        return False
-    return True
 
 
 class Tier(abc.ABC):

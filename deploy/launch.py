@@ -23,8 +23,8 @@ from pathlib import Path
 import msgspec
 import yaml
 
-from kvrelay import config as kcfg
-from kvrelay.config import KVRelayConfig
+from core import config as kcfg
+from core.config import KVRelayConfig
 
 TINY_NAME = "kvrelay-tiny"
 
@@ -51,7 +51,7 @@ def model_path(cfg: KVRelayConfig) -> str:
     """The configured model, or the built-in tiny model (created on first use)."""
     if cfg.engine.model:
         return cfg.engine.model
-    from kvrelay.tiny_model import ensure_tiny_model
+    from deploy.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(Path(cfg.engine.tiny_model_dir).expanduser()))
 
@@ -85,7 +85,7 @@ def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
           "kv_role": "kv_producer" if spec.role is Role.PREFILL else "kv_consumer",
           "kv_connector_extra_config": {"kvrelay": data}}
     if spec.role is Role.DECODE:
-        kv["kv_load_failure_policy"] = cfg.connector.load_failure_policy.value
+        kv["kv_load_failure_policy"] = cfg.engine.load_failure_policy.value
     return kv
 
 

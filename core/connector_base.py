@@ -30,9 +30,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from core.config import KVRelayConfig, from_connector_extra
+from core.fingerprint import engine_fingerprint
+from core.params import ParamsError
+from core.telemetry import EventLog, metrics
 from kernels.blocks import KVLayout
-from kvrelay import pd
-from kvrelay.config import KVRelayConfig
 
 # While every request only waits on transfers, vLLM steps the engine back to back with
 # empty steps. In such a step ``get_finished`` waits up to this long for a transfer to
@@ -56,13 +58,13 @@ class WorkerBase:
         self.vllm_config = vllm_config
         self.block_size: int = vllm_config.cache_config.block_size
         if cfg.chunk_tokens % self.block_size:
-            raise pd.ParamsError(f"chunk_tokens={cfg.chunk_tokens} must be a multiple of the engine "
+            raise ParamsError(f"chunk_tokens={cfg.chunk_tokens} must be a multiple of the engine "
                                  f"block size {self.block_size}")
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None
-        self.events = pd.EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
-        self.metrics = pd.metrics(cfg.connector.metrics_port)
+        self.events = EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
+        self.metrics = metrics(cfg.connector.metrics_port)
         self._lock = threading.Condition()
         self._finished: set[str] = set()
         self._errors: set[int] = set()
@@ -70,7 +72,7 @@ class WorkerBase:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layout = KVLayout.from_caches(kv_caches)
-        self.fingerprint = pd.engine_fingerprint(self.vllm_config, self.layout)
+        self.fingerprint = engine_fingerprint(self.vllm_config, self.layout)
 
     def blocks_in_chunk(self, prompt_len: int, c: int) -> int:
         """Engine blocks chunk ``c`` of a ``prompt_len``-token prompt spans (the tail may be short)."""
@@ -118,7 +120,7 @@ class RelayConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.cfg = pd.connector_config(vllm_config)
+        self.cfg = from_connector_extra(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
         self._sched: Any = self.make_scheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None
         self._worker: Any = self.make_worker(vllm_config) if role == KVConnectorRole.WORKER else None
 

@@ -17,7 +17,7 @@ import time
 import traceback
 from typing import Any
 
-from kvrelay.config import KVRelayConfig, from_dict, to_dict
+from core.config import KVRelayConfig, from_dict, to_dict
 from transport.errors import KVRelayError, TransportError
 
 
@@ -83,22 +83,39 @@ class _Child:
         from transport.sender import Sender
 
         self.np = np
-        self.backend = make_sender_backend(cfg)
-        self.sender = Sender(cfg, endpoint, self.backend, fingerprint, sender_id=sender_id)
+        self.backend = make_sender_backend(cfg.transport)
+        self.sender = Sender(cfg.transport, cfg.timeouts, endpoint, self.backend, fingerprint, sender_id=sender_id)
         self.sources: dict[str, Any] = {}
         self.retired: list[Any] = []
         self.allocs: dict[str, Any] = {}
+        self.block_bytes: dict[str, int] = {}
 
     def connect(self) -> str:
         self.sender.connect()
         return self.sender.sender_id
 
-    def prepare(self, name: str, nbytes: int, seed: int) -> None:
+    def prepare(self, name: str, nbytes: int, seed: int, block_bytes: int = 0) -> None:
+        """A random source buffer. A ``registered_layout`` backend gets it registered as a KV
+        layout of ``block_bytes`` blocks (default: one block), like a paged KV cache."""
+        from transport.backends.base import MemRegion, SourceLayout
+
         buf = self.np.random.default_rng(seed).integers(0, 256, nbytes, dtype=self.np.uint8)
         if name in self.sources:                  # registered memory must outlive its registration
             self.retired.append(self.sources[name])
         self.sources[name] = buf
-        self.backend.register_source(memoryview(buf.data))
+        self.block_bytes[name] = block_bytes or nbytes
+        if self.backend.capabilities.registered_layout:
+            region = MemRegion(int(buf.ctypes.data), nbytes)
+            self.sender.register_layout(SourceLayout((region,), self.block_bytes[name]))
+
+    def _blocks(self, name: str, offset: int, nbytes: int) -> Any:
+        """The bytes as a BlockPayload of the registered layout when the backend takes one."""
+        from transport.backends.base import BlockPayload
+
+        bb = self.block_bytes[name]
+        if not self.backend.capabilities.registered_layout or offset % bb or nbytes % bb:
+            return None
+        return BlockPayload(tuple(range(offset // bb, (offset + nbytes) // bb)))
 
     def digest(self, name: str, offset: int, nbytes: int) -> str:
         return hashlib.sha256(memoryview(self.sources[name])[offset:offset + nbytes]).hexdigest()
@@ -114,7 +131,9 @@ class _Child:
         return [mv[i:i + step] for i in range(0, nbytes, step)]
 
     def write(self, tid: str, idx: int, name: str, offset: int, nbytes: int, regions: int = 1,
-              corrupt: bool = False, wait: bool = True) -> float:
+              corrupt: bool = False, wait: bool = True, blocks: bool = False) -> float:
+        """Write source bytes as chunk ``idx``: as ``regions`` buffers, or (``blocks``) as named
+        blocks of the registered layout where the backend can."""
         from transport.wire import make_header
 
         alloc = self.allocs[tid]
@@ -124,7 +143,8 @@ class _Child:
             src = self.sources[name]
             src[offset + nbytes // 2] ^= 0xFF
         t0 = time.monotonic()
-        h = self.sender.write_chunk(alloc, idx, regs, header=header)
+        payload = (self._blocks(name, offset, nbytes) if blocks else None) or regs
+        h = self.sender.write_chunk(alloc, idx, payload, header=header)
         if wait and h is not None:
             self.sender.wait(h)
         if corrupt:
@@ -143,6 +163,7 @@ class _Child:
 
         src = memoryview(self.sources[name])
         slots = max(1, src.nbytes // nbytes)
+        named = self.block_bytes.get(name) == nbytes and self.backend.capabilities.registered_layout
         plan = []
         for b in range(0, count, window):
             btid = f"{tid}.{b}"
@@ -150,7 +171,8 @@ class _Child:
             keys = [hashlib.sha256(f"{btid}/{i}".encode()).digest() for i in range(n)]
             regs = [[src[((b + i) % slots) * nbytes:][:nbytes]] for i in range(n)]
             headers = [make_header(keys[i], btid, i, regs[i]).pack() for i in range(n)]
-            plan.append((btid, keys, regs, headers))
+            payloads = [self._blocks(name, ((b + i) % slots) * nbytes, nbytes) for i in range(n)] if named else regs
+            plan.append((btid, keys, payloads, headers))
         starts: list[float] = []
         for k, (btid, keys, regs, headers) in enumerate(plan):
             alloc = self.sender.alloc(btid, keys, [HEADER_SIZE + nbytes] * len(keys))

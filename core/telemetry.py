@@ -1,0 +1,63 @@
+"""What a node tells operators: the JSONL event log and the connectors' Prometheus metrics."""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+import time
+from typing import Any
+
+
+class EventLog:
+    """Append-only JSONL of connector events (thread-safe; no-op when path is empty)."""
+
+    def __init__(self, path: str, node: str) -> None:
+        self._path = path
+        self._node = node
+        self._lock = threading.Lock()
+
+    def write(self, event: str, **fields: Any) -> None:
+        if not self._path:
+            return
+        line = json.dumps({"t": time.time(), "node": self._node, "event": event, **fields})
+        with self._lock, open(self._path, "a") as f:
+            f.write(line + "\n")
+
+
+class Metrics:
+    """The connectors' Prometheus metrics (one set per process)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        buckets = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10)
+        self.tokens_loaded = Counter("kvrelay_tokens_loaded", "Prompt tokens installed from pushed chunks")
+        self.tokens_recomputed = Counter("kvrelay_tokens_recomputed",
+                                         "Prompt tokens recomputed after a failed chunk (fallback)")
+        self.chunks = Counter("kvrelay_chunks", "Chunks by side and outcome", ["side", "outcome"])
+        self.bytes = Counter("kvrelay_bytes", "Payload bytes moved", ["side"])
+        self.forced_frees = Counter("kvrelay_push_forced_frees",
+                                    "Prefill requests whose blocks were freed at the deadline")
+        self.load_latency = Histogram("kvrelay_chunk_load_latency_seconds",
+                                      "Chunk arrival to installed in the engine's KV cache", buckets=buckets)
+        self.store_latency = Histogram("kvrelay_chunk_store_latency_seconds",
+                                       "Chunk ready on prefill to push complete", buckets=buckets)
+        self.transfer_latency = Histogram("kvrelay_transfer_latency_seconds",
+                                          "Decode: request scheduled to last chunk installed", buckets=buckets)
+        self.store_stored = Counter("kvrelay_store_chunks_stored", "Chunks put into the store")
+        self.store_loaded_tokens = Counter("kvrelay_store_tokens_loaded",
+                                           "Prompt tokens loaded from the store instead of computed")
+        self.inflight = Gauge("kvrelay_transfers_inflight", "Transfers in flight", ["side"])
+        self.pool_leased = Gauge("kvrelay_pool_slots_busy", "Receive pool slots leased, filled or held")
+
+
+@functools.cache
+def metrics(port: int = 0) -> Metrics:
+    """The process's metrics; starts an exporter on ``port`` the first time if non-zero."""
+    m = Metrics()
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port)
+    return m

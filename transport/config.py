@@ -1,0 +1,116 @@
+"""The transport's own settings: the data plane, the receive pool and every deadline.
+
+``transport`` is the ground floor, so it owns these sections and the helpers every
+section of the tree uses (size parsing, the strict ``Section`` base). The shared
+engine core composes them into the one tree (:mod:`core.config`). ``Receiver``,
+``Sender`` and the backends take only :class:`TransportConfig` and
+:class:`TimeoutConfig`, never the whole tree.
+
+Every section is a frozen ``msgspec.Struct`` that forbids unknown fields, so a typo
+such as ``pool_byte:`` is an error that names the key. Sizes accept integers or
+strings with a binary or decimal suffix (``"256MiB"``, ``"1GB"``). Durations are
+seconds (float).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated
+
+import msgspec
+
+from transport.errors import ConfigError
+
+MiB = 1 << 20
+
+
+class TransportKind(str, enum.Enum):
+    NIXL = "nixl"
+    TCP = "tcp"
+    SHM = "shm"
+    UCX = "ucx"
+
+
+class NixlErrorMode(str, enum.Enum):
+    NONE = "none"
+    PEER = "peer"
+
+
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Size = int | str
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "ki": 1 << 10, "kib": 1 << 10, "mi": 1 << 20, "mib": 1 << 20,
+          "gi": 1 << 30, "gib": 1 << 30, "ti": 1 << 40, "tib": 1 << 40}
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    """``"256MiB"`` -> 268435456. Raises :class:`ConfigError` naming ``key``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: size must be >= 0, got {value}")
+        return value
+    m = _SIZE_RE.match(value)
+    unit = (m.group(2) or "").lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ConfigError(f"{key}: cannot parse size {value!r} (try 1048576, '1MiB' or '1MB')")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class Section(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Base of every config section: strict keys; ``*_bytes`` fields are parsed sizes."""
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            if name.endswith("_bytes"):
+                value = getattr(self, name)
+                msgspec.structs.force_setattr(self, name, parse_size(value, name))
+
+
+class TimeoutConfig(Section, frozen=True):
+    """All deadlines of the transport, in seconds."""
+
+    lease_s: Seconds = 10.0          # a slot not filled+consumed within this is reclaimed
+    alloc_wait_s: Seconds = 5.0      # back-pressure: how long Alloc waits for free slots
+    peer_s: Seconds = 3.0            # no heartbeat/traffic for this long -> peer declared dead
+    heartbeat_s: Seconds = 0.5       # sender heartbeat interval
+    connect_s: Seconds = 5.0         # control-plane handshake deadline
+    chunk_s: Seconds = 10.0          # one chunk write must complete within this
+
+
+class TransportConfig(Section, frozen=True):
+    """The data plane and the decode node's receive pool."""
+
+    backend: TransportKind = TransportKind.NIXL
+    pool_bytes: Size = 256 * MiB
+    host: str = "127.0.0.1"
+    control_port: Port = 0           # 0 = pick a free port
+    data_port: Port = 0              # tcp backend listener; 0 = pick a free port
+    nixl_error_mode: NixlErrorMode = NixlErrorMode.NONE
+    shared_secret: str = "kvrelay-dev-secret"   # HMAC key for Hello; set per deployment
+    max_message_bytes: Positive = 1 * MiB       # control frames above this are rejected
+
+
+FIELD_HELP: dict[str, str] = {
+    'transport.backend': 'data plane: nixl (UCX one-sided WRITE), tcp, shm (same host) or ucx',
+    'transport.pool_bytes': "decode node's pinned receive pool (e.g. 256MiB)",
+    'transport.host': "address the decode node's transfer endpoint binds to",
+    'transport.control_port': "decode node's ZeroMQ control port (0 = any free port)",
+    'transport.data_port': "tcp backend's data listener port (0 = any free port)",
+    'transport.nixl_error_mode': 'UCX error handling for nixl: none or peer (same on both sides)',
+    'transport.shared_secret': 'HMAC key that authenticates Hello; set one per deployment',
+    'transport.max_message_bytes': 'control frames larger than this are rejected',
+    'timeouts.lease_s': 'a slot not filled and consumed within this is reclaimed (seconds)',
+    'timeouts.alloc_wait_s': 'back-pressure: how long an Alloc may wait for free slots',
+    'timeouts.peer_s': 'a sender silent this long is declared dead; its transfers fail',
+    'timeouts.heartbeat_s': 'sender heartbeat interval',
+    'timeouts.connect_s': 'control-plane handshake deadline',
+    'timeouts.chunk_s': 'one chunk write must complete (and the next chunk arrive) within this',
+}

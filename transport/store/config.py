@@ -1,0 +1,58 @@
+"""The multi-tier store's settings (``store:`` in the tree), owned by the store."""
+
+from __future__ import annotations
+
+import enum
+
+from transport.config import MiB, NonNeg, Port, Seconds, Section, Size
+from transport.errors import ConfigError
+
+
+class EvictionPolicy(str, enum.Enum):
+    LRU = "lru"
+    LFU = "lfu"
+    FIFO = "fifo"
+
+
+class StoreConfig(Section, frozen=True):
+    """The multi-tier KV store (CPU / disk / Redis)."""
+
+    enabled: bool = False            # prefill nodes store computed chunks and load stored prefixes
+    cpu_bytes: Size = 1024 * MiB
+    deferred_bytes: Size = 8 * MiB
+    prefetch_ahead: NonNeg = 2
+    lookup_timeout_s: Seconds = 2.0  # the scheduler's prefix lookup; slower than this = a miss (computed)
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    disk_path: str = ""
+    disk_bytes: Size = 0
+    redis_url: str = ""
+    publish_port: Port = 0           # ZeroMQ PUB of chunk stored/evicted events for the router (0 = off)
+    save_decoded: bool = False       # decode nodes store the chunks their generated tokens complete (Redis)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.enabled and self.save_decoded and not self.redis_url:
+            raise ConfigError("store.save_decoded: prefill nodes can only find a decode node's chunks in a "
+                              "shared tier; set store.redis_url")
+
+    @property
+    def active(self) -> bool:
+        """Enabled with a non-empty CPU tier."""
+        return self.enabled and int(self.cpu_bytes) > 0
+
+
+FIELD_HELP: dict[str, str] = {
+    'store.enabled': 'prefill nodes keep computed chunks in the store and load stored prompt prefixes instead of computing them',
+    'store.cpu_bytes': 'multi-tier store: CPU tier capacity',
+    'store.deferred_bytes': 'multi-tier store: batch-and-defer buffer for new chunks',
+    'store.prefetch_ahead': 'multi-tier store: chunks prefetched ahead of the one installing',
+    'store.lookup_timeout_s': ("prefill scheduler: a store prefix lookup that takes longer than this counts as a miss "
+                               "(the prompt is computed); the engine's step waits for it, so keep it short"),
+    'store.eviction_policy': 'multi-tier store: lru, lfu or fifo',
+    'store.disk_path': 'multi-tier store: disk tier directory ("" = no disk tier)',
+    'store.disk_bytes': 'multi-tier store: disk tier size cap',
+    'store.publish_port': 'prefill nodes publish chunk stored/evicted events here (ZeroMQ PUB) for cache-aware routing; 0 = off',
+    'store.redis_url': 'multi-tier store: redis://host:port/db ("" = no Redis tier)',
+    'store.save_decoded': ('decode nodes also store the chunks completed by generated tokens (into store.redis_url, '
+                           'which the prefill nodes share), so the next turn finds the previous answer'),
+}

@@ -1,0 +1,70 @@
+"""Store events: which chunks entered or left a prefill node's store, for cache-aware routing.
+
+The schema (:class:`StoreEvent`) and its ZeroMQ PUB (:class:`Publisher`) live with
+the store, so the router can subscribe without importing the engine side (no torch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+
+import msgspec
+import zmq
+
+STORE_EVENT_VERSION = 1
+
+
+class StoreEventKind(str, enum.Enum):
+    STORED = "stored"
+    EVICTED = "evicted"
+
+
+class StoreEvent(msgspec.Struct, frozen=True):
+    """Published by a prefill node: chunks that entered (``stored``) or left (``evicted``) its store.
+
+    ``fingerprint`` is the node's engine fingerprint digest - the router needs it to
+    compute the same chunk keys from a request's tokens."""
+
+    kind: StoreEventKind
+    keys: list[bytes]
+    fingerprint: bytes
+    chunk_tokens: int
+    v: int = STORE_EVENT_VERSION
+
+
+def decode_event(raw: bytes) -> StoreEvent:
+    """Raises ``msgspec.DecodeError`` / ``ValidationError`` on anything else."""
+    return msgspec.msgpack.decode(raw, type=StoreEvent)
+
+
+class Publisher:
+    """ZeroMQ PUB of StoreEvents (thread-safe; the store calls it from several threads).
+
+    Events are hints: a slow subscriber loses them (non-blocking send), never stalls the store.
+    Nothing is published until :meth:`bind_engine` names the fingerprint and chunk size."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 10000)
+        self._sock.bind(f"tcp://{host}:{port}")
+        self._lock = threading.Lock()
+        self.fingerprint = b""
+        self.chunk_tokens = 0
+
+    def bind_engine(self, fingerprint: bytes, chunk_tokens: int) -> None:
+        self.fingerprint, self.chunk_tokens = fingerprint, chunk_tokens
+
+    def __call__(self, kind: str, keys: list[bytes]) -> None:
+        if not self.fingerprint:
+            return
+        event = StoreEvent(StoreEventKind(kind), keys, self.fingerprint, self.chunk_tokens)
+        msg = msgspec.msgpack.encode(event)
+        with self._lock, contextlib.suppress(zmq.Again):
+            self._sock.send(msg, zmq.NOBLOCK)
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close(linger=0)
