@@ -7,6 +7,7 @@ import sys
 
 from core import config as kcfg
 from kvrelay import __version__
+from transport.errors import KVRelayError
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -135,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the compute-heavy variant: same KV layout, 1024-wide residual, 4096-wide MLP (benchmarks)")
     m.set_defaults(func=_cmd_make_tiny_model)
 
+    _add_tool_commands(sub)
+    _add_bench_commands(sub.add_parser("bench", help="benchmarks"))
+    return p
+
+
+def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     from deploy import warmup
 
     w = sub.add_parser("warmup", help="run hot prompts through prefill nodes so their chunks land in the store",
@@ -142,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.add_args(w)
     w.set_defaults(func=warmup.main)
 
-    b = sub.add_parser("bench", help="benchmarks")
+
+def _add_bench_commands(b: argparse.ArgumentParser) -> None:
     bsub = b.add_subparsers(dest="bench", metavar="BENCH", required=True)
     from bench.transfer import add_args
 
@@ -163,14 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
                          description=(multiturn.__doc__ or "").split("\n\n")[1])
     multiturn.add_args(mt)
     mt.set_defaults(func=multiturn.main)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except kcfg.ConfigError as exc:
+    except KVRelayError as exc:               # ConfigError and every other error kvrelay raises on purpose
         print(f"kvrelay: {exc}", file=sys.stderr)
         return 2
 
