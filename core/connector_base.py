@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -46,6 +46,52 @@ IDLE_WAIT_S = 0.003
 @dataclass
 class RelayMeta(KVConnectorMetadata):
     idle: bool = False          # the engine scheduled no tokens this step
+
+
+class SchedulerHalf(Protocol):
+    """The scheduler half (EngineCore process). Every method runs on vLLM's scheduler thread
+    and must not block on the network."""
+
+    def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        """``(external tokens, load asynchronously?)`` for a request being scheduled."""
+        ...
+
+    def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        """Blocks were allocated for the request (record its block ids)."""
+        ...
+
+    def build_meta(self, so: Any) -> KVConnectorMetadata:
+        """This step's work for the worker half."""
+        ...
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """``(delay freeing the blocks?, kv_transfer_params for the response)``."""
+        ...
+
+    def update_output(self, out: Any) -> None:
+        """The worker half's per-step output (finished transfers)."""
+        ...
+
+    def has_pending(self) -> bool:
+        """True while transfers are in flight (keeps the engine stepping)."""
+        ...
+
+
+class WorkerHalf(Protocol):
+    """The worker half (model-runner process); see :class:`WorkerBase`."""
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None: ...
+
+    def take_finished(self) -> set[str]: ...
+
+    def take_errors(self) -> set[int]: ...
+
+    def wait_for_progress(self, timeout: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+W = TypeVar("W", bound=WorkerHalf)
 
 
 class WorkerBase:
@@ -115,19 +161,21 @@ class WorkerBase:
         pass
 
 
-class RelayConnector(KVConnectorBase_V1):
+class RelayConnector(KVConnectorBase_V1, Generic[W]):
     """Routes vLLM's hooks to the scheduler half or the worker half of one connector."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = from_connector_extra(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
-        self._sched: Any = self.make_scheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None
-        self._worker: Any = self.make_worker(vllm_config) if role == KVConnectorRole.WORKER else None
+        self._sched = self.make_scheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = self.make_worker(vllm_config) if role == KVConnectorRole.WORKER else None
 
-    def make_scheduler(self, vllm_config: Any) -> Any:
+    def make_scheduler(self, vllm_config: Any) -> SchedulerHalf:
+        """Build the scheduler half (called once, in the EngineCore process)."""
         raise NotImplementedError
 
-    def make_worker(self, vllm_config: Any) -> Any:
+    def make_worker(self, vllm_config: Any) -> W:
+        """Build the worker half (called once, in the model-runner process)."""
         raise NotImplementedError
 
     def _meta(self) -> Any:

@@ -138,7 +138,7 @@ class DecodeScheduler:
         return bool(self._loading or self._cancelled or self._saving)
 
 
-class DecodeConnector(RelayConnector):
+class DecodeConnector(RelayConnector["InstallWorker"]):
     """Consumer connector. Load with ``--kv-transfer-config '{"kv_connector": "DecodeConnector",
     "kv_connector_module_path": "decode.connector", "kv_role": "kv_consumer",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kvrelay": {...}}}'``."""

@@ -95,7 +95,7 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
            "--max-model-len", str(cfg.engine.max_model_len), "--disable-uvicorn-access-log"]
     dtype = cfg.engine.dtype
     if dtype == "auto" and (Path(cmd[4]) / "KVRELAY_TINY_MODEL").exists():
-        dtype = "float32"                     # the tiny model: see kvrelay.tiny_model
+        dtype = "float32"                     # the tiny model: see deploy.tiny_model
     cmd += ["--dtype", dtype]
     if spec.role is not Role.SINGLE:
         cmd += ["--kv-transfer-config", json.dumps(connector_config(cfg, spec))]

@@ -166,7 +166,7 @@ class PrefillScheduler:
         return bool(self._delayed or self._finished)
 
 
-class PrefillConnector(RelayConnector):
+class PrefillConnector(RelayConnector["PushWorker"]):
     """Producer connector. Load with ``--kv-transfer-config '{"kv_connector": "PrefillConnector",
     "kv_connector_module_path": "prefill.connector", "kv_role": "kv_producer",
     "kv_connector_extra_config": {"kvrelay": {...}}}'``."""

@@ -1,7 +1,7 @@
 import logging
 import os
 
-# Keep UCX on loopback-capable transports in tests (see FACTS.md) and quiet.
+# Keep UCX on loopback-capable transports in tests (no NIC is needed, none is assumed) and quiet.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 logging.getLogger("nixl").setLevel(logging.WARNING)

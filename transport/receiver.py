@@ -255,7 +255,8 @@ class Receiver:
             return self._on_hello(ident, msg)
         sender = getattr(msg, "sender_id", None) or self._ident_sender(ident)
         if isinstance(msg, P.Bye):
-            self._peers.pop(sender or "", None)
+            if self._peers.pop(sender or "", None) is not None:
+                self.backend.on_peer_gone(sender or "")
             return None
         if sender is None or sender not in self._peers:
             self.stats.unauthenticated += 1
@@ -421,7 +422,8 @@ class Receiver:
 
     def _peer_lost(self, sender: str, reason: str) -> None:
         with self._lock:
-            self._peers.pop(sender, None)
+            if self._peers.pop(sender, None) is not None:
+                self.backend.on_peer_gone(sender)
             victims = [tid for tid, t in self._transfers.items() if t.sender_id == sender and not t.done]
             if victims:
                 self.stats.peers_dead += 1

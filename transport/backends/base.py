@@ -136,6 +136,10 @@ class ReceiverBackend(abc.ABC):
     def on_release(self, sender_id: str, transfer_id: str) -> None:  # noqa: B027
         """The transfer ended (complete, aborted or failed); drop per-transfer state."""
 
+    def on_peer_gone(self, sender_id: str) -> None:  # noqa: B027
+        """The sender is gone (dead, or said Bye); drop per-peer state such as a remote agent.
+        Any thread (the receiver's lock may be held); non-blocking."""
+
     poll_driven: bool = False
 
     def progress(self) -> int:
