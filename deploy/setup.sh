@@ -50,7 +50,8 @@ pip_step "nixl._api wrapper (no deps)" install --no-deps "nixl==1.5.1"
 import importlib, sys
 missing = []
 for mod in ("torch", "zmq", "msgspec", "xxhash", "nixl._api", "ucxx", "pytest", "hypothesis", "transport", "kvrelay",
-            "vllm", "transformers", "aiohttp", "openai", "redis", "prefill.connector", "decode.connector"):
+            "vllm", "transformers", "aiohttp", "openai", "redis", "importlinter", "core.config", "deploy.launch",
+            "prefill.connector", "decode.connector"):
     try:
         importlib.import_module(mod)
     except Exception as exc:  # report every missing piece at once
