@@ -74,6 +74,7 @@ class ReceiverStats:
     peers_dead: int = 0
     alloc_refused: int = 0
     alloc_parked: int = 0
+    internal_errors: int = 0         # bugs caught by the control loop (it keeps serving)
 
 
 @dataclass
@@ -227,6 +228,9 @@ class Receiver:
                 if self._stop.is_set():
                     break
                 log.error("control loop error: %s", exc)
+            except Exception:  # noqa: BLE001 - a bug must not end the control plane while /health says 200
+                self.stats.internal_errors += 1
+                log.exception("control loop: internal error (the receiver keeps serving)")
 
     def _on_frames(self, frames: list[bytes]) -> None:
         self.stats.messages += 1
@@ -380,6 +384,9 @@ class Receiver:
             return
         t_arr = time.monotonic()
         with self._lock:
+            if not self._current(t):                      # finished or failed while we verified
+                self.stats.stale_writes += 1
+                return
             try:
                 self.pool.mark_filled(ref)
             except TransportError as exc:                 # reclaimed while we verified
@@ -389,8 +396,22 @@ class Receiver:
             t.arrived += 1
             self.stats.chunks_arrived += 1
             self.stats.bytes_arrived += hdr.total_len
-            self._queues[t.transfer_id].put(ChunkArrival(t.transfer_id, chunk_index, key, ref, hdr, t_arr))
+            self._publish(t.transfer_id, ChunkArrival(t.transfer_id, chunk_index, key, ref, hdr, t_arr))
             self._maybe_done(t)
+
+    def _current(self, t: _Transfer) -> bool:
+        """``t`` is still the live record of its transfer (lock held)."""
+        return self._transfers.get(t.transfer_id) is t
+
+    def _publish(self, transfer_id: str, ev: Event) -> None:
+        """Queue ``ev`` for the consumer (lock held). A transfer the consumer already finished
+        has no queue: an arrival's slot is then released, anything else dropped."""
+        q = self._queues.get(transfer_id)
+        if q is not None:
+            q.put(ev)
+        elif isinstance(ev, ChunkArrival):
+            with contextlib.suppress(TransportError):
+                self.pool.release(ev.slot)
 
     def _chunk_failed(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, reason: str) -> None:
         """A backend's receive of ``chunk_index`` failed in the library: reject it now. Any thread."""
@@ -410,6 +431,9 @@ class Receiver:
             self.stats.misrouted += 1
         log.warning("rejected chunk %d of %r: %s", chunk_index, t.transfer_id, exc)
         with self._lock:
+            if not self._current(t):
+                self.stats.stale_writes += 1
+                return
             self.stats.chunks_rejected += 1
             ref = t.slots.get(chunk_index)
             if ref is not None and chunk_index not in t.resolved:
@@ -417,7 +441,7 @@ class Receiver:
                     self.pool.release(ref)
             t.resolved.add(chunk_index)
             t.rejected += 1
-            self._queues[t.transfer_id].put(ChunkRejected(t.transfer_id, chunk_index, reason, str(exc)))
+            self._publish(t.transfer_id, ChunkRejected(t.transfer_id, chunk_index, reason, str(exc)))
             self._maybe_done(t)
 
     def _peer_lost(self, sender: str, reason: str) -> None:
@@ -434,7 +458,7 @@ class Receiver:
     def _maybe_done(self, t: _Transfer) -> None:
         if not t.done and len(t.resolved) == len(t.slots):
             t.done = True
-            self._queues[t.transfer_id].put(TransferDone(t.transfer_id, t.arrived, t.rejected, t.held))
+            self._publish(t.transfer_id, TransferDone(t.transfer_id, t.arrived, t.rejected, t.held))
             self.backend.on_release(t.sender_id, t.transfer_id)
 
     def _fail_transfer(self, transfer_id: str, reason: FailReason, detail: str) -> None:
@@ -444,7 +468,7 @@ class Receiver:
         t.done = True
         freed = self.pool.release_owner(transfer_id, include_filled=False)
         log.warning("transfer %r failed (%s): %s; %d slots freed", transfer_id, reason.value, detail, freed)
-        self._queues[transfer_id].put(TransferFailed(transfer_id, reason, detail))
+        self._publish(transfer_id, TransferFailed(transfer_id, reason, detail))
         self.backend.on_release(t.sender_id, transfer_id)
 
     def _end_transfer(self, transfer_id: str) -> None:
@@ -476,7 +500,7 @@ class Receiver:
                 if t is not None and chunk is not None and chunk not in t.resolved:
                     t.resolved.add(chunk)
                     t.rejected += 1
-                    self._queues[owner].put(ChunkRejected(owner, chunk, FailReason.LEASE_EXPIRED,
+                    self._publish(owner, ChunkRejected(owner, chunk, FailReason.LEASE_EXPIRED,
                                                           f"slot {ref.index} lease expired"))
                     self._maybe_done(t)
         with self._lock:
