@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from core import config as kcfg
+from core.telemetry import read_events
 from deploy import launch
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,;:!?0123456789\n"
@@ -174,7 +175,7 @@ def _run_kvrelay(args: argparse.Namespace, out: Path, backend: str, lengths: lis
 
 def exposed_transfer(events_path: Path, chunk_tokens: int) -> dict:
     """Per prompt length: median exposed transfer (ms) and one chunk's transfer time (ms)."""
-    evs = [json.loads(x) for x in events_path.read_text().splitlines() if x.strip()]
+    evs = read_events(events_path)
     by_tid: dict[str, list[dict]] = {}
     for e in evs:
         by_tid.setdefault(e.get("transfer", ""), []).append(e)

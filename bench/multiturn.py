@@ -32,6 +32,7 @@ from typing import Any
 from bench.e2e import ALPHABET, _post
 from bench.local_redis import REDIS, redis_server
 from core import config as kcfg
+from core.telemetry import read_events
 from deploy import launch
 from deploy.tiny_model import WIDTHS, ensure_tiny_model
 
@@ -172,7 +173,7 @@ def _run_stacks(args: argparse.Namespace, out: Path, redis_url: str) -> tuple[di
 
 
 def _store_stats(path: Path) -> dict[str, Any]:
-    evs = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    evs = read_events(path)
     loads = [e for e in evs if e["event"] == "store_load"]
     prompt = sum(e["prompt_tokens"] for e in evs if e["event"] == "load_done")
     tiers = loads[-1]["tiers"] if loads else {}

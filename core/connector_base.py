@@ -111,6 +111,7 @@ class WorkerBase:
         self.fingerprint: Any = None
         self.events = EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
         self.metrics = metrics(cfg.connector.metrics_port)
+        self.metrics.events_dropped.set_function(lambda: self.events.dropped)
         self._lock = threading.Condition()
         self._finished: set[str] = set()
         self._errors: set[int] = set()

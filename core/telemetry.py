@@ -4,25 +4,66 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
+import os
 import threading
 import time
 from typing import Any
 
+log = logging.getLogger("vllm.kvrelay")
+EVENTS_MAX_BYTES = 64 << 20     # the log is rotated to ``<path>.1`` past this size
+
 
 class EventLog:
-    """Append-only JSONL of connector events (thread-safe; no-op when path is empty)."""
+    """Append-only JSONL of connector events (thread-safe; no-op when path is empty).
 
-    def __init__(self, path: str, node: str) -> None:
+    Never raises: the log is a diagnostic, so a full disk or a vanished directory must
+    not kill the push or install thread that writes it (and that writes it again from
+    its error handler). Lost lines are counted in ``dropped`` and logged once per 1,000.
+    Past ``max_bytes`` the file is rotated to ``<path>.1`` (one generation kept); every
+    process appends through a fresh open, so all writers follow the rotation."""
+
+    def __init__(self, path: str, node: str, *, max_bytes: int = EVENTS_MAX_BYTES) -> None:
         self._path = path
         self._node = node
+        self._max_bytes = max_bytes
         self._lock = threading.Lock()
+        self.dropped = 0
 
     def write(self, event: str, **fields: Any) -> None:
         if not self._path:
             return
-        line = json.dumps({"t": time.time(), "node": self._node, "event": event, **fields})
-        with self._lock, open(self._path, "a") as f:
-            f.write(line + "\n")
+        line = json.dumps({"t": time.time(), "node": self._node, "event": event, **fields}, default=str)
+        with self._lock:
+            try:
+                with open(self._path, "a") as f:
+                    f.write(line + "\n")
+                    size = f.tell()
+                if size > self._max_bytes:
+                    os.replace(self._path, self._path + ".1")
+            except OSError as exc:
+                self.dropped += 1
+                if self.dropped % 1000 == 1:
+                    log.warning("event log %s: %s (%d lines dropped so far)", self._path, exc, self.dropped)
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Every event in a log written by :class:`EventLog` (none if it does not exist). A line
+    torn by a full disk is skipped, so readers never fail on it."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(ev, dict):
+            events.append(ev)
+    return events
 
 
 class Metrics:
@@ -50,6 +91,7 @@ class Metrics:
                                            "Prompt tokens loaded from the store instead of computed")
         self.inflight = Gauge("kvrelay_transfers_inflight", "Transfers in flight", ["side"])
         self.pool_leased = Gauge("kvrelay_pool_slots_busy", "Receive pool slots leased, filled or held")
+        self.events_dropped = Gauge("kvrelay_events_dropped", "Event-log lines lost (disk full, unwritable path)")
 
 
 @functools.cache

@@ -25,6 +25,7 @@ import yaml
 
 from core import config as kcfg
 from core.config import KVRelayConfig
+from core.telemetry import read_events
 
 TINY_NAME = "kvrelay-tiny"
 
@@ -251,12 +252,7 @@ def demo_request(url: str, model: str, prompt: str, max_tokens: int = 32) -> str
 
 def last_load_summary(events_path: str) -> str:
     """One line about the most recent decode-side load in the event log."""
-    try:
-        lines = Path(events_path).read_text().splitlines()
-    except OSError:
-        return ""
-    for line in reversed(lines):
-        ev = json.loads(line)
+    for ev in reversed(read_events(events_path)):
         if ev.get("event") == "load_done":
             return (f"decode node: {ev['loaded_tokens']} of {ev['prompt_tokens']} prompt tokens loaded from "
                     f"{ev['chunks']} pushed chunk(s), {ev['recomputed_tokens']} recomputed")

@@ -7,7 +7,6 @@ Servers are expensive (~90 s to start on a 2-core host), so:
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from core import config as kcfg  # noqa: E402
+from core import telemetry  # noqa: E402
 from deploy import launch  # noqa: E402
 from deploy.tiny_model import make_tiny_model  # noqa: E402
 
@@ -131,9 +131,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 def read_events(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return telemetry.read_events(path)
 
 
 @pytest.fixture(scope="session")
