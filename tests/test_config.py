@@ -33,7 +33,9 @@ def test_yaml_then_flags_override(tmp_path):
     ("transport.pool_bytes=lots", "pool_bytes"),
     ("timeouts.lease_s=-1", "timeouts.lease_s"),
     ("nonsense=1", "nonsense"),
-    ("transport.numa_node=0", "numa_node"),             # removed: it was validated but never read
+    ("transport.numa_node=0", "numa_node"),
+    ("timeouts.heartbeat_s=2", "heartbeat_s"),          # >= half of peer_s (3): cross-checked
+    ("timeouts.lease_s=5", "lease_s"),                  # < chunk_s (10)             # removed: it was validated but never read
 ])
 def test_bad_keys_and_values_name_the_key(override, key):
     with pytest.raises(ConfigError) as err:

@@ -84,6 +84,15 @@ class TimeoutConfig(Section, frozen=True):
     connect_s: Seconds = 5.0         # control-plane handshake deadline
     chunk_s: Seconds = 10.0          # one chunk write must complete within this
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.heartbeat_s * 2 > self.peer_s:
+            raise ConfigError(f"timeouts.heartbeat_s={self.heartbeat_s} must be at most half of timeouts.peer_s="
+                              f"{self.peer_s}: one late heartbeat would declare a live sender dead")
+        if self.lease_s < self.chunk_s:
+            raise ConfigError(f"timeouts.lease_s={self.lease_s} is shorter than timeouts.chunk_s={self.chunk_s}: "
+                              "a slot would be reclaimed while its chunk may still legally be in flight")
+
 
 class TransportConfig(Section, frozen=True):
     """The data plane and the decode node's receive pool."""

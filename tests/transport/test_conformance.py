@@ -130,7 +130,7 @@ def test_abort_frees_slots(pair):
 
 
 def test_expired_lease_frees_slots(backend):
-    with open_pair(make_cfg(backend, **{"timeouts.lease_s": 0.4})) as (receiver, peer):
+    with open_pair(make_cfg(backend, **{"timeouts.lease_s": 0.4, "timeouts.chunk_s": 0.4})) as (receiver, peer):
         peer.call("alloc", "lease", keys_for("lease", 2), [HEADER_SIZE + 4096] * 2)
         t0 = time.monotonic()
         events = drain(receiver, "lease")                      # nothing is ever written
