@@ -1,8 +1,13 @@
-"""The prefill worker's push engine: one thread that owns the Senders and writes chunks.
+"""The prefill worker's push engine: one lane (a thread and its Sender) per decode node.
 
 ``PushWorker.on_step`` runs on the model thread at the end of every forward
-(``wait_for_save``) and only records which chunks became ready; the push thread
-does the network work, so the model thread never blocks on a decode node.
+(``wait_for_save``) and only records which chunks became ready; the lanes do the
+network work, so the model thread never blocks on a decode node, and a dead or full
+decode node (connect and Alloc may block for seconds) stalls only its own lane.
+
+A failed push tells D (Abort), gives up on its writes still in flight and settles,
+so vLLM frees its blocks. A failure that means D no longer knows this Sender (dead,
+restarted, "unauthenticated") drops the lane's Sender; the next push reconnects.
 
 Chunk ``c`` of a prompt covers tokens ``[c*T, min((c+1)*T, prompt_len))`` with
 ``T = chunk_tokens``, i.e. engine blocks ``[c*T/bs, ...)`` of the request's block
@@ -36,8 +41,26 @@ from core.placement import place_helper_thread
 from kernels.blocks import KVLayout, gather_to_host
 from prefill.store_service import StoreService
 from transport.backends import make_sender_backend
-from transport.backends.base import BlockPayload, MemRegion, Payload, SourceLayout, WriteHandle, WriteState
-from transport.errors import KVRelayError, PeerDeadError, TransferAborted, TransferTimeout, TransportError
+from transport.backends.base import (
+    BlockPayload,
+    MemRegion,
+    Payload,
+    SenderBackend,
+    SourceLayout,
+    WriteHandle,
+    WriteState,
+)
+from transport.config import TransportConfig
+from transport.errors import (
+    ErrorCode,
+    HandshakeError,
+    KVRelayError,
+    PeerDeadError,
+    ProtocolError,
+    TransferAborted,
+    TransferTimeout,
+    TransportError,
+)
 from transport.keys import chunk_keys
 from transport.sender import Allocation, Sender
 from transport.wire import HEADER_SIZE, DType, make_header
@@ -71,12 +94,26 @@ def source_layout(layout: KVLayout) -> SourceLayout | None:
     return SourceLayout(tuple(MemRegion(addr, n) for addr, n in spans), layout.bytes_per_block)
 
 
+POLL_S = 0.0005       # a lane with writes in flight polls them this often
+
+
+@dataclass
+class _Lane:
+    """One decode endpoint: its Sender and the thread that pushes to it. A dead, slow or full
+    decode node stalls only its own lane ("" = store-only pushes, no Sender)."""
+
+    endpoint: str
+    sender: Sender | None = None
+    thread: threading.Thread | None = None
+
+
 @dataclass
 class _Push:
     spec: PushSpec
     keys: list[bytes]
     n_chunks: int
     deadline: float
+    lane: _Lane
     alloc: Allocation | None = None
     sender: Sender | None = None
     next_chunk: int = 0
@@ -89,18 +126,18 @@ class _Push:
 class PushWorker(WorkerBase):
     role = "prefill"
 
-    def __init__(self, cfg: KVRelayConfig, vllm_config: Any) -> None:
+    def __init__(self, cfg: KVRelayConfig, vllm_config: Any,
+                 make_backend: Callable[[TransportConfig], SenderBackend] = make_sender_backend) -> None:
         super().__init__(cfg, vllm_config)
+        self._make_backend = make_backend
         self._pushes: dict[str, _Push] = {}
-        self._senders: dict[str, Sender] = {}
+        self._lanes: dict[str, _Lane] = {}
         self._hook = load_hook(cfg.connector.push_hook)
         self._source: SourceLayout | None = None
         self.store: StoreService | None = None
         if cfg.store.active:
             self.store = StoreService(cfg, vllm_config, self.events)
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="kvrelay-push", daemon=True)
-        self._thread.start()
 
     def busy(self) -> bool:
         return bool(self._pushes)
@@ -130,7 +167,7 @@ class PushWorker(WorkerBase):
                     self.settled(rid)
                 else:
                     p.closing = True
-            self._lock.notify()
+            self._lock.notify_all()
 
     def _update(self, spec: PushSpec) -> None:
         p = self._pushes.get(spec.req_id)
@@ -138,7 +175,8 @@ class PushWorker(WorkerBase):
             if spec.token_ids is None:
                 return                                    # first spec lost (should not happen)
             keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
-            p = _Push(spec, keys, len(keys), time.monotonic() + self.cfg.connector.free_deadline_s)
+            p = _Push(spec, keys, len(keys), time.monotonic() + self.cfg.connector.free_deadline_s,
+                      self._lane_for(spec.push_to))
             self._pushes[spec.req_id] = p
             self.metrics.inflight.labels("prefill").inc()
         p.spec = spec
@@ -156,35 +194,45 @@ class PushWorker(WorkerBase):
                 with self._lock:
                     self._errors |= failed            # reported in this step (a sync load)
 
-    # ---------------------------------------------------------------- push thread
-    def _run(self) -> None:
+    # ---------------------------------------------------------------- lane threads
+    def _lane_for(self, endpoint: str) -> _Lane:
+        """The lane of ``endpoint`` (lock held); started on first use."""
+        lane = self._lanes.get(endpoint)
+        if lane is None:
+            lane = self._lanes[endpoint] = _Lane(endpoint)
+            lane.thread = threading.Thread(target=self._run, args=(lane,), daemon=True,
+                                           name=f"kvrelay-push-{len(self._lanes)}")
+            lane.thread.start()
+        return lane
+
+    def _run(self, lane: _Lane) -> None:
+        """One lane's loop: connect, allocate, write and settle the pushes to its decode node."""
         place_helper_thread(self.cfg.connector.helper_cpus)
         while True:
             with self._lock:
                 if self._stop:
                     return
-                busy = [p for p in self._pushes.values() if p.inflight or p.next_chunk < p.ready_chunks]
-                if not busy and not any(p.closing for p in self._pushes.values()):
+                work = [p for p in self._pushes.values() if p.lane is lane]
+                if not any(p.inflight or p.next_chunk < p.ready_chunks or p.closing for p in work):
                     self._lock.wait(0.05)
                     continue
-                work = list(self._pushes.values())
             for p in work:
                 try:
-                    self._advance(p)
+                    self._advance(lane, p)
                 except KVRelayError as exc:
-                    self._fail(p, exc)
+                    self._fail(lane, p, exc)
                 except Exception as exc:  # noqa: BLE001 - a push bug must not kill the engine
                     log.exception("push of %s crashed", p.spec.req_id)
-                    self._fail(p, exc)
-                self._maybe_settle(p)
-            if not any(p.inflight for p in work):
-                time.sleep(0.0005)
+                    self._fail(lane, p, exc)
+                self._maybe_settle(lane, p)
+            if any(p.inflight for p in work):
+                time.sleep(POLL_S)                     # writes in flight: poll them again shortly
 
-    def _advance(self, p: _Push) -> None:
+    def _advance(self, lane: _Lane, p: _Push) -> None:
         if p.failed:
             return
         if p.alloc is None and p.spec.push_to:
-            self._allocate(p)
+            self._allocate(lane, p)
         while p.next_chunk < p.ready_chunks:
             self._write(p, p.next_chunk)
             p.next_chunk += 1
@@ -198,10 +246,22 @@ class PushWorker(WorkerBase):
                 p.inflight.remove(item)
                 self._on_written(p, handle.chunk_index, t0)
 
-    def _allocate(self, p: _Push) -> None:
-        p.sender = self._sender(p.spec.push_to)
-        sizes = [HEADER_SIZE + self.layout_or_fail().chunk_bytes(self.blocks_in_chunk(p.spec.prompt_len, c)) for c in range(p.n_chunks)]
-        p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes)
+    def _allocate(self, lane: _Lane, p: _Push) -> None:
+        """Alloc the transfer's slots. A session D no longer knows (it restarted) is replaced
+        and the Alloc retried once: nothing was written yet, so nothing is lost."""
+        layout = self.layout_or_fail()
+        sizes = [HEADER_SIZE + layout.chunk_bytes(self.blocks_in_chunk(p.spec.prompt_len, c))
+                 for c in range(p.n_chunks)]
+        p.sender = self._sender(lane)
+        try:
+            p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes)
+        except KVRelayError as exc:
+            if not session_lost(exc):
+                raise
+            log.info("session to %s lost (%s); reconnecting", lane.endpoint, exc)
+            self._drop_sender(lane)
+            p.sender = self._sender(lane)
+            p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes)
         self.events.write("push_alloc", req=p.spec.req_id, transfer=p.spec.transfer_id, chunks=p.n_chunks,
                           held=list(p.alloc.held))
 
@@ -261,7 +321,9 @@ class PushWorker(WorkerBase):
         self.events.write("push_done", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c,
                           seconds=round(dt, 6))
 
-    def _fail(self, p: _Push, exc: BaseException) -> None:
+    def _fail(self, lane: _Lane, p: _Push, exc: BaseException) -> None:
+        """Fail the push: tell D, give up on its writes in flight (so it can settle and vLLM
+        can free its blocks), and drop the lane's Sender if its session is gone."""
         if p.failed:
             return
         reason = f"{type(exc).__name__}: {exc}"
@@ -271,17 +333,20 @@ class PushWorker(WorkerBase):
         self.events.write("push_failed", req=p.spec.req_id, transfer=p.spec.transfer_id, reason=reason)
         if p.sender is not None:
             p.sender.abort(p.spec.transfer_id, reason)
-        if p.sender is not None and isinstance(exc, PeerDeadError):
-            self._drop_sender(p.spec.push_to)
+            for handle, _keep, _t0 in p.inflight:
+                p.sender.cancel(handle)
+        p.inflight.clear()
+        if p.sender is not None and p.sender is lane.sender and session_lost(exc):
+            self._drop_sender(lane)
 
-    def _maybe_settle(self, p: _Push) -> None:
+    def _maybe_settle(self, lane: _Lane, p: _Push) -> None:
         complete = p.next_chunk >= p.n_chunks and not p.inflight
         if not p.failed and p.closing and not complete and p.next_chunk >= p.ready_chunks and not p.inflight:
-            self._fail(p, TransferAborted("request finished before its prompt was computed"))
+            self._fail(lane, p, TransferAborted("request finished before its prompt was computed"))
         if not p.failed and not complete and time.monotonic() > p.deadline:
             self.metrics.forced_frees.inc()
-            self._fail(p, TransferTimeout(f"push not complete after free_deadline_s="
-                                          f"{self.cfg.connector.free_deadline_s}"))
+            self._fail(lane, p, TransferTimeout(f"push not complete after free_deadline_s="
+                                                f"{self.cfg.connector.free_deadline_s}"))
         settled = (complete or p.failed) and not p.inflight
         if settled and p.closing:
             with self._lock:
@@ -291,11 +356,11 @@ class PushWorker(WorkerBase):
             self.events.write("push_end", req=p.spec.req_id, transfer=p.spec.transfer_id,
                               ok=not p.failed, chunks=p.n_chunks)
 
-    def _sender(self, endpoint: str) -> Sender:
-        s = self._senders.get(endpoint)
-        if s is None:
+    def _sender(self, lane: _Lane) -> Sender:
+        """The lane's Sender, connecting it first if needed (blocks only this lane)."""
+        if lane.sender is None:
             tc = self.cfg.transport
-            s = Sender(tc, self.cfg.timeouts, endpoint, make_sender_backend(tc), self.fingerprint.digest())
+            s = Sender(tc, self.cfg.timeouts, lane.endpoint, self._make_backend(tc), self.fingerprint.digest())
             try:
                 s.connect()
                 if self._source is not None and s.backend.capabilities.registered_layout:
@@ -303,21 +368,31 @@ class PushWorker(WorkerBase):
             except KVRelayError:
                 s.close()
                 raise
-            self._senders[endpoint] = s
-        return s
+            lane.sender = s
+        return lane.sender
 
-    def _drop_sender(self, endpoint: str) -> None:
-        s = self._senders.pop(endpoint, None)
+    def _drop_sender(self, lane: _Lane) -> None:
+        s, lane.sender = lane.sender, None
         if s is not None:
+            log.info("dropping the session to %s; the next push reconnects", lane.endpoint)
             with contextlib.suppress(KVRelayError):
                 s.close()
 
     def close(self) -> None:
         with self._lock:
             self._stop = True
-            self._lock.notify()
-        self._thread.join(timeout=5)
-        for ep in list(self._senders):
-            self._drop_sender(ep)
+            self._lock.notify_all()
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            if lane.thread is not None:
+                lane.thread.join(timeout=5)
+            self._drop_sender(lane)
         if self.store is not None:
             self.store.close()
+
+
+def session_lost(exc: BaseException) -> bool:
+    """The decode node no longer knows this Sender (it died, restarted or refused us): reconnect."""
+    if isinstance(exc, PeerDeadError | HandshakeError):
+        return True
+    return isinstance(exc, ProtocolError) and exc.code is ErrorCode.UNAUTHENTICATED

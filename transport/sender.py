@@ -185,6 +185,10 @@ class Sender:
     def poll(self, handle: WriteHandle) -> WriteState:
         return self.backend.poll(handle)
 
+    def cancel(self, handle: WriteHandle) -> None:
+        """Give up on a write in flight (its transfer failed); see ``SenderBackend.cancel``."""
+        self.backend.cancel(handle)
+
     def wait(self, handle: WriteHandle, timeout: float | None = None) -> None:
         t = self.timeouts.chunk_s if timeout is None else timeout
         state = self.backend.wait(handle, t)

@@ -182,6 +182,13 @@ class SenderBackend(abc.ABC):
     def poll(self, handle: WriteHandle) -> WriteState:
         """Non-blocking completion check."""
 
+    def cancel(self, handle: WriteHandle) -> None:
+        """Give up on a posted write (best effort: the library may cancel it or let it finish);
+        the handle is FAILED afterwards and its resources are released. Non-blocking."""
+        if handle.state is WriteState.POSTED:
+            handle.state, handle.error = WriteState.FAILED, "cancelled"
+        handle.native = None
+
     def wait(self, handle: WriteHandle, timeout: float) -> WriteState:
         """Block until the write is done or failed, or ``timeout`` passes (then POSTED)."""
         from transport.polling import Backoff

@@ -461,6 +461,11 @@ class NixlSender(SenderBackend):
             self._settle(handle, state)
         return handle.state
 
+    def cancel(self, handle: WriteHandle) -> None:
+        if handle.state is WriteState.POSTED and isinstance(handle.native, tuple):
+            self._settle(handle, "CANCELLED")       # releases the xfer handle (NIXL cancels if it can)
+        super().cancel(handle)
+
     def close(self) -> None:
         """Stop using the remote agent (the last Sender on it removes it). The process's agent and
         its registered layout stay: they outlive any one peer."""

@@ -179,6 +179,7 @@ class UcxSender(SenderBackend):
         self._ctx, self.worker = _worker()
         self.ep: Any = None
         self.staged_bytes = 0
+        self._abandoned: list[Any] = []       # cancelled sends: buffers kept alive until UCX completes them
 
     def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int) -> None:
         lib, _ = _import_ucxx()
@@ -206,6 +207,12 @@ class UcxSender(SenderBackend):
             raise TransportError(f"UCX send of chunk {chunk_index} failed: {exc}") from exc
         handle.native = (reqs, hdr, body)      # keep the buffers alive until completion
         return handle
+
+    def cancel(self, handle: WriteHandle) -> None:
+        if handle.state is WriteState.POSTED and handle.native is not None:
+            self._abandoned.append(handle.native)
+        self._abandoned = [n for n in self._abandoned if not all(r.completed for r in n[0])]
+        super().cancel(handle)
 
     def poll(self, handle: WriteHandle) -> WriteState:
         if handle.state is WriteState.POSTED:

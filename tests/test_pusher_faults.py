@@ -1,0 +1,215 @@
+"""The prefill push engine against real decode-side receivers (tcp) - hardening failure modes:
+
+1. a failed push with writes still in flight settles (vLLM gets its blocks back) and the
+   push thread goes idle instead of spinning;
+2. a decode node that restarts on the same endpoint is pushed to again without restarting P;
+10. a dead decode node stalls only its own lane: pushes to a healthy one go on meanwhile.
+
+``PushWorker`` runs as in vLLM's worker (a CPU KV cache it registers, specs from the
+scheduler), minus vLLM itself; the receivers, sockets and ZeroMQ are real.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from core import config as kcfg  # noqa: E402
+from core.fingerprint import engine_fingerprint  # noqa: E402
+from kernels.blocks import KVLayout, gather_to_host  # noqa: E402
+from prefill.connector import PushSpec  # noqa: E402
+from prefill.pusher import PushWorker  # noqa: E402
+from transport.backends import make_receiver_backend  # noqa: E402
+from transport.backends.base import WriteHandle, WriteState  # noqa: E402
+from transport.backends.sockets import SocketSender  # noqa: E402
+from transport.errors import TransferTimeout  # noqa: E402
+from transport.events import ChunkArrival, TransferDone, TransferFailed  # noqa: E402
+from transport.receiver import Receiver  # noqa: E402
+from transport.wire import HEADER_SIZE  # noqa: E402
+
+L, NB, H, BS, D2 = 2, 64, 2, 16, 32          # layers, blocks, kv heads, block size, 2*head
+T = 32                                        # chunk_tokens: 2 blocks
+
+
+def vllm_config() -> SimpleNamespace:
+    return SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), model_config=SimpleNamespace(model="t"),
+                           parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1),
+                           kv_transfer_config=SimpleNamespace(engine_id="pusher-test"))
+
+
+def make_cfg(**over: object) -> kcfg.KVRelayConfig:
+    items = {"chunk_tokens": T, "transport.backend": "tcp", "transport.pool_bytes": "4MiB",
+             "timeouts.peer_s": 2, "timeouts.heartbeat_s": 0.2, "timeouts.connect_s": 3,
+             "connector.free_deadline_s": 2, "connector.helper_cpus": "inherit", **over}
+    return kcfg.load(overrides=[f"{k}={v}" for k, v in items.items()])
+
+
+class Node:
+    """A decode node's receive side and a consumer thread that checks every chunk's bytes."""
+
+    def __init__(self, cfg: kcfg.KVRelayConfig, worker: PushWorker, port: int = 0) -> None:
+        assert worker.layout is not None
+        tc = kcfg.from_dict({**kcfg.to_dict(cfg), "transport": {**kcfg.to_dict(cfg)["transport"],
+                                                                  "control_port": port}}).transport
+        slot = HEADER_SIZE + worker.layout.chunk_bytes(T // BS)
+        self.receiver = Receiver(tc, cfg.timeouts, make_receiver_backend(tc), worker.fingerprint.digest(),
+                                 slot_bytes=slot, consumer_wait_s=0.5)
+        self.endpoint = self.receiver.endpoint
+        self.worker = worker
+
+    def expect(self, tid: str, block_ids: list[int], n_chunks: int) -> dict:
+        """Consume transfer ``tid`` on a thread; the result dict fills in when it ends."""
+        self.receiver.expect(tid)
+        out: dict = {"arrived": {}, "end": None}
+
+        def consume() -> None:
+            try:
+                while True:
+                    ev = self.receiver.next_event(tid, 10)
+                    if isinstance(ev, ChunkArrival):
+                        blocks = block_ids[ev.chunk_index * 2:(ev.chunk_index + 1) * 2]
+                        want = gather_to_host(self.worker.layout, blocks).numpy().tobytes()
+                        out["arrived"][ev.chunk_index] = bytes(self.receiver.payload(ev)) == want
+                        self.receiver.release(ev)
+                    elif isinstance(ev, TransferDone | TransferFailed):
+                        out["end"] = ev
+                        return
+            except TransferTimeout as exc:
+                out["end"] = exc
+            finally:
+                self.receiver.finish(tid)
+
+        out["thread"] = threading.Thread(target=consume, daemon=True)
+        out["thread"].start()
+        return out
+
+    def close(self) -> None:
+        self.receiver.close()
+
+
+@pytest.fixture
+def caches() -> dict[str, torch.Tensor]:
+    buf = torch.randn((L, NB, H, BS, D2), generator=torch.Generator().manual_seed(5))
+    return {f"layers.{i}.attn": buf[i] for i in range(L)}
+
+
+def start_worker(cfg: kcfg.KVRelayConfig, caches: dict[str, torch.Tensor], **kw: object) -> PushWorker:
+    w = PushWorker(cfg, vllm_config(), **kw)
+    w.register(caches)
+    assert w.fingerprint == engine_fingerprint(vllm_config(), KVLayout.from_caches(caches))
+    return w
+
+
+def push(worker: PushWorker, endpoint: str, n_chunks: int, first_block: int) -> tuple[str, str, list[int]]:
+    """Hand the worker one fully computed prompt, then finish the request (as the scheduler does)."""
+    rid, tid = f"r-{uuid.uuid4().hex[:6]}", f"t-{uuid.uuid4().hex[:6]}"
+    n = n_chunks * T
+    blocks = list(range(first_block, first_block + 2 * n_chunks))
+    worker.on_step([PushSpec(rid, tid, endpoint, n, blocks, n, token_ids=list(range(first_block, first_block + n)))],
+                   [])
+    worker.on_step([], [rid])
+    return rid, tid, blocks
+
+
+def wait_settled(worker: PushWorker, rid: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    done: set[str] = set()
+    while rid not in done:
+        assert time.monotonic() - t0 < timeout, f"{rid} never settled (its blocks would never be freed)"
+        done |= worker.take_finished()
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+class StuckAfterFirst(SocketSender):
+    """A real tcp sender whose writes after chunk 0 never report completion - what P sees
+    when D dies with writes in flight (a NIXL WRITE stays in PROC)."""
+
+    def write(self, transfer_id, chunk_index, header, payload, grant) -> WriteHandle:
+        handle = super().write(transfer_id, chunk_index, header, payload, grant)
+        if chunk_index > 0:
+            handle.state = WriteState.POSTED
+        return handle
+
+
+def test_failed_push_with_writes_in_flight_settles_and_goes_idle(caches):
+    cfg = make_cfg()
+    worker = start_worker(cfg, caches, make_backend=lambda tc: StuckAfterFirst(inline_payload=True))
+    node = Node(cfg, worker)
+    try:
+        rid, tid, blocks = push(worker, node.endpoint, 4, 8)
+        node.expect(tid, blocks, 4)
+        took = wait_settled(worker, rid, timeout=10)
+        assert took >= 1.5                                     # failed at free_deadline_s (2 s), not at once
+        assert not worker.busy()
+        cpu0, t0 = time.process_time(), time.monotonic()
+        time.sleep(1.0)
+        cpu = (time.process_time() - cpu0) / (time.monotonic() - t0)
+        assert cpu < 0.3, f"push threads spin at {cpu:.0%} of a core with nothing to do"
+    finally:
+        worker.close()
+        node.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_decode_node_restart_on_the_same_endpoint_is_pushed_to_again(caches):
+    cfg = make_cfg()
+    worker = start_worker(cfg, caches)
+    port = free_port()
+    node = Node(cfg, worker, port)
+    try:
+        rid, tid, blocks = push(worker, node.endpoint, 2, 4)
+        got = node.expect(tid, blocks, 2)
+        wait_settled(worker, rid, 10)
+        got["thread"].join(10)
+        assert isinstance(got["end"], TransferDone) and got["arrived"] == {0: True, 1: True}
+        node.close()
+        node = Node(cfg, worker, port)                          # D restarts: same endpoint, new identity
+        for first in (12, 20):
+            rid, tid, blocks = push(worker, node.endpoint, 2, first)
+            got = node.expect(tid, blocks, 2)
+            wait_settled(worker, rid, 15)
+            got["thread"].join(15)
+            assert isinstance(got["end"], TransferDone), got["end"]
+            assert got["arrived"] == {0: True, 1: True}, "pushes to the restarted node were not loaded"
+    finally:
+        worker.close()
+        node.close()
+
+
+def test_a_dead_decode_node_stalls_only_its_own_lane(caches):
+    cfg = make_cfg()
+    worker = start_worker(cfg, caches)
+    silent = socket.socket()                                    # accepts connections, never speaks ZeroMQ
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    node = Node(cfg, worker)
+    try:
+        dead_rid, _, _ = push(worker, f"tcp://127.0.0.1:{silent.getsockname()[1]}", 2, 30)
+        time.sleep(0.1)                                         # its lane is now blocked in connect
+        t0 = time.monotonic()
+        rid, tid, blocks = push(worker, node.endpoint, 2, 40)
+        got = node.expect(tid, blocks, 2)
+        wait_settled(worker, rid, 10)
+        took = time.monotonic() - t0
+        got["thread"].join(5)
+        assert got["arrived"] == {0: True, 1: True}
+        assert took < cfg.timeouts.connect_s / 2, f"healthy node waited {took:.2f}s behind a dead one"
+        wait_settled(worker, dead_rid, 15)                      # the dead one fails and settles too
+    finally:
+        worker.close()
+        node.close()
+        silent.close()
