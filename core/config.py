@@ -85,7 +85,8 @@ class RouterConfig(Section, frozen=True):
     prefill: list[str] = msgspec.field(default_factory=list)   # http://host:port of prefill servers
     decode: list[str] = msgspec.field(default_factory=list)    # "http://host:port=tcp://host:kvport"
     health_interval_s: Seconds = 2.0
-    request_timeout_s: Seconds = 600.0
+    request_timeout_s: Seconds = 600.0     # an upstream silent this long fails (a long stream is fine)
+    upstream_connections: Positive = 512  # at most this many connections to one engine; more requests queue
 
 
 class DeployConfig(Section, frozen=True):
@@ -201,7 +202,8 @@ FIELD_HELP: dict[str, str] = {
     'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]', or 'http://h1:8100=tcp://h1:9300' with the node's store event port (kvrelay up fills this in)",
     'router.decode': "decode nodes as 'http://host:port=tcp://host:kvport' (kvrelay up fills this in)",
     'router.health_interval_s': 'health-check period; failed nodes leave rotation until healthy',
-    'router.request_timeout_s': 'upstream request timeout',
+    'router.request_timeout_s': 'an upstream (prefill or decode) silent this long fails the request; a long stream is fine',
+    'router.upstream_connections': 'at most this many concurrent connections to one engine; further requests wait for one',
     'deploy.prefill': 'kvrelay up: number of prefill servers',
     'deploy.decode': 'kvrelay up: number of decode servers',
     'deploy.host': 'kvrelay up: address every server binds to',

@@ -9,12 +9,17 @@ Per completion request:
 3. stream D's answer back unchanged (SSE bytes exactly as vLLM emits them, or the
    JSON body), with ``X-Request-Id`` propagated both ways.
 
-Failures: malformed bodies get an OpenAI-style 400 here; engine 4xx answers (e.g. a
-prompt over ``max_model_len``) pass through; if P fails (connection error or 5xx) the
-prefill is retried once on another P with the same transfer id - and if none is left,
-D recomputes the prompt after ``connector.first_chunk_s``; if D fails the client gets
-a clean 502. A client that disconnects cancels both upstream requests (vLLM aborts
-them, and the connectors free their blocks and slots).
+Failures: malformed bodies, and fields PD cannot serve or the prefill rewrite would
+hide (:mod:`router.validate`), get an OpenAI-style 400 here, before any engine sees
+them; engine 4xx answers (e.g. a prompt over ``max_model_len``) pass through, and P's
+request is cancelled at once; if P fails (connection error or 5xx) the prefill is
+retried once on another P with the same transfer id - and if none is left, D
+recomputes the prompt after ``connector.first_chunk_s``; if D fails before answering
+the client gets a clean 502, and if it fails mid-stream an OpenAI-style error event
+followed by ``data: [DONE]`` (never a stream that silently stops). Upstream reads time
+out after ``router.request_timeout_s`` of silence, not of total length. A client that
+disconnects cancels both upstream requests (vLLM aborts them, and the connectors free
+their blocks and slots).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from core.config import KVRelayConfig, RoutingPolicy
 from core.params import PullParams, PushParams, params_dict
+from router import validate
 from router.cache_index import ChunkIndex, PromptTokenizer
 from router.pools import Node, NoHealthyNode, Pool, health_loop, pools_from_config
 
@@ -88,8 +94,10 @@ class Router:
         return app
 
     async def _start(self, app: web.Application) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.cfg.router.request_timeout_s, sock_connect=5)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        # sock_read: silence, not total length - a long generation streams for as long as it needs
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.cfg.router.request_timeout_s)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.router.upstream_connections)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self._health = asyncio.create_task(health_loop(self.session, (self.prefill, self.decode),
                                                        self.cfg.router.health_interval_s))
         if self.index is not None:
@@ -135,6 +143,9 @@ class Router:
         if not isinstance(body, dict):
             self.metrics.errors.labels("bad_request").inc()
             return error_response(400, "request body must be a JSON object", rid=rid)
+        if (why := validate.check(endpoint, body)) is not None:
+            self.metrics.errors.labels("bad_request").inc()
+            return error_response(400, why, rid=rid)
         try:
             p_node = self.prefill.pick(hits=await self._cache_hits(body), load_weight=self.cfg.router.load_weight)
             d_node = self.decode.pick()
@@ -150,11 +161,10 @@ class Router:
             prefill.cancel()
             self.metrics.errors.labels("client_disconnect").inc()
             raise
-        finally:
-            if not prefill.done():
-                # D answered (or failed) before P: P's reply is no longer needed; let it finish
-                # quietly unless the client went away.
-                prefill.add_done_callback(_log_task_error)
+        if resp.status != 200 and not prefill.done():
+            prefill.cancel()                    # D refused or failed: P's prefill and push are for nothing
+        if not prefill.done():
+            prefill.add_done_callback(_log_task_error)
         self.metrics.latency.observe(time.monotonic() - t0)
         return resp
 
@@ -241,15 +251,31 @@ class Router:
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                        "X-Request-Id": rid, "X-Kvrelay-Prefill": p_url})
         await out.prepare(request)
-        first = True
-        async for piece in upstream.content.iter_any():
-            if first:
-                self.metrics.ttft.observe(time.monotonic() - t0)
-                first = False
-            await out.write(piece)
+        first, tail = True, b""
+        try:
+            async for piece in upstream.content.iter_any():
+                if first:
+                    self.metrics.ttft.observe(time.monotonic() - t0)
+                    first = False
+                await out.write(piece)
+                tail = (tail + piece)[-64:]
+            failure = "" if tail.rstrip().endswith(b"data: [DONE]") else "the decode node ended the stream early"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            failure = f"the decode node failed mid-stream: {type(exc).__name__}: {exc}"
+        if failure:
+            self.metrics.errors.labels("decode_failed_midstream").inc()
+            self.metrics.requests.labels(endpoint, "decode_failed").inc()
+            await out.write(sse_error(failure, rid))
+        else:
+            self.metrics.requests.labels(endpoint, "ok").inc()
         await out.write_eof()
-        self.metrics.requests.labels(endpoint, "ok").inc()
         return out
+
+
+def sse_error(message: str, rid: str) -> bytes:
+    """An OpenAI-style error event, then the end of the stream."""
+    body = {"error": {"message": f"{message} (request {rid})", "type": "bad_gateway", "param": None, "code": 502}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def _log_task_error(task: asyncio.Task[None]) -> None:

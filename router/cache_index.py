@@ -79,8 +79,10 @@ class ChunkIndex:
         for k in ev.keys:
             if ev.kind == "stored":
                 self.holders[k].add(i)
-            else:
-                self.holders[k].discard(i)
+            elif (held := self.holders.get(k)) is not None:
+                held.discard(i)
+                if not held:
+                    del self.holders[k]             # an evicted key leaves no empty entry behind
 
     def prefix_hits(self, token_ids: list[int]) -> list[int]:
         """Per node: how many leading full chunks of ``token_ids`` it holds."""

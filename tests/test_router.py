@@ -9,6 +9,7 @@ cover the same router in front of real vLLM.
 from __future__ import annotations
 
 import asyncio
+import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +27,7 @@ SSE = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}
 
 @dataclass
 class Fake:
-    mode: str = "ok"                       # ok | http500 | hang
+    mode: str = "ok"                       # ok | http500 | http400 | hang | die | slow | trickle
     requests: list[dict] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -41,13 +42,30 @@ class Fake:
         self.headers.append(request.headers.copy())
         if self.mode == "http500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "http400":
+            return web.json_response({"error": {"message": "bad max_tokens"}}, status=400)
+        if self.mode == "slow":                # a prefill that takes a while; is it cancelled?
+            try:
+                await asyncio.sleep(5)
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
+            if self.mode == "die":             # the decode node dies after one token
+                await resp.write(SSE[0])
+                await asyncio.sleep(0.1)
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
+            pieces = SSE if self.mode not in ("hang", "trickle") else SSE[:1] * (1000 if self.mode == "hang" else 8)
+            if self.mode == "trickle":
+                pieces = pieces + [SSE[-1]]
             try:
-                for piece in SSE if self.mode != "hang" else SSE[:1] * 1000:
+                for piece in pieces:
                     await resp.write(piece)
-                    await asyncio.sleep(0.05 if self.mode == "hang" else 0)
+                    await asyncio.sleep({"hang": 0.05, "trickle": 0.15}.get(self.mode, 0))
             except (ConnectionResetError, asyncio.CancelledError):
                 self.disconnected.set()
                 raise
@@ -81,8 +99,8 @@ async def fake_node(fake: Fake):
 
 
 @asynccontextmanager
-async def router_for(prefills: list[Fake], decodes: list[Fake], policy: str = "round_robin"):
-    cfg = kcfg.from_dict({"router": {"policy": policy, "health_interval_s": 0.2}})
+async def router_for(prefills: list[Fake], decodes: list[Fake], policy: str = "round_robin", **router: Any):
+    cfg = kcfg.from_dict({"router": {"policy": policy, "health_interval_s": 0.2, **router}})
     pool_p = Pool("prefill", [Node(f.url) for f in prefills], cfg.router.policy)
     pool_d = Pool("decode", [Node(f.url, f"tcp://127.0.0.1:{9100 + i}") for i, f in enumerate(decodes)],
                   cfg.router.policy)
@@ -150,7 +168,8 @@ def test_decode_failure_is_a_clean_502_and_bad_json_a_400():
         ps, ds = await _stack(d_modes=("http500",))
         async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
                 aiohttp.ClientSession() as s:
-            async with s.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": []}) as r:
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            async with s.post(f"{url}/v1/chat/completions", json=chat) as r:
                 body = await r.json()
                 assert r.status == 502 and body["error"]["type"] == "bad_gateway"
             async with s.post(f"{url}/v1/completions", data=b"{oops") as r:
@@ -195,3 +214,91 @@ def test_unhealthy_nodes_leave_rotation_and_least_outstanding_prefers_idle():
             async with s.get(f"{url}/health") as r:
                 assert r.status == 200
     run(go())
+
+
+BAD_BODIES = [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": "7"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+    ({"prompt": "x", "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "n": 2}, "'n'"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": ["one", "two"]}, "prompt"),
+    ({"prompt": [[1, 2], [3, 4]]}, "prompt"),
+]
+
+
+def test_requests_pd_cannot_serve_get_a_400_before_any_engine_sees_them():
+    """Hardening 4 / 9 / chaos (f): nothing reaches P (no wasted prefill) or D."""
+    async def go() -> None:
+        ps, ds = await _stack()
+        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
+                aiohttp.ClientSession() as s:
+            for body, field in BAD_BODIES:
+                async with s.post(f"{url}/v1/completions", json={"model": "m", **body}) as r:
+                    err = await r.json()
+                    assert r.status == 400 and field in err["error"]["message"], (body, err)
+            async with s.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": []}) as r:
+                assert r.status == 400
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "n": 1}) as r:
+                assert r.status == 200                  # one prompt as token ids is one request
+            await asyncio.sleep(0.1)
+            assert len(ps[0].requests) == len(ds[0].requests) == 1
+    run(go())
+
+
+def test_decode_dying_mid_stream_ends_with_an_error_event_and_done():
+    """Hardening 5: never a stream that silently stops."""
+    async def go() -> None:
+        ps, ds = await _stack(d_modes=("die",))
+        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
+                aiohttp.ClientSession() as s:
+            body = {"model": "m", "prompt": "x", "stream": True}
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                raw = await asyncio.wait_for(r.read(), 10)
+            events = [e for e in raw.decode().split("\n\n") if e]
+            assert events[0] == SSE[0].decode().strip()
+            err = json.loads(events[-2].removeprefix("data: "))
+            assert err["error"]["code"] == 502 and "mid-stream" in err["error"]["message"]
+            assert events[-1] == "data: [DONE]"
+    run(go())
+
+
+def test_decode_4xx_cancels_the_prefill():
+    """Hardening 4: D refuses at once, so P's prefill (and push) is cancelled, not completed."""
+    async def go() -> None:
+        ps, ds = await _stack(p_modes=("slow",), d_modes=("http400",))
+        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
+                aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+                assert r.status == 400
+            await asyncio.wait_for(ps[0].disconnected.wait(), 2)
+    run(go())
+
+
+def test_a_stream_longer_than_the_timeout_is_fine_while_it_keeps_talking():
+    """Hardening 5: request_timeout_s bounds silence, not the length of a generation."""
+    async def go() -> None:
+        ps, ds = await _stack(d_modes=("trickle",))
+        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds, request_timeout_s=0.5) as (url, _), \
+                aiohttp.ClientSession() as s:
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
+                raw = await asyncio.wait_for(r.read(), 10)
+            assert raw.endswith(b"data: [DONE]\n\n") and b"error" not in raw     # ~1.2 s of tokens
+    run(go())
+
+
+def test_cache_index_drops_keys_no_node_holds():
+    from router.cache_index import ChunkIndex
+    from transport.store.events import StoreEvent, StoreEventKind
+
+    index = ChunkIndex([Node("http://a"), Node("http://b")])
+    keys = [bytes([i]) * 32 for i in range(3)]
+    index.apply(0, StoreEvent(StoreEventKind.STORED, keys, b"f" * 32, 256))
+    index.apply(1, StoreEvent(StoreEventKind.STORED, keys[:1], b"f" * 32, 256))
+    index.apply(0, StoreEvent(StoreEventKind.EVICTED, keys, b"f" * 32, 256))
+    assert set(index.holders) == {keys[0]} and index.holders[keys[0]] == {1}
+    index.apply(1, StoreEvent(StoreEventKind.EVICTED, keys[:1], b"f" * 32, 256))
+    assert not index.holders

@@ -75,6 +75,7 @@ class ReceiverStats:
     alloc_refused: int = 0
     alloc_parked: int = 0
     internal_errors: int = 0         # bugs caught by the control loop (it keeps serving)
+    orphans_dropped: int = 0         # transfers no consumer registered, dropped after lease_s
 
 
 @dataclass
@@ -89,6 +90,7 @@ class _Transfer:
     arrived: int = 0
     rejected: int = 0
     done: bool = False
+    ended: float = 0.0           # clock() when it became done
 
 
 @dataclass
@@ -116,6 +118,7 @@ class Receiver:
         self.stats = ReceiverStats()
         self._clock = clock
         self._held: dict[str, tuple[bytes, ...]] = {}              # transfer -> keys the consumer holds
+        self._consumers: set[str] = set()                          # transfers a consumer registered
         # An Alloc that arrives before the consumer called expect() waits up to this long for
         # it, so the held answer is what the consumer knows (0 = grant at once).
         self._consumer_wait_s = consumer_wait_s
@@ -148,6 +151,7 @@ class Receiver:
         chunks the consumer already holds (they are answered as held, never sent). Non-blocking."""
         with self._lock:
             self._queues.setdefault(transfer_id, queue.SimpleQueue())
+            self._consumers.add(transfer_id)
             if held:
                 self._held[transfer_id] = tuple(held)
 
@@ -156,6 +160,7 @@ class Receiver:
         by the caller, who must :meth:`release` it. Raises TransferTimeout."""
         with self._lock:
             q = self._queues.setdefault(transfer_id, queue.SimpleQueue())
+            self._consumers.add(transfer_id)
         ev = self._poll_for(q, timeout) if self.backend.poll_driven else self._wait_for(q, timeout)
         if ev is None:
             raise TransferTimeout(f"no event for transfer {transfer_id!r} in {timeout:.3g}s")
@@ -198,12 +203,19 @@ class Receiver:
         """The consumer is done with a transfer: drop its state and free anything unconsumed."""
         with self._lock:
             self._end_transfer(transfer_id)
+            self._consumers.discard(transfer_id)
             q = self._queues.pop(transfer_id, None)
         while q is not None and not q.empty():
             ev = q.get_nowait()
             if isinstance(ev, ChunkArrival):
                 with contextlib.suppress(TransportError):
                     self.pool.release(ev.slot)
+
+    def tracked(self) -> dict[str, int]:
+        """How many entries each per-transfer map holds (all zero when nothing is in flight)."""
+        with self._lock:
+            return {"transfers": len(self._transfers), "queues": len(self._queues), "tags": len(self._by_tag),
+                    "held": len(self._held), "consumers": len(self._consumers), "pending": len(self._pending)}
 
     def abort(self, transfer_id: str, reason: str = "aborted by consumer") -> None:
         with self._lock:
@@ -322,7 +334,7 @@ class Receiver:
 
     def _try_grant(self, p: _Pending) -> bool:
         msg = p.msg
-        if (self._consumer_wait_s and msg.transfer_id not in self._queues
+        if (self._consumer_wait_s and msg.transfer_id not in self._consumers
                 and self._clock() < p.arrived + self._consumer_wait_s):
             return False                            # the consumer has not registered it yet
         with self._lock:
@@ -457,7 +469,7 @@ class Receiver:
     # ------------------------------------------------------------------ bookkeeping (lock held)
     def _maybe_done(self, t: _Transfer) -> None:
         if not t.done and len(t.resolved) == len(t.slots):
-            t.done = True
+            t.done, t.ended = True, self._clock()
             self._publish(t.transfer_id, TransferDone(t.transfer_id, t.arrived, t.rejected, t.held))
             self.backend.on_release(t.sender_id, t.transfer_id)
 
@@ -465,7 +477,7 @@ class Receiver:
         t = self._transfers.get(transfer_id)
         if t is None or t.done:
             return
-        t.done = True
+        t.done, t.ended = True, self._clock()
         freed = self.pool.release_owner(transfer_id, include_filled=False)
         log.warning("transfer %r failed (%s): %s; %d slots freed", transfer_id, reason.value, detail, freed)
         self._publish(transfer_id, TransferFailed(transfer_id, reason, detail))
@@ -503,10 +515,22 @@ class Receiver:
                     self._publish(owner, ChunkRejected(owner, chunk, FailReason.LEASE_EXPIRED,
                                                           f"slot {ref.index} lease expired"))
                     self._maybe_done(t)
+        self._drop_orphans(now)
         with self._lock:
             dead = [s for s, seen in self._peers.items() if now - seen > self.timeouts.peer_s]
         for sender in dead:
             self._peer_lost(sender, f"no heartbeat for {self.timeouts.peer_s:.3g}s")
+
+    def _drop_orphans(self, now: float) -> None:
+        """A transfer no consumer ever registered (D rejected its request, or never scheduled
+        it) is dropped ``lease_s`` after it ended, with every slot it still holds."""
+        with self._lock:
+            orphans = [tid for tid, t in self._transfers.items()
+                       if t.done and tid not in self._consumers and now - t.ended > self.timeouts.lease_s]
+        for tid in orphans:
+            log.info("dropping transfer %r: no consumer registered it", tid)
+            self.stats.orphans_dropped += 1
+            self.finish(tid)
 
     def close(self) -> None:
         self._stop.set()

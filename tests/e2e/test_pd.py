@@ -85,6 +85,15 @@ def _post(url: str, body: bytes, headers: dict | None = None) -> tuple[int, dict
         return exc.code, json.loads(exc.read()), dict(exc.headers)
 
 
+def _prefill_requests(stack) -> float:
+    """Requests the prefill engine has finished or has running/waiting, from its own /metrics."""
+    names = ("vllm:request_success_total", "vllm:num_requests_running", "vllm:num_requests_waiting")
+    metrics = stack.engine_metrics(Role.PREFILL)
+    counted = [v for k, v in metrics.items() if k.startswith(names)]
+    assert counted, "the prefill engine exports none of the request metrics this test reads"
+    return sum(counted)
+
+
 def test_router_rejects_bad_input_cleanly(pd_stack):
     url = f"{pd_stack.router_url}/v1/completions"
     status, body, headers = _post(url, b"{not json", {"X-Request-Id": "bad-1"})
@@ -96,6 +105,14 @@ def test_router_rejects_bad_input_cleanly(pd_stack):
     big = json.dumps({"model": "kvrelay-tiny", "prompt": "x" * 5000, "max_tokens": 4}).encode()
     status, body, _ = _post(url, big)
     assert status == 400 and "error" in body, body
+    # What PD cannot serve, or the prefill rewrite would hide, is refused before any engine runs:
+    # the prefill node's request counter does not move.
+    served = _prefill_requests(pd_stack)
+    for bad in ({"n": 2}, {"max_tokens": 0}, {"prompt": ["a", "b"]}, {"stream_options": {"include_usage": True}}):
+        status, body, _ = _post(url, json.dumps({"model": "kvrelay-tiny", "prompt": "hi", "max_tokens": 4,
+                                                 **bad}).encode())
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", (bad, body)
+    assert _prefill_requests(pd_stack) == served
     with urllib.request.urlopen(f"{pd_stack.router_url}/v1/models", timeout=30) as r:
         assert json.loads(r.read())["data"][0]["id"] == "kvrelay-tiny"
     with urllib.request.urlopen(f"{pd_stack.router_url}/health", timeout=30) as r:

@@ -1,5 +1,7 @@
-"""Hardening (failure mode 7): the consumer finishing a transfer while the data plane
-delivers one of its chunks must not kill a backend thread or the control plane.
+"""Hardening of the receive side, over every backend.
+
+Failure mode 7: the consumer finishing a transfer while the data plane delivers one of
+its chunks must not kill a backend thread or the control plane.
 
 The interleaving is forced deterministically: the test's ``verify_chunk`` wrapper calls
 ``finish()`` from another thread after the receiver looked the transfer up and before
@@ -14,7 +16,7 @@ import threading
 import time
 
 import transport.receiver as rx
-from tests.transport.conftest import assert_no_leases, keys_for
+from tests.transport.conftest import assert_no_leases, keys_for, make_cfg, open_pair
 from tests.transport.test_conformance import drain
 from transport.errors import TransferTimeout
 from transport.events import TransferDone
@@ -54,3 +56,21 @@ def test_finish_racing_a_delivery_leaves_the_receiver_working(pair, monkeypatch)
     assert isinstance(events[-1][0], TransferDone) and events[-1][0].arrived == 2, events
     assert receiver.stats.internal_errors == 0
     assert_no_leases(receiver)
+
+
+def test_transfers_no_consumer_registers_are_dropped_with_their_slots(backend):
+    """Failure mode 4: D rejected the request (or never scheduled it), so nobody consumes the
+    transfer P allocated. Its slots and every per-transfer entry go away after lease_s."""
+    cfg = make_cfg(backend, **{"timeouts.lease_s": 0.5, "timeouts.chunk_s": 0.5})
+    with open_pair(cfg, consumer_wait_s=0.05) as (receiver, peer):
+        peer.call("prepare", "src", 4096, 3)
+        for i in range(5):
+            tid = f"orphan{i}"
+            peer.call("alloc", tid, keys_for(tid, 2), [HEADER_SIZE + 4096] * 2)
+            peer.call("write", tid, 0, "src", 0, 4096)          # chunk 1 never comes
+        deadline = time.monotonic() + 10
+        while any(receiver.tracked().values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(receiver.tracked().values()), receiver.tracked()
+        assert receiver.stats.orphans_dropped == 5
+        assert_no_leases(receiver)
