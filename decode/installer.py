@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 
 from core.config import KVRelayConfig
@@ -23,9 +24,10 @@ from core.placement import place_helper_thread
 from decode.saver import DecodeSaver
 from kernels.blocks import scatter
 from transport.backends import make_receiver_backend
-from transport.errors import KVRelayError, TransferTimeout
+from transport.errors import ConfigError, KVRelayError, TransferTimeout
 from transport.events import ChunkArrival, ChunkRejected, TransferDone, TransferFailed
 from transport.keys import chunk_keys
+from transport.pool import PAGE, round_up
 from transport.receiver import Receiver
 from transport.wire import HEADER_SIZE
 
@@ -39,6 +41,23 @@ log = logging.getLogger("vllm.kvrelay.decode")
 # names the chunks this request holds) waits this long for it. Registration normally
 # follows within a step; on a loaded host a prefix-cached P can be faster than that.
 REGISTER_WAIT_S = 0.5
+AUTO_POOL_PROMPTS = 2            # pool_bytes 0 (auto): room for this many prompts of max_model_len
+AUTO_POOL_MIN_BYTES = 256 << 20
+
+
+def receive_pool_bytes(configured: int, slot_bytes: int, max_model_len: int, chunk_tokens: int) -> int:
+    """The receive pool's size: ``configured``, or (0) room for AUTO_POOL_PROMPTS maximal prompts.
+
+    Raises ConfigError when a configured pool cannot hold one prompt of ``max_model_len``
+    tokens: every such prompt would be refused and recomputed, so fail at start-up instead."""
+    per_prompt = -(-max_model_len // chunk_tokens) * round_up(slot_bytes, PAGE)
+    if configured == 0:
+        return max(AUTO_POOL_PROMPTS * per_prompt, AUTO_POOL_MIN_BYTES)
+    if configured < per_prompt:
+        raise ConfigError(f"transport.pool_bytes={configured} cannot hold one prompt of max_model_len="
+                          f"{max_model_len} tokens ({per_prompt} bytes in {slot_bytes}-byte chunk slots); "
+                          f"raise it, or set 0 to size it automatically")
+    return configured
 
 
 @dataclass
@@ -103,8 +122,12 @@ class InstallWorker(WorkerBase):
         def build() -> None:
             place_helper_thread(self.cfg.connector.helper_cpus)
             try:
-                box.append(Receiver(self.cfg.transport, self.cfg.timeouts, make_receiver_backend(self.cfg.transport),
-                                    self.fingerprint.digest(), slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S))
+                tc = self.cfg.transport
+                size = receive_pool_bytes(int(tc.pool_bytes), slot, self.vllm_config.model_config.max_model_len,
+                                          self.cfg.chunk_tokens)
+                tc = msgspec.structs.replace(tc, pool_bytes=size)
+                box.append(Receiver(tc, self.cfg.timeouts, make_receiver_backend(tc), self.fingerprint.digest(),
+                                    slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 box.append(exc)
 

@@ -98,7 +98,7 @@ class TransportConfig(Section, frozen=True):
     """The data plane and the decode node's receive pool."""
 
     backend: TransportKind = TransportKind.NIXL
-    pool_bytes: Size = 256 * MiB
+    pool_bytes: Size = 0             # decode receive pool; 0 = auto (sized from the engine, see decode)
     host: str = "127.0.0.1"
     control_port: Port = 0           # 0 = pick a free port
     data_port: Port = 0              # tcp backend listener; 0 = pick a free port
@@ -109,7 +109,8 @@ class TransportConfig(Section, frozen=True):
 
 FIELD_HELP: dict[str, str] = {
     'transport.backend': 'data plane: nixl (UCX one-sided WRITE), tcp, shm (same host) or ucx',
-    'transport.pool_bytes': "decode node's pinned receive pool (e.g. 256MiB)",
+    'transport.pool_bytes': ("decode node's pinned receive pool (e.g. 4GiB); 0 = auto: two prompts of "
+                             "max_model_len, at least 256MiB. Start-up fails if it cannot hold one such prompt"),
     'transport.host': "address the decode node's transfer endpoint binds to",
     'transport.control_port': "decode node's ZeroMQ control port (0 = any free port)",
     'transport.data_port': "tcp backend's data listener port (0 = any free port)",

@@ -54,6 +54,45 @@ CASES = [
     Case("h1700", "chat", False, 1700, 13), Case("c777", "completion", False, 777, 14),
 ]
 PIPELINE_CASE = Case("pipe", "completion", False, 2200, 99)     # 9 chunks
+
+
+@dataclass(frozen=True)
+class SharedCase:
+    """A request whose prompt starts with one of a few shared system prompts (prefix sharing)."""
+
+    name: str
+    kind: str            # "completion" | "chat"
+    stream: bool
+    system: int          # which shared system prompt (0..3)
+    user_len: int
+
+    def system_text(self) -> str:
+        return Case(f"sys{self.system}", "chat", False, 300 + 60 * self.system, 500 + self.system).text()
+
+    def user_text(self) -> str:
+        return Case(self.name, "chat", False, self.user_len, 1000 + sum(map(ord, self.name))).text()
+
+
+# Hardening chaos (a): 32 concurrent streams over 4 shared, uncached system prompts; prompts of
+# 1..8 chunks (300..2030 tokens with the system prompt), chat and completion, stream and not.
+CONCURRENT = [SharedCase(f"cc{i}", "chat" if i % 2 else "completion", i % 3 != 0, i % 4,
+                         [20, 200, 450, 700, 950, 1200, 1450, 1700][i % 8]) for i in range(32)]
+
+
+def run_shared(client: Any, case: SharedCase, request_id: str = "") -> str:
+    headers = {"X-Request-Id": request_id} if request_id else None
+    common: dict[str, Any] = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0, extra_headers=headers,
+                                  stream=case.stream)
+    if case.kind == "chat":
+        msgs = [{"role": "system", "content": case.system_text()}, {"role": "user", "content": case.user_text()}]
+        resp = client.chat.completions.create(messages=msgs, **common)
+        if not case.stream:
+            return str(resp.choices[0].message.content)
+        return "".join(ch.delta.content or "" for ev in resp for ch in ev.choices)
+    resp = client.completions.create(prompt=case.system_text() + case.user_text(), **common)
+    if not case.stream:
+        return str(resp.choices[0].text)
+    return "".join(ch.text for ev in resp for ch in ev.choices)
 TURN1 = Case("turn1", "chat", False, 1000, 41)
 
 
@@ -171,6 +210,7 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         ref["turn2"] = run_turn2(client, ref["turn1"])
         ref["dsave1"] = run_chat(client, dsave_messages(), DSAVE_ANSWER)
         ref["dsave2"] = run_chat(client, dsave_messages(ref["dsave1"]), MAX_TOKENS)
+        ref.update({c.name: run_shared(client, c) for c in CONCURRENT})
         return ref
     finally:
         launch.stop_group(proc)
