@@ -189,9 +189,9 @@ class Stack:
             data["router"]["tokenizer"] = model_path(self.cfg)
         return kcfg.from_dict(data)
 
-    def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str], mode: str = "w") -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "w")   # noqa: SIM115 - owned by the child
+        log = open(self.log_dir / f"{name}.log", mode)   # noqa: SIM115 - owned by the child
         p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = p
         return p
@@ -220,6 +220,21 @@ class Stack:
                      str(self.log_dir / "router.log"))
         bar.update(1)
         bar.close()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL a node's whole process group (a crash: no shutdown path runs)."""
+        p = self.procs.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+    def restart(self, name: str) -> None:
+        """Start node ``name`` again (same ports and settings) and wait until it is healthy."""
+        k, spec = next((k, s) for k, s in enumerate(self.specs) if s.name == name)
+        if name in self.procs:
+            stop_group(self.procs.pop(name))
+        p = self._spawn(name, server_command(self.cfg, spec), server_env(self.cfg, k, len(self.specs)), "a")
+        wait_healthy(self.url(spec), p, self.cfg.deploy.startup_timeout_s, str(self.log_dir / f"{name}.log"))
 
     def stop(self) -> None:
         for p in self.procs.values():

@@ -95,6 +95,7 @@ def source_layout(layout: KVLayout) -> SourceLayout | None:
 
 
 POLL_S = 0.0005       # a lane with writes in flight polls them this often
+DOWN_S = 2.0          # after a failed connect, pushes to that decode node fail at once for this long
 
 
 @dataclass
@@ -105,6 +106,8 @@ class _Lane:
     endpoint: str
     sender: Sender | None = None
     thread: threading.Thread | None = None
+    down_until: float = 0.0      # a connect failed: fail pushes at once until then (D recomputes)
+    down_reason: str = ""
 
 
 @dataclass
@@ -359,14 +362,18 @@ class PushWorker(WorkerBase):
     def _sender(self, lane: _Lane) -> Sender:
         """The lane's Sender, connecting it first if needed (blocks only this lane)."""
         if lane.sender is None:
+            if time.monotonic() < lane.down_until:
+                raise PeerDeadError(f"decode node {lane.endpoint} unreachable ({lane.down_reason}); "
+                                    f"retrying in {lane.down_until - time.monotonic():.1f} s")
             tc = self.cfg.transport
             s = Sender(tc, self.cfg.timeouts, lane.endpoint, self._make_backend(tc), self.fingerprint.digest())
             try:
                 s.connect()
                 if self._source is not None and s.backend.capabilities.registered_layout:
                     s.register_layout(self._source)       # once per process: the backend shares it
-            except KVRelayError:
+            except KVRelayError as exc:
                 s.close()
+                lane.down_until, lane.down_reason = time.monotonic() + DOWN_S, str(exc)
                 raise
             lane.sender = s
         return lane.sender

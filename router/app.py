@@ -14,7 +14,8 @@ hide (:mod:`router.validate`), get an OpenAI-style 400 here, before any engine s
 them; engine 4xx answers (e.g. a prompt over ``max_model_len``) pass through, and P's
 request is cancelled at once; if P fails (connection error or 5xx) the prefill is
 retried once on another P with the same transfer id - and if none is left, D
-recomputes the prompt after ``connector.first_chunk_s``; if D fails before answering
+recomputes the prompt after ``connector.first_chunk_s``; with no healthy prefill node
+at all, D serves the request alone (no transfer; counted as ``no_prefill_decode_only``); if D fails before answering
 the client gets a clean 502, and if it fails mid-stream an OpenAI-style error event
 followed by ``data: [DONE]`` (never a stream that silently stops). Upstream reads time
 out after ``router.request_timeout_s`` of silence, not of total length. A client that
@@ -147,12 +148,18 @@ class Router:
             self.metrics.errors.labels("bad_request").inc()
             return error_response(400, why, rid=rid)
         try:
-            p_node = self.prefill.pick(hits=await self._cache_hits(body), load_weight=self.cfg.router.load_weight)
             d_node = self.decode.pick()
         except NoHealthyNode as exc:
             self.metrics.errors.labels("no_healthy_node").inc()
             return error_response(503, str(exc), "service_unavailable", rid)
         t0 = time.monotonic()
+        try:
+            p_node = self.prefill.pick(hits=await self._cache_hits(body), load_weight=self.cfg.router.load_weight)
+        except NoHealthyNode:                   # no prefill node: the decode node serves the request alone
+            self.metrics.errors.labels("no_prefill_decode_only").inc()
+            resp = await self._decode(request, endpoint, body, d_node, "", rid, t0, "")
+            self.metrics.latency.observe(time.monotonic() - t0)
+            return resp
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
         prefill = asyncio.create_task(self._prefill(endpoint, body, p_node, d_node, tid, rid))
         try:
@@ -221,7 +228,8 @@ class Router:
                       tid: str, rid: str, t0: float, p_url: str) -> web.StreamResponse:
         assert self.session is not None
         dbody = dict(body)
-        dbody["kv_transfer_params"] = params_dict(PullParams(transfer_id=tid))
+        if tid:                                 # "" = no prefill node: D computes the prompt itself
+            dbody["kv_transfer_params"] = params_dict(PullParams(transfer_id=tid))
         node.outstanding += 1
         try:
             async with self.session.post(f"{node.url}{endpoint}", json=dbody,

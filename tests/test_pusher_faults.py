@@ -47,7 +47,7 @@ def vllm_config() -> SimpleNamespace:
 
 def make_cfg(**over: object) -> kcfg.KVRelayConfig:
     items = {"chunk_tokens": T, "transport.backend": "tcp", "transport.pool_bytes": "4MiB",
-             "timeouts.peer_s": 2, "timeouts.heartbeat_s": 0.2, "timeouts.connect_s": 3,
+             "timeouts.peer_s": 2, "timeouts.heartbeat_s": 0.2, "timeouts.connect_s": 8,
              "connector.free_deadline_s": 2, "connector.helper_cpus": "inherit", **over}
     return kcfg.load(overrides=[f"{k}={v}" for k, v in items.items()])
 
@@ -119,9 +119,12 @@ def push(worker: PushWorker, endpoint: str, n_chunks: int, first_block: int) -> 
     return rid, tid, blocks
 
 
+_SETTLED: dict[int, set[str]] = {}        # per worker: every request it reported (take_finished drains)
+
+
 def wait_settled(worker: PushWorker, rid: str, timeout: float) -> float:
     t0 = time.monotonic()
-    done: set[str] = set()
+    done = _SETTLED.setdefault(id(worker), set())
     while rid not in done:
         assert time.monotonic() - t0 < timeout, f"{rid} never settled (its blocks would never be freed)"
         done |= worker.take_finished()
@@ -208,7 +211,12 @@ def test_a_dead_decode_node_stalls_only_its_own_lane(caches):
         got["thread"].join(5)
         assert got["arrived"] == {0: True, 1: True}
         assert took < cfg.timeouts.connect_s / 2, f"healthy node waited {took:.2f}s behind a dead one"
-        wait_settled(worker, dead_rid, 15)                      # the dead one fails and settles too
+        wait_settled(worker, dead_rid, 30)                      # the dead one fails and settles too
+        t0 = time.monotonic()                                   # more pushes to the dead node fail at once,
+        rids = [push(worker, f"tcp://127.0.0.1:{silent.getsockname()[1]}", 1, 50 + 2 * i)[0] for i in range(4)]
+        for r in rids:                                          # not one connect_s each
+            wait_settled(worker, r, 15)
+        assert time.monotonic() - t0 < cfg.timeouts.connect_s, "each push to a dead node waited for a connect"
     finally:
         worker.close()
         node.close()

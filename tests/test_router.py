@@ -302,3 +302,17 @@ def test_cache_index_drops_keys_no_node_holds():
     assert set(index.holders) == {keys[0]} and index.holders[keys[0]] == {1}
     index.apply(1, StoreEvent(StoreEventKind.EVICTED, keys[:1], b"f" * 32, 256))
     assert not index.holders
+
+
+def test_with_no_healthy_prefill_node_the_decode_node_serves_alone():
+    async def go() -> None:
+        ps, ds = await _stack()
+        async with fake_node(ds[0]), router_for(ps, ds) as (url, router), aiohttp.ClientSession() as s:
+            router.prefill.nodes[0].url = "http://127.0.0.1:9"          # never started: unhealthy
+            router.prefill.nodes[0].healthy = False
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+                assert r.status == 200
+            assert "kv_transfer_params" not in ds[0].requests[0]        # D computes the prompt itself
+            async with s.get(f"{url}/metrics") as r:
+                assert 'kvrelay_router_errors_total{cause="no_prefill_decode_only"} 1.0' in await r.text()
+    run(go())

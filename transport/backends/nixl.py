@@ -57,7 +57,7 @@ from transport.backends.base import (
     WriteHandle,
     WriteState,
 )
-from transport.errors import HandshakeError, TransportError
+from transport.errors import HandshakeError, PeerDeadError, TransportError
 from transport.polling import Backoff
 from transport.pool import ReceivePool, SlotRef
 from transport.protocol import Grant
@@ -83,6 +83,17 @@ def _import_nixl() -> Any:
         raise TransportError("NIXL is not installed: pip install nixl-cu12 and (--no-deps) nixl; "
                              "bash deploy/setup.sh installs both") from exc
     return nixl_agent, nixl_agent_config
+
+
+def translate(exc: Exception, what: str) -> TransportError:
+    """A NIXL binding error as ours: a disconnected remote agent is a dead peer."""
+    try:
+        from nixl._bindings import nixlRemoteDisconnectError
+    except ImportError:                       # a NIXL build without the typed errors
+        nixlRemoteDisconnectError = ()  # noqa: N806
+    if isinstance(exc, nixlRemoteDisconnectError):
+        return PeerDeadError(f"{what}: the decode node's NIXL agent disconnected ({exc})")
+    return TransportError(f"{what}: {exc}")
 
 
 def make_agent(name: str, error_mode: str) -> Any:
@@ -384,7 +395,7 @@ class NixlSender(SenderBackend):
             self._drop(temp)
             with contextlib.suppress(Exception):
                 self.agent.release_xfer_handle(xfer)
-            raise TransportError(f"NIXL WRITE of chunk {chunk_index} failed to post: {exc}") from exc
+            raise translate(exc, f"NIXL WRITE of chunk {chunk_index} failed to post") from exc
         handle.native = (xfer, temp)
         self._settle(handle, state)
         return handle
@@ -406,7 +417,7 @@ class NixlSender(SenderBackend):
         try:
             return self.agent.make_prepped_xfer("WRITE", self._local_dlist, local, remote_dlist, remote, notif)
         except Exception as exc:  # noqa: BLE001 - nixl binding errors
-            raise TransportError(f"NIXL could not post a prepared WRITE: {exc}") from exc
+            raise translate(exc, "NIXL could not post a prepared WRITE") from exc
 
     def _initialized(self, payload: Sequence[Buffer], grant: Grant, notif: bytes,
                      chunk_index: int) -> tuple[Any, list[Any], int]:
@@ -431,7 +442,7 @@ class NixlSender(SenderBackend):
                                               self.agent.get_xfer_descs(remote, "DRAM"), self._remote, notif)
         except Exception as exc:  # noqa: BLE001 - nixl binding errors
             self._drop(temp)
-            raise TransportError(f"NIXL WRITE of chunk {chunk_index} failed to post: {exc}") from exc
+            raise translate(exc, f"NIXL WRITE of chunk {chunk_index} failed to post") from exc
         return xfer, temp, off
 
     def _settle(self, handle: WriteHandle, state: str) -> None:

@@ -1,0 +1,163 @@
+"""Hardening chaos (b) and (c): real crashes under load, on a nixl stack of its own.
+
+(b) SIGKILL the decode node's whole process group while 16 streams are mid-transfer:
+    every client ends within 30 s (complete, or an OpenAI error event then [DONE]); the
+    prefill engine drains to zero running requests and zero KV usage with its push threads
+    idle; after D restarts on the same endpoints, requests are loaded again from pushed
+    chunks and token-exact - without restarting P.
+(c) SIGKILL the prefill node mid-push: the decode node recomputes what did not arrive and
+    every answer is still token-exact; the router takes P out of rotation (D then serves
+    requests alone, still exact), and puts it back once it is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from deploy.launch import Role
+from tests.e2e.conftest import CASES, MODEL, Case, openai_client, read_events, run_case, start_stack
+
+pytestmark = pytest.mark.chaos
+LONG = [Case(f"kill{i}", "completion", True, 1900 + 7 * i, 300 + i) for i in range(16)]   # 8 chunks each
+
+
+@pytest.fixture(scope="module")
+def fault_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-faults"), 19100, transport__backend="nixl",
+                         timeouts__peer_s=2, timeouts__heartbeat_s=0.25, connector__free_deadline_s=15)
+    yield handle
+    handle.stack.stop()
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, case: Case, max_tokens: int) -> dict:
+    """One streaming completion; how it ended and how long it took."""
+    t0 = time.monotonic()
+    body = {"model": MODEL, "prompt": case.text(), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            if r.status != 200:
+                return {"end": f"http_{r.status}", "s": time.monotonic() - t0}
+            raw = (await r.read()).decode()
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return {"end": f"exception {type(exc).__name__}", "s": time.monotonic() - t0}
+    events = [e.removeprefix("data: ") for e in raw.split("\n\n") if e.strip()]
+    done = bool(events) and events[-1] == "[DONE]"
+    errors = [e for e in events[:-1] if e.startswith("{") and "error" in json.loads(e)]
+    end = "error_then_done" if done and errors else "complete" if done else "truncated"
+    return {"end": end, "s": time.monotonic() - t0}
+
+
+async def _load_then(url: str, cases: list[Case], max_tokens: int, during: float, action) -> list[dict]:
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        tasks = [asyncio.create_task(_stream(session, url, c, max_tokens)) for c in cases]
+        await asyncio.sleep(during)
+        await asyncio.to_thread(action)
+        return list(await asyncio.gather(*tasks))
+
+
+def _group_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by every process in ``pid``'s process group."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pid:                              # field 5 (pgrp), after the comm
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            assert value, f"{what} not reached within {timeout:.0f} s"
+            return value
+        time.sleep(0.5)
+
+
+def _pushes_started(stack, tag: str) -> bool:
+    return any(e["event"] == "push_start" and tag in e.get("transfer", "") for e in read_events(stack.events_path))
+
+
+def test_decode_killed_mid_transfer_then_restarted(fault_stack, reference):
+    stack = fault_stack.stack
+    outcomes = asyncio.run(_load_then(fault_stack.router_url, LONG, 48, 1.5, lambda: stack.kill("decode0")))
+    slow = [o for o in outcomes if o["s"] > 30]
+    assert not slow, f"clients still waiting after 30 s: {slow}"
+    bad = [o for o in outcomes if o["end"] not in ("complete", "error_then_done", "http_502")]
+    assert not bad, f"clients saw a hang, a truncated stream or a dropped connection: {bad}"
+    assert any(o["end"] != "complete" for o in outcomes), "the kill landed after every request had finished"
+
+    def prefill_idle() -> bool:
+        m = fault_stack.engine_metrics(Role.PREFILL)
+        busy = sum(v for k, v in m.items() if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                                            "vllm:kv_cache_usage_perc")))
+        return busy == 0
+    _wait_for(prefill_idle, 30, "prefill engine idle with zero KV usage")
+    p = stack.procs["prefill0"]
+    cpu0, t0 = _group_cpu_seconds(p.pid), time.monotonic()
+    time.sleep(2)
+    cpu = (_group_cpu_seconds(p.pid) - cpu0) / (time.monotonic() - t0)
+    assert cpu < 0.5, f"the idle prefill node burns {cpu:.0%} of a core (a spinning push thread?)"
+
+    stack.restart("decode0")
+    _wait_for(lambda: _healthy(fault_stack.router_url, "decode"), 30, "decode node back in rotation")
+    client = openai_client(fault_stack.router_url)
+    for case in (CASES[5], CASES[10]):                          # 1,024 and 900 tokens
+        rid = f"after-restart-{case.name}"
+        text, _ = run_case(client, case, rid)
+        assert text == reference[case.name]
+        done = fault_stack.wait_events(rid, {"load_done"})
+        load = next(e for e in done if e["event"] == "load_done")
+        assert load["recomputed_tokens"] == 0 and load["loaded_tokens"] > 0, load
+
+
+def _healthy(router_url: str, pool: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{router_url}/health", timeout=5) as r:
+            return bool(json.loads(r.read())[pool])
+    except OSError:
+        return False
+
+
+def test_prefill_killed_mid_push_decode_recomputes_exactly(fault_stack, reference):
+    stack = fault_stack.stack
+    cases = [CASES[7], CASES[12], CASES[6], CASES[11]]          # 1,800 / 1,700 / 1,100 / 1,300 tokens
+    client = openai_client(fault_stack.router_url)
+
+    def kill_when_pushing() -> None:
+        _wait_for(lambda: _pushes_started(fault_stack, "pkill-"), 30, "a push under way")
+        stack.kill("prefill0")
+
+    async def requests() -> list[str]:
+        async def one(case: Case) -> str:
+            return (await asyncio.to_thread(run_case, client, case, f"pkill-{case.name}"))[0]
+        tasks = [asyncio.create_task(one(c)) for c in cases]
+        await asyncio.to_thread(kill_when_pushing)
+        return list(await asyncio.gather(*tasks))
+
+    answers = asyncio.run(requests())
+    assert answers == [reference[c.name] for c in cases]
+    _wait_for(lambda: not _healthy(fault_stack.router_url, "prefill"), 15, "prefill node out of rotation")
+    text, _ = run_case(client, CASES[2], "decode-alone")         # no prefill node: D serves it alone
+    assert text == reference[CASES[2].name]
+    stack.restart("prefill0")
+    _wait_for(lambda: _healthy(fault_stack.router_url, "prefill"), 30, "prefill node back in rotation")
+    text, _ = run_case(client, CASES[4], "after-prefill-restart")
+    assert text == reference[CASES[4].name]
