@@ -24,12 +24,12 @@ from core.placement import place_helper_thread
 from decode.saver import DecodeSaver
 from kernels.blocks import scatter
 from transport.backends import make_receiver_backend
-from transport.errors import ConfigError, KVRelayError, TransferTimeout
+from transport.errors import ChecksumError, ConfigError, KVRelayError, TransferTimeout
 from transport.events import ChunkArrival, ChunkRejected, TransferDone, TransferFailed
 from transport.keys import chunk_keys
 from transport.pool import PAGE, round_up
 from transport.receiver import Receiver
-from transport.wire import HEADER_SIZE
+from transport.wire import HEADER_SIZE, check_payload
 
 if TYPE_CHECKING:
     from decode.connector import LoadSpec
@@ -127,7 +127,7 @@ class InstallWorker(WorkerBase):
                                           self.cfg.chunk_tokens)
                 tc = msgspec.structs.replace(tc, pool_bytes=size)
                 box.append(Receiver(tc, self.cfg.timeouts, make_receiver_backend(tc), self.fingerprint.digest(),
-                                    slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S))
+                                    slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S, verify_payload=False))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 box.append(exc)
 
@@ -214,8 +214,7 @@ class InstallWorker(WorkerBase):
                 raise KVRelayError(f"chunk {c} shape {ev.header.num_layers}x{ev.header.num_blocks} blocks; "
                                    f"expected {self.layout.num_layers}x{len(blocks)}")
             t0, w0 = time.monotonic(), time.time()
-            src = torch.frombuffer(self.receiver.payload(ev), dtype=torch.uint8)
-            src = src.view(self.layout.num_layers, len(blocks), self.layout.bytes_per_block)
+            src = self._verified_payload(ev).view(self.layout.num_layers, len(blocks), self.layout.bytes_per_block)
             skip = max(0, load.spec.local_tokens // self.block_size - c * self.blocks_per_chunk)
             ids = torch.tensor(blocks[skip:], dtype=torch.int64)
             if len(ids):
@@ -228,9 +227,22 @@ class InstallWorker(WorkerBase):
                               t_start=w0, t_end=time.time())
         except KVRelayError as exc:
             load.failed.setdefault(c, str(exc))
-            self.metrics.chunks.labels("decode", "invalid").inc()
+            self.metrics.chunks.labels("decode", "checksum" if isinstance(exc, ChecksumError) else "invalid").inc()
         finally:
             self.receiver.release(ev)
+
+    def _verified_payload(self, ev: ChunkArrival) -> torch.Tensor:
+        """The chunk's payload, checked: bytes the transport hashed as they landed (tcp) are
+        used in place; otherwise one read of the slot into private memory, hashed there, so the
+        bytes installed are exactly the bytes verified - a late write into the slot cannot
+        slip in between. Raises ChecksumError."""
+        assert self.receiver is not None
+        src = torch.frombuffer(self.receiver.payload(ev), dtype=torch.uint8)
+        if ev.verified:
+            return src
+        private = src.clone()
+        check_payload(ev.header, private.numpy().data)
+        return private
 
     def _fail_rest(self, load: _Load, reason: str) -> None:
         for c in range(self._first_chunk(load), len(load.keys)):

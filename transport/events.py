@@ -28,6 +28,8 @@ class ChunkArrival:
     slot: SlotRef
     header: ChunkHeader
     t_arrival: float          # time.monotonic() when the bytes were known complete
+    verified: bool = True     # payload checksum checked on arrival; False: the consumer must
+                              # (``wire.check_payload`` on the bytes it installs)
 
 
 @dataclass(frozen=True)

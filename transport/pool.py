@@ -32,6 +32,7 @@ import mmap
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -78,6 +79,7 @@ class PoolStats:
     leases_expired: int
     allocations: int
     refusals: int
+    quarantined: int = 0      # FREE slots not yet reusable (a late write may still land in them)
 
 
 class Arena:
@@ -196,10 +198,18 @@ class ReceivePool:
     """Fixed-size chunk slots over one :class:`SharedArena`.
 
     ``clock`` is injectable so lease expiry can be tested without sleeping.
+
+    Fencing against late writers: a slot is reused in FIFO order (the one freed longest
+    ago first), and a slot freed before it was ever FILLED (an abort, a failed transfer,
+    an expired lease: its write may still be in flight, e.g. a one-sided NIXL WRITE) is
+    quarantined for ``quarantine_s`` before it can be leased again. Generations fence
+    every write that is announced (tcp frames, NIXL notifications, ucx tags); the
+    consumer's checksum of the bytes it installs catches anything else.
     """
 
     def __init__(self, pool_bytes: int, slot_bytes: int, *, lease_s: float = 10.0,
-                 clock: Clock = time.monotonic, pin: bool = True, shared: bool = True) -> None:
+                 clock: Clock = time.monotonic, pin: bool = True, shared: bool = True,
+                 quarantine_s: float = 0.5) -> None:
         self.slot_bytes = round_up(slot_bytes, PAGE)
         self.num_slots = pool_bytes // self.slot_bytes
         if self.num_slots < 1:
@@ -211,7 +221,9 @@ class ReceivePool:
         self.lease_s = lease_s
         self._clock = clock
         self._slots = [_Slot() for _ in range(self.num_slots)]
-        self._free = list(range(self.num_slots - 1, -1, -1))   # stack; pop() -> lowest index
+        self._free: deque[int] = deque(range(self.num_slots))  # FIFO: the longest-free slot first
+        self._quarantine: deque[tuple[float, int]] = deque()    # (reusable at, slot), in time order
+        self.quarantine_s = quarantine_s
         self._cond = threading.Condition()
         self._expired = 0
         self._allocations = 0
@@ -235,9 +247,10 @@ class ReceivePool:
             raise PoolFullError(f"{n} slots requested but the pool has only {self.num_slots}")
         with self._cond:
             self._check_open()
+            self._release_quarantine()
             if len(self._free) < n:
                 return None
-            return [self._lease(self._free.pop(), owner) for _ in range(n)]
+            return [self._lease(self._free.popleft(), owner) for _ in range(n)]
 
     def allocate(self, n: int, owner: str, timeout: float) -> list[SlotRef]:
         """Allocate ``n`` slots, waiting up to ``timeout`` s for space (back-pressure)."""
@@ -247,8 +260,9 @@ class ReceivePool:
         with self._cond:
             while True:
                 self._check_open()
+                self._release_quarantine()
                 if len(self._free) >= n:
-                    return [self._lease(self._free.pop(), owner) for _ in range(n)]
+                    return [self._lease(self._free.popleft(), owner) for _ in range(n)]
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     self._refusals += 1
@@ -338,9 +352,18 @@ class ReceivePool:
 
     def _free_slot(self, index: int) -> None:
         slot = self._slots[index]
+        never_filled = slot.state is SlotState.LEASED
         slot.state, slot.owner, slot.refs, slot.deadline, slot.writing = SlotState.FREE, "", 0, 0.0, 0
-        self._free.append(index)
+        if never_filled and self.quarantine_s > 0:
+            self._quarantine.append((self._clock() + self.quarantine_s, index))
+        else:
+            self._free.append(index)
         self._cond.notify_all()
+
+    def _release_quarantine(self) -> None:
+        now = self._clock()
+        while self._quarantine and self._quarantine[0][0] <= now:
+            self._free.append(self._quarantine.popleft()[1])
 
     # -- introspection ------------------------------------------------------------------
     def stats(self) -> PoolStats:
@@ -351,7 +374,8 @@ class ReceivePool:
             return PoolStats(slots=self.num_slots, free=counts[SlotState.FREE],
                              leased=counts[SlotState.LEASED], filled=counts[SlotState.FILLED],
                              held=counts[SlotState.HELD], leases_expired=self._expired,
-                             allocations=self._allocations, refusals=self._refusals)
+                             allocations=self._allocations, refusals=self._refusals,
+                             quarantined=len(self._quarantine))
 
     def _check_open(self) -> None:
         if self._closed:

@@ -107,7 +107,7 @@ class Receiver:
 
     def __init__(self, transport: TransportConfig, timeouts: TimeoutConfig, backend: ReceiverBackend,
                  fingerprint: bytes, *,
-                 slot_bytes: int, consumer_wait_s: float = 0.0,
+                 slot_bytes: int, consumer_wait_s: float = 0.0, verify_payload: bool = True,
                  clock: Callable[[], float] = time.monotonic, receiver_id: str | None = None) -> None:
         self.transport, self.timeouts = transport, timeouts
         self.backend = backend
@@ -117,6 +117,10 @@ class Receiver:
                                 clock=clock, shared=backend.needs_shared_pool)
         self.stats = ReceiverStats()
         self._clock = clock
+        # False: a payload no backend hashed as it landed is left to the consumer, which hashes
+        # the exact bytes it installs (one read of the slot; a late stale write cannot slip in
+        # between a check here and the install).
+        self._verify_payload = verify_payload
         self._held: dict[str, tuple[bytes, ...]] = {}              # transfer -> keys the consumer holds
         self._consumers: set[str] = set()                          # transfers a consumer registered
         # An Alloc that arrives before the consumer called expect() waits up to this long for
@@ -390,7 +394,7 @@ class Receiver:
             self._peers[sender] = self._clock()
         try:
             hdr = verify_chunk(self.pool.view(ref), tag=t.tag, key=key, chunk_index=chunk_index,
-                               payload_sum=payload_sum)
+                               payload_sum=payload_sum, check_payload=self._verify_payload)
         except ChunkError as exc:
             self._reject(t, chunk_index, exc)
             return
@@ -408,7 +412,8 @@ class Receiver:
             t.arrived += 1
             self.stats.chunks_arrived += 1
             self.stats.bytes_arrived += hdr.total_len
-            self._publish(t.transfer_id, ChunkArrival(t.transfer_id, chunk_index, key, ref, hdr, t_arr))
+            verified = payload_sum is not None or self._verify_payload
+            self._publish(t.transfer_id, ChunkArrival(t.transfer_id, chunk_index, key, ref, hdr, t_arr, verified))
             self._maybe_done(t)
 
     def _current(self, t: _Transfer) -> bool:

@@ -136,13 +136,15 @@ def parse_header(buf: Buffer) -> ChunkHeader:
 
 def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | None = None,
                  chunk_index: int | None = None, payload_sum: int | None = None,
-                 tag: bytes | None = None) -> ChunkHeader:
+                 tag: bytes | None = None, check_payload: bool = True) -> ChunkHeader:
     """Validate a whole received chunk (header + payload) in place.
 
     Checks the header, that the payload fits, the payload checksum, and - when
     given - that the chunk belongs to ``transfer_id`` (or its precomputed ``tag``) / ``key`` / ``chunk_index``
     (a misrouted chunk). ``payload_sum``, when given, is the xxh3_64 a backend already
     computed over these payload bytes as they landed; it replaces re-hashing them.
+    ``check_payload=False`` (and no ``payload_sum``) leaves the payload to the consumer,
+    which hashes the exact bytes it installs (:func:`check_payload`).
     Raises :class:`ChunkError` or :class:`ChecksumError`.
     """
     mv = memoryview(buf)
@@ -158,9 +160,17 @@ def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | No
         raise MisroutedChunk(f"misrouted chunk: key {hdr.key.hex()[:16]} != expected {key.hex()[:16]}")
     if chunk_index is not None and hdr.chunk_index != chunk_index:
         raise MisroutedChunk(f"misrouted chunk: index {hdr.chunk_index} != expected {chunk_index}")
+    if payload_sum is None and not check_payload:
+        return hdr
     if payload_sum is None:
         payload_sum = xxhash.xxh3_64_intdigest(mv[HEADER_SIZE:HEADER_SIZE + hdr.payload_len])
     if payload_sum != hdr.payload_sum:
         raise ChecksumError(f"payload checksum mismatch in chunk {hdr.chunk_index} "
                             f"(key {hdr.key.hex()[:16]})")
     return hdr
+
+
+def check_payload(hdr: ChunkHeader, payload: Buffer) -> None:
+    """Raise :class:`ChecksumError` unless ``payload`` is the bytes ``hdr`` was made for."""
+    if xxhash.xxh3_64_intdigest(payload) != hdr.payload_sum:
+        raise ChecksumError(f"payload checksum mismatch in chunk {hdr.chunk_index} (key {hdr.key.hex()[:16]})")

@@ -1,4 +1,4 @@
-"""Hardening of the receive side, over every backend.
+"""Hardening of the receive side, over every backend (and the pool's fencing).
 
 Failure mode 7: the consumer finishing a transfer while the data plane delivers one of
 its chunks must not kill a backend thread or the control plane.
@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+
+import pytest
 
 import transport.receiver as rx
 from tests.transport.conftest import assert_no_leases, keys_for, make_cfg, open_pair
@@ -73,4 +75,58 @@ def test_transfers_no_consumer_registers_are_dropped_with_their_slots(backend):
             time.sleep(0.1)
         assert not any(receiver.tracked().values()), receiver.tracked()
         assert receiver.stats.orphans_dropped == 5
+        assert_no_leases(receiver)
+
+
+def test_late_writes_find_no_reused_slot_fifo_and_quarantine():
+    """Failure mode 6: a slot freed before it was filled (abort, failure, expiry: a write may
+    still be in flight) is not leased again for quarantine_s, and reuse is FIFO."""
+    from transport.pool import ReceivePool
+
+    now = [100.0]
+    pool = ReceivePool(4 * 8192, 8000, lease_s=5, clock=lambda: now[0], pin=False, quarantine_s=0.5)
+    try:
+        a = pool.try_allocate(2, "aborted")
+        assert a is not None
+        assert pool.release_owner("aborted") == 2                # never filled: quarantined
+        b = pool.try_allocate(2, "next")
+        assert b is not None and {r.index for r in b}.isdisjoint({r.index for r in a})
+        assert pool.try_allocate(1, "more") is None               # the aborted slots are not reusable yet
+        assert pool.stats().quarantined == 2
+        now[0] += 0.6
+        c = pool.try_allocate(2, "later")
+        assert c is not None and {r.index for r in c} == {r.index for r in a}
+        for ref in b:                                             # filled and consumed: free at once, FIFO
+            pool.mark_filled(ref)
+            pool.take(ref)
+            pool.release(ref)
+        pool.release_owner("later")
+        d = pool.try_allocate(2, "fifo")
+        assert d is not None and [r.index for r in d] == [r.index for r in b]   # longest-free first
+    finally:
+        pool.close()
+
+
+def test_consumer_verified_payload_catches_a_write_after_arrival(backend):
+    """Failure mode 6: with verify_payload=False (the decode installer) a chunk whose bytes
+    change after arrival - a stale writer landing late - is caught by the consumer's check of
+    the exact bytes it installs. Backends that hash as bytes land (tcp) verify on arrival."""
+    from transport.errors import ChecksumError
+    from transport.wire import check_payload
+
+    with open_pair(make_cfg(backend), verify_payload=False) as (receiver, peer):
+        peer.call("prepare", "src", 8192, 21)
+        peer.call("alloc", "late", keys_for("late", 1), [HEADER_SIZE + 8192])
+        peer.call("write", "late", 0, "src", 0, 8192)
+        ev = receiver.next_event("late", 10)
+        payload = receiver.payload(ev)
+        if ev.verified:
+            assert backend == "tcp"                                # hashed piecewise as it landed
+        else:
+            check_payload(ev.header, bytes(payload))              # intact as it arrived
+        payload[100] ^= 0xFF                                       # the late write
+        with pytest.raises(ChecksumError):
+            check_payload(ev.header, bytes(payload))
+        receiver.release(ev)
+        drain(receiver, "late")
         assert_no_leases(receiver)
