@@ -109,8 +109,9 @@ class InstallWorker(WorkerBase):
         self.receiver = self._make_receiver(slot)
         if self.saver is not None:
             self.saver.bind(self.layout, self.fingerprint)
-        pool = self.receiver.pool
+        pool, receiver = self.receiver.pool, self.receiver
         self.metrics.pool_leased.set_function(lambda: _busy_slots(pool))
+        self.metrics.receiver_entries.set_function(lambda: sum(receiver.tracked().values()))
         log.info("kvrelay decode: receiving on %s (%s), pool %d slots x %d B", self.receiver.endpoint,
                  self.cfg.transport.backend.value, self.receiver.pool.stats().slots, slot)
 

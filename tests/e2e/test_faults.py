@@ -1,5 +1,8 @@
-"""Hardening chaos (b) and (c): real crashes under load, on a nixl stack of its own.
+"""Hardening chaos (b), (c) and (d): real crashes and hang-ups under load, on a nixl stack of its own.
 
+(d) 1,000 requests with 20 % of the clients hanging up at random points: no error for the
+    rest, the router's RSS flat within 10 % over the last 800, and afterwards no leased
+    slot, no receiver entry, no engine request and no KV in use.
 (b) SIGKILL the decode node's whole process group while 16 streams are mid-transfer:
     every client ends within 30 s (complete, or an OpenAI error event then [DONE]); the
     prefill engine drains to zero running requests and zero KV usage with its push threads
@@ -13,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import time
@@ -91,6 +95,77 @@ def _wait_for(predicate, timeout: float, what: str):
 
 def _pushes_started(stack, tag: str) -> bool:
     return any(e["event"] == "push_start" and tag in e.get("transfer", "") for e in read_events(stack.events_path))
+
+
+SOAK_N, SOAK_CONCURRENCY, SOAK_DROP = 1000, 16, 0.2
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+async def _soak(url: str, router_pid: int) -> dict:
+    """SOAK_N requests, SOAK_CONCURRENCY at a time; SOAK_DROP of the clients hang up at a random point."""
+    import random
+
+    rng = random.Random(7)
+    sem = asyncio.Semaphore(SOAK_CONCURRENCY)
+    out: dict = {"ok": 0, "dropped": 0, "bad": [], "rss": {}}
+    timeout = aiohttp.ClientTimeout(total=120)
+
+    async def one(session: aiohttp.ClientSession, i: int) -> None:
+        body = {"model": MODEL, "prompt": Case(f"soak{i}", "completion", False, 30 + (i % 7) * 60, 900 + i).text(),
+                "max_tokens": 6, "temperature": 0, "stream": i % 2 == 0}
+        hang_up = rng.random() < SOAK_DROP
+        delay = rng.uniform(0.005, 0.4)
+
+        async def request() -> int:
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                await r.read()
+                return r.status
+
+        async with sem:
+            if hang_up:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(request(), delay)     # cancelled: the connection is closed
+                out["dropped"] += 1
+            elif (status := await request()) == 200:
+                out["ok"] += 1
+            else:
+                out["bad"].append((i, status))
+        if i in (200, SOAK_N - 1):
+            out["rss"][i] = _rss_kib(router_pid)
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for start in range(0, SOAK_N, 100):                     # bounded task count
+            await asyncio.gather(*(one(session, i) for i in range(start, min(start + 100, SOAK_N))))
+    return out
+
+
+def test_soak_with_random_client_disconnects_leaves_nothing_behind(fault_stack):
+    """Chaos (d): 1,000 requests, 20 % of the clients disconnecting at random points."""
+    stack = fault_stack.stack
+    t0 = time.monotonic()
+    result = asyncio.run(_soak(fault_stack.router_url, stack.procs["router"].pid))
+    print(f"soak: {result['ok']} completed, {result['dropped']} hung up, router RSS {result['rss']} KiB, "
+          f"{time.monotonic() - t0:.0f} s")
+    assert not result["bad"], result["bad"][:10]
+    assert result["ok"] + result["dropped"] == SOAK_N and result["dropped"] > SOAK_N // 10
+    first, last = result["rss"][200], result["rss"][SOAK_N - 1]
+    assert last <= first * 1.10, f"router RSS grew from {first} KiB to {last} KiB over the last 800 requests"
+
+    def drained() -> bool:
+        d, p = fault_stack.worker_metrics(Role.DECODE), fault_stack.worker_metrics(Role.PREFILL)
+        engines = [fault_stack.engine_metrics(r) for r in (Role.PREFILL, Role.DECODE)]
+        busy = [d["kvrelay_pool_slots_busy"], d["kvrelay_receiver_entries"],
+                d.get('kvrelay_transfers_inflight{side="decode"}', 0), p.get('kvrelay_transfers_inflight{side="prefill"}', 0)]
+        busy += [sum(v for k, v in m.items() if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                                                 "vllm:kv_cache_usage_perc"))) for m in engines]
+        return not any(busy)
+    _wait_for(drained, 60, "no leased slot, no receiver entry, no engine request, no KV in use")
 
 
 def test_decode_killed_mid_transfer_then_restarted(fault_stack, reference):
