@@ -108,13 +108,14 @@ def turn2_messages(answer1: str) -> list[dict]:
 DSAVE_ANSWER = 100
 
 
-def dsave_messages(answer1: str | None = None) -> list[dict]:
+def dsave_messages(answer1: str | None = None, conv: int = 0) -> list[dict]:
+    """Conversation ``conv`` (0: the decode-save test; 1, 2: the Redis outage test)."""
     msgs = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": Case("dsave1", "chat", False, 180, 43).text()}]
+            {"role": "user", "content": Case(f"dsave1.{conv}", "chat", False, 180, 43 + 10 * conv).text()}]
     if answer1 is None:
         return msgs
     return [*msgs, {"role": "assistant", "content": answer1},
-            {"role": "user", "content": Case("dsave2", "chat", False, 120, 44).text()}]
+            {"role": "user", "content": Case(f"dsave2.{conv}", "chat", False, 120, 44 + 10 * conv).text()}]
 
 
 def run_chat(client: Any, messages: list[dict], max_tokens: int, request_id: str = "") -> str:
@@ -211,6 +212,9 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         ref["dsave1"] = run_chat(client, dsave_messages(), DSAVE_ANSWER)
         ref["dsave2"] = run_chat(client, dsave_messages(ref["dsave1"]), MAX_TOKENS)
         ref.update({c.name: run_shared(client, c) for c in CONCURRENT})
+        for conv in (1, 2):                           # the Redis outage test's conversations
+            ref[f"dsave1.{conv}"] = run_chat(client, dsave_messages(conv=conv), DSAVE_ANSWER)
+            ref[f"dsave2.{conv}"] = run_chat(client, dsave_messages(ref[f"dsave1.{conv}"], conv), MAX_TOKENS)
         return ref
     finally:
         launch.stop_group(proc)

@@ -8,7 +8,10 @@ saves the chunks its answers complete (``store.save_decoded``) into the same Red
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
+import time
 import uuid
 
 import pytest
@@ -28,14 +31,20 @@ from tests.e2e.conftest import (
 pytestmark = pytest.mark.slow
 
 
+_REDIS_PROCS: dict[str, subprocess.Popen] = {}
+
+
 @pytest.fixture(scope="session")
 def store_redis(tmp_path_factory):
     """A real redis-server shared by the store stack's nodes ("" when not installed)."""
     if REDIS is None:
         yield ""
         return
-    with redis_server(tmp_path_factory.mktemp("redis-e2e")) as (url, _):
+    with redis_server(tmp_path_factory.mktemp("redis-e2e")) as (url, proc):
+        _REDIS_PROCS[url] = proc
         yield url
+    with contextlib.suppress(ProcessLookupError):              # a restarted server (the outage test)
+        _REDIS_PROCS[url].kill()
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +93,52 @@ def test_decode_saves_answer_chunks_and_turn2_prefill_loads_them_from_redis(stor
     assert load["tier_bytes"].get("redis", 0) >= 2 << 20, load          # a 2 MiB chunk + its header
     done = [e for e in evs if e["event"] == "load_done"]
     assert done and done[0]["recomputed_tokens"] == 0
+
+
+@pytest.mark.chaos
+def test_redis_killed_and_restarted_mid_conversation(store_stack, store_redis, reference):
+    """Chaos (e): with Redis gone, the shared tier is a miss and every answer stays exact; once
+    it is back (after the tier's 5 s retry window), decode-side saves and loads hit it again."""
+    if not store_redis:
+        pytest.skip("redis-server not installed (deploy/setup.sh installs it)")
+    import redis
+
+    client = openai_client(store_stack.router_url)
+    proc = _REDIS_PROCS[store_redis]
+    proc.kill()                                                   # SIGKILL: no shutdown, no save
+    proc.wait()
+    r1, r2 = f"rk1-{uuid.uuid4().hex[:6]}", f"rk2-{uuid.uuid4().hex[:6]}"
+    answer1 = run_chat(client, dsave_messages(conv=1), DSAVE_ANSWER, r1)
+    assert answer1 == reference["dsave1.1"]
+    answer2 = run_chat(client, dsave_messages(answer1, 1), 12, r2)
+    assert answer2 == reference["dsave2.1"]
+    outage = [e for e in store_stack.wait_events(r2, {"store_load"}, 5) if e["event"] == "store_load"]
+    assert all(e["tiers"].get("redis", 0) == 0 for e in outage), outage     # a miss, not an error
+
+    port = store_redis.rsplit(":", 1)[1].split("/")[0]
+    workdir = store_stack.stack.log_dir
+    _REDIS_PROCS[store_redis] = subprocess.Popen(
+        [REDIS, "--port", port, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            redis.Redis.from_url(store_redis).ping()
+            break
+        except redis.ConnectionError:
+            assert time.monotonic() < deadline, "redis-server did not come back"
+            time.sleep(0.05)
+    time.sleep(5.5)                                               # the tiers' retry window after an outage
+
+    r3, r4 = f"rk3-{uuid.uuid4().hex[:6]}", f"rk4-{uuid.uuid4().hex[:6]}"
+    answer3 = run_chat(client, dsave_messages(conv=2), DSAVE_ANSWER, r3)
+    assert answer3 == reference["dsave1.2"]
+    saved = next(e for e in store_stack.wait_events(r3, {"decode_save"}) if e["event"] == "decode_save")
+    assert saved["written"] == 1, saved
+    answer4 = run_chat(client, dsave_messages(answer3, 2), 12, r4)
+    assert answer4 == reference["dsave2.2"]
+    load = next(e for e in store_stack.wait_events(r4, {"store_load"}) if e["event"] == "store_load")
+    assert load["tiers"].get("redis", 0) >= 1, load
 
 
 @pytest.fixture(scope="session")
