@@ -76,6 +76,8 @@ class ReceiverStats:
     alloc_parked: int = 0
     internal_errors: int = 0         # bugs caught by the control loop (it keeps serving)
     orphans_dropped: int = 0         # transfers no consumer registered, dropped after lease_s
+    takeovers: int = 0               # transfers a second sender took over (the router's prefill retry)
+    foreign_aborts: int = 0          # Aborts for a transfer the sender does not own (ignored)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class _Transfer:
     rejected: int = 0
     done: bool = False
     ended: float = 0.0           # clock() when it became done
+    landed: set[int] = field(default_factory=set)                # chunks that arrived intact
 
 
 @dataclass
@@ -100,6 +103,7 @@ class _Pending:
     msg: P.Alloc
     deadline: float
     arrived: float = 0.0
+    also_held: frozenset[int] = frozenset()     # takeover: chunks the previous sender already delivered
 
 
 class Receiver:
@@ -285,8 +289,12 @@ class Receiver:
         if isinstance(msg, P.Alloc):
             self._on_alloc(ident, sender, msg)
         elif isinstance(msg, P.Abort):
-            self.stats.aborts += 1
             with self._lock:
+                t = self._transfers.get(msg.transfer_id)
+                if t is None or t.sender_id != sender:    # e.g. a sender that was taken over
+                    self.stats.foreign_aborts += 1
+                    return None
+                self.stats.aborts += 1
                 self._fail_transfer(msg.transfer_id, FailReason.ABORTED, msg.reason or "aborted by sender")
         elif isinstance(msg, P.Heartbeat):
             pass
@@ -326,12 +334,16 @@ class Receiver:
 
     def _on_alloc(self, ident: bytes, sender: str, msg: P.Alloc) -> None:
         _validate_alloc(msg, self.pool.slot_bytes)
+        also_held: frozenset[int] = frozenset()
         with self._lock:
-            if msg.transfer_id in self._transfers:
-                raise _invalid(P.ErrorCode.INVALID, f"transfer {msg.transfer_id!r} already active")
+            t = self._transfers.get(msg.transfer_id)
+            if t is not None:
+                if t.sender_id == sender or t.done or list(msg.keys) != t.keys:
+                    raise _invalid(P.ErrorCode.INVALID, f"transfer {msg.transfer_id!r} already active")
+                also_held = self._take_over(t, sender)
         wait = min(msg.wait_s, self.timeouts.alloc_wait_s)
         now = self._clock()
-        pending = _Pending(ident, sender, msg, now + max(wait, 0.0), now)
+        pending = _Pending(ident, sender, msg, now + max(wait, 0.0), now, also_held)
         if not self._try_grant(pending):
             self.stats.alloc_parked += 1
             self._pending.append(pending)
@@ -343,7 +355,7 @@ class Receiver:
             return False                            # the consumer has not registered it yet
         with self._lock:
             mine = self._held.get(msg.transfer_id, ())
-        held_flags = [i < len(mine) and key == mine[i] for i, key in enumerate(msg.keys)]
+        held_flags = [(i < len(mine) and key == mine[i]) or i in p.also_held for i, key in enumerate(msg.keys)]
         want = [i for i, h in enumerate(held_flags) if not h]
         try:
             refs = self.pool.try_allocate(len(want), msg.transfer_id)
@@ -368,6 +380,20 @@ class Receiver:
             with self._lock:
                 self._maybe_done(t)
         return True
+
+    def _take_over(self, t: _Transfer, sender: str) -> frozenset[int]:
+        """Another sender allocates a live transfer with the same keys: the router retried the
+        prefill on another node after the first failed. The first sender's unfilled slots are
+        freed (quarantined: its writes may still land), what it delivered stays, and the new
+        sender is granted the rest; the consumer sees one transfer. Lock held."""
+        log.warning("transfer %r: %r takes over from %r (%d chunks already delivered)", t.transfer_id, sender,
+                    t.sender_id, len(t.landed))
+        self.stats.takeovers += 1
+        self.pool.release_owner(t.transfer_id, include_filled=False)
+        self._transfers.pop(t.transfer_id, None)
+        self._by_tag.pop(t.tag, None)
+        self.backend.on_release(t.sender_id, t.transfer_id)
+        return frozenset(t.landed | set(t.held))
 
     def _refuse(self, p: _Pending, reason: str) -> None:
         self.stats.alloc_refused += 1
@@ -409,6 +435,7 @@ class Receiver:
                 self._reject(t, chunk_index, exc)
                 return
             t.resolved.add(chunk_index)
+            t.landed.add(chunk_index)
             t.arrived += 1
             self.stats.chunks_arrived += 1
             self.stats.bytes_arrived += hdr.total_len

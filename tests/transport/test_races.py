@@ -130,3 +130,37 @@ def test_consumer_verified_payload_catches_a_write_after_arrival(backend):
         receiver.release(ev)
         drain(receiver, "late")
         assert_no_leases(receiver)
+
+
+def test_a_second_sender_takes_over_a_live_transfer(backend):
+    """Failure mode 4 (the router's prefill retry reuses the transfer id): after P1 delivered
+    chunk 0 and died, P2 allocates the same transfer. It is granted what is still missing,
+    what P1 delivered counts as held, and the consumer sees one transfer end to end."""
+    from bench.peer import SenderPeer
+    from tests.transport.conftest import FP
+
+    keys = keys_for("retry", 3)
+    with open_pair(make_cfg(backend)) as (receiver, p1), SenderPeer(make_cfg(backend), receiver.endpoint, FP) as p2:
+        receiver.expect("retry")
+        p2.call("connect")
+        for peer in (p1, p2):
+            peer.call("prepare", "src", 3 * 4096, 17)                 # same prompt, same bytes
+        p1.call("alloc", "retry", keys, [HEADER_SIZE + 4096] * 3)
+        p1.call("write", "retry", 0, "src", 0, 4096)
+        first = receiver.next_event("retry", 10)
+        assert first.chunk_index == 0
+        receiver.release(first)
+        got = p2.call("alloc", "retry", keys, [HEADER_SIZE + 4096] * 3)
+        assert got == {"grants": [1, 2], "held": [0]}
+        p1.call("abort", "retry")                         # the old sender gives up: not its transfer any more
+        for i in (1, 2):
+            p2.call("write", "retry", i, "src", i * 4096, 4096)
+        events = drain(receiver, "retry")
+        arrived = sorted(ev.chunk_index for ev, _ in events if not isinstance(ev, TransferDone))
+        assert arrived == [1, 2] and events[-1][0] == TransferDone("retry", 2, 0, (0,))
+        assert receiver.stats.takeovers == 1
+        deadline = time.monotonic() + 5
+        while receiver.stats.foreign_aborts < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert receiver.stats.foreign_aborts == 1
+        assert_no_leases(receiver)
