@@ -105,7 +105,7 @@ class WorkerBase:
         self.block_size: int = vllm_config.cache_config.block_size
         if cfg.chunk_tokens % self.block_size:
             raise ParamsError(f"chunk_tokens={cfg.chunk_tokens} must be a multiple of the engine "
-                                 f"block size {self.block_size}")
+                              f"block size {self.block_size}")
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None

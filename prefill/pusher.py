@@ -221,21 +221,21 @@ class PushWorker(WorkerBase):
                     continue
             for p in work:
                 try:
-                    self._advance(lane, p)
+                    self._advance(p)
                 except KVRelayError as exc:
-                    self._fail(lane, p, exc)
+                    self._fail(p, exc)
                 except Exception as exc:  # noqa: BLE001 - a push bug must not kill the engine
                     log.exception("push of %s crashed", p.spec.req_id)
-                    self._fail(lane, p, exc)
-                self._maybe_settle(lane, p)
+                    self._fail(p, exc)
+                self._maybe_settle(p)
             if any(p.inflight for p in work):
                 time.sleep(POLL_S)                     # writes in flight: poll them again shortly
 
-    def _advance(self, lane: _Lane, p: _Push) -> None:
+    def _advance(self, p: _Push) -> None:
         if p.failed:
             return
         if p.alloc is None and p.spec.push_to:
-            self._allocate(lane, p)
+            self._allocate(p)
         while p.next_chunk < p.ready_chunks:
             self._write(p, p.next_chunk)
             p.next_chunk += 1
@@ -249,12 +249,13 @@ class PushWorker(WorkerBase):
                 p.inflight.remove(item)
                 self._on_written(p, handle.chunk_index, t0)
 
-    def _allocate(self, lane: _Lane, p: _Push) -> None:
+    def _allocate(self, p: _Push) -> None:
         """Alloc the transfer's slots. A session D no longer knows (it restarted) is replaced
         and the Alloc retried once: nothing was written yet, so nothing is lost."""
         layout = self.layout_or_fail()
         sizes = [HEADER_SIZE + layout.chunk_bytes(self.blocks_in_chunk(p.spec.prompt_len, c))
                  for c in range(p.n_chunks)]
+        lane = p.lane
         p.sender = self._sender(lane)
         try:
             p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes)
@@ -324,7 +325,7 @@ class PushWorker(WorkerBase):
         self.events.write("push_done", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c,
                           seconds=round(dt, 6))
 
-    def _fail(self, lane: _Lane, p: _Push, exc: BaseException) -> None:
+    def _fail(self, p: _Push, exc: BaseException) -> None:
         """Fail the push: tell D, give up on its writes in flight (so it can settle and vLLM
         can free its blocks), and drop the lane's Sender if its session is gone."""
         if p.failed:
@@ -339,17 +340,17 @@ class PushWorker(WorkerBase):
             for handle, _keep, _t0 in p.inflight:
                 p.sender.cancel(handle)
         p.inflight.clear()
-        if p.sender is not None and p.sender is lane.sender and session_lost(exc):
-            self._drop_sender(lane)
+        if p.sender is not None and p.sender is p.lane.sender and session_lost(exc):
+            self._drop_sender(p.lane)
 
-    def _maybe_settle(self, lane: _Lane, p: _Push) -> None:
+    def _maybe_settle(self, p: _Push) -> None:
         complete = p.next_chunk >= p.n_chunks and not p.inflight
         if not p.failed and p.closing and not complete and p.next_chunk >= p.ready_chunks and not p.inflight:
-            self._fail(lane, p, TransferAborted("request finished before its prompt was computed"))
+            self._fail(p, TransferAborted("request finished before its prompt was computed"))
         if not p.failed and not complete and time.monotonic() > p.deadline:
             self.metrics.forced_frees.inc()
-            self._fail(lane, p, TransferTimeout(f"push not complete after free_deadline_s="
-                                                f"{self.cfg.connector.free_deadline_s}"))
+            self._fail(p, TransferTimeout(f"push not complete after free_deadline_s="
+                                          f"{self.cfg.connector.free_deadline_s}"))
         settled = (complete or p.failed) and not p.inflight
         if settled and p.closing:
             with self._lock:

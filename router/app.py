@@ -15,12 +15,12 @@ them; engine 4xx answers (e.g. a prompt over ``max_model_len``) pass through, an
 request is cancelled at once; if P fails (connection error or 5xx) the prefill is
 retried once on another P with the same transfer id - and if none is left, D
 recomputes the prompt after ``connector.first_chunk_s``; with no healthy prefill node
-at all, D serves the request alone (no transfer; counted as ``no_prefill_decode_only``); if D fails before answering
-the client gets a clean 502, and if it fails mid-stream an OpenAI-style error event
-followed by ``data: [DONE]`` (never a stream that silently stops). Upstream reads time
-out after ``router.request_timeout_s`` of silence, not of total length. A client that
-disconnects cancels both upstream requests (vLLM aborts them, and the connectors free
-their blocks and slots).
+at all, D serves the request alone (no transfer; counted as ``no_prefill_decode_only``);
+if D fails before answering the client gets a clean 502, and if it fails mid-stream an
+OpenAI-style error event followed by ``data: [DONE]`` (never a stream that silently
+stops). Upstream reads time out after ``router.request_timeout_s`` of silence, not of
+total length. A client that disconnects cancels both upstream requests (vLLM aborts
+them, and the connectors free their blocks and slots).
 """
 
 from __future__ import annotations

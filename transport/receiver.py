@@ -89,11 +89,14 @@ class _Transfer:
     tag: bytes
     slots: dict[int, SlotRef] = field(default_factory=dict)      # chunk index -> slot
     resolved: set[int] = field(default_factory=set)
-    arrived: int = 0
     rejected: int = 0
     done: bool = False
     ended: float = 0.0           # clock() when it became done
     landed: set[int] = field(default_factory=set)                # chunks that arrived intact
+
+    @property
+    def arrived(self) -> int:
+        return len(self.landed)
 
 
 @dataclass
@@ -121,9 +124,8 @@ class Receiver:
                                 clock=clock, shared=backend.needs_shared_pool)
         self.stats = ReceiverStats()
         self._clock = clock
-        # False: a payload no backend hashed as it landed is left to the consumer, which hashes
-        # the exact bytes it installs (one read of the slot; a late stale write cannot slip in
-        # between a check here and the install).
+        # False: a payload no backend hashed as it landed is left to the consumer, which hashes the
+        # exact bytes it installs (a late stale write cannot slip in between a check and the install).
         self._verify_payload = verify_payload
         self._held: dict[str, tuple[bytes, ...]] = {}              # transfer -> keys the consumer holds
         self._consumers: set[str] = set()                          # transfers a consumer registered
@@ -408,10 +410,8 @@ class Receiver:
                  payload_sum: int | None = None) -> None:
         """A backend says the bytes of ``chunk_index`` are complete in ``ref``. Any thread."""
         with self._lock:
-            tid = self._by_tag.get(tag)
-            t = self._transfers.get(tid) if tid is not None else None
-            if t is None or t.slots.get(chunk_index) != ref or chunk_index in t.resolved:
-                self.stats.stale_writes += 1
+            t = self._awaiting(tag, chunk_index, ref)
+            if t is None:
                 log.info("ignored stale/misrouted arrival: chunk %d slot %s", chunk_index, ref)
                 return
             if t.sender_id != sender:
@@ -436,7 +436,6 @@ class Receiver:
                 return
             t.resolved.add(chunk_index)
             t.landed.add(chunk_index)
-            t.arrived += 1
             self.stats.chunks_arrived += 1
             self.stats.bytes_arrived += hdr.total_len
             verified = payload_sum is not None or self._verify_payload
@@ -460,12 +459,19 @@ class Receiver:
     def _chunk_failed(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, reason: str) -> None:
         """A backend's receive of ``chunk_index`` failed in the library: reject it now. Any thread."""
         with self._lock:
-            tid = self._by_tag.get(tag)
-            t = self._transfers.get(tid) if tid is not None else None
-            if t is None or t.slots.get(chunk_index) != ref or chunk_index in t.resolved:
-                self.stats.stale_writes += 1
-                return
-        self._reject(t, chunk_index, ChunkError(f"receive failed: {reason}"))
+            t = self._awaiting(tag, chunk_index, ref)
+        if t is not None:
+            self._reject(t, chunk_index, ChunkError(f"receive failed: {reason}"))
+
+    def _awaiting(self, tag: bytes, chunk_index: int, ref: SlotRef) -> _Transfer | None:
+        """The live transfer still waiting for ``chunk_index`` in slot ``ref``, or None (a stale,
+        misrouted or repeated report: counted). Lock held."""
+        tid = self._by_tag.get(tag)
+        t = self._transfers.get(tid) if tid is not None else None
+        if t is None or t.slots.get(chunk_index) != ref or chunk_index in t.resolved:
+            self.stats.stale_writes += 1
+            return None
+        return t
 
     def _reject(self, t: _Transfer, chunk_index: int, exc: TransportError) -> None:
         reason = FailReason.CHECKSUM if isinstance(exc, ChecksumError) else FailReason.INVALID_CHUNK

@@ -155,7 +155,7 @@ class Sender:
         if isinstance(payload, BlockPayload):
             if self.layout is None:
                 raise TransportError("a BlockPayload needs register_layout first")
-            return len(self.layout.regions) * len(payload.block_ids) * self.layout.block_bytes
+            return self.layout.payload_bytes(payload)
         return sum(memoryview(r).nbytes for r in payload)
 
     def write_chunk(self, alloc: Allocation, chunk_index: int, payload: Payload, *,

@@ -80,6 +80,10 @@ class SourceLayout:
     def blocks_per_region(self) -> int:
         return self.regions[0].nbytes // self.block_bytes
 
+    def payload_bytes(self, payload: BlockPayload) -> int:
+        """Bytes of a chunk named by ``payload``: every region's share of its blocks."""
+        return len(self.regions) * len(payload.block_ids) * self.block_bytes
+
 
 @dataclass(frozen=True)
 class BlockPayload:

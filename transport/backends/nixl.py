@@ -241,6 +241,11 @@ class NixlReceiver(ReceiverBackend):
             self._reg = None
 
 
+def slot_blocks(slot_bytes: int, block_bytes: int) -> int:
+    """Block-sized ranges after the header in one pool slot: the remote list's stride per slot."""
+    return (slot_bytes - HEADER_SIZE) // block_bytes
+
+
 class ProcessAgent:
     """The one NIXL agent of this process (per UCX error mode), shared by every NixlSender.
 
@@ -311,7 +316,7 @@ class ProcessAgent:
         with self._lock:
             key = (remote, block_bytes)
             if key not in self._remote_dlists:
-                per_slot = (slot_bytes - HEADER_SIZE) // block_bytes
+                per_slot = slot_blocks(slot_bytes, block_bytes)
                 descs = [(info.base + s * slot_bytes + HEADER_SIZE + j * block_bytes, block_bytes, 0)
                          for s in range(info.slots) for j in range(per_slot)]
                 try:
@@ -385,7 +390,9 @@ class NixlSender(SenderBackend):
         notif = NOTIF.pack(NOTIF_MAGIC, chunk_index, grant.slot, grant.generation) + header
         temp: list[Any] = []
         if isinstance(payload, BlockPayload):
-            xfer, nbytes = self._prepped(payload, grant, notif), self._block_bytes(payload)
+            xfer = self._prepped(payload, grant, notif)      # raises unless a layout is registered
+            assert self._layout is not None
+            nbytes = self._layout.payload_bytes(payload)
         else:
             xfer, temp, nbytes = self._initialized(payload, grant, notif, chunk_index)
         handle = WriteHandle(transfer_id, chunk_index, grant, HEADER_SIZE + nbytes)
@@ -400,10 +407,6 @@ class NixlSender(SenderBackend):
         self._settle(handle, state)
         return handle
 
-    def _block_bytes(self, payload: BlockPayload) -> int:
-        assert self._layout is not None
-        return len(self._layout.regions) * len(payload.block_ids) * self._layout.block_bytes
-
     def _prepped(self, payload: BlockPayload, grant: Grant, notif: bytes) -> Any:
         """``make_prepped_xfer`` from the prepared block list into the peer's prepared slot list."""
         layout, info, shared = self._layout, self._info, self.shared
@@ -412,7 +415,7 @@ class NixlSender(SenderBackend):
         remote_dlist = shared.remote_dlist(self._remote, info, self._slot_bytes, layout.block_bytes)
         per_region, ids = layout.blocks_per_region(), payload.block_ids
         local = [r * per_region + b for r in range(len(layout.regions)) for b in ids]    # [region][block]
-        per_slot = (self._slot_bytes - HEADER_SIZE) // layout.block_bytes
+        per_slot = slot_blocks(self._slot_bytes, layout.block_bytes)
         remote = [grant.slot * per_slot + j for j in range(len(local))]
         try:
             return self.agent.make_prepped_xfer("WRITE", self._local_dlist, local, remote_dlist, remote, notif)
