@@ -117,6 +117,15 @@ def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+@asynccontextmanager
+async def one_pair(p_mode: str = "ok", d_mode: str = "ok", **router: Any):
+    """One scripted prefill node, one scripted decode node, the router in front, a client session."""
+    pn, dn = Fake(p_mode), Fake(d_mode)
+    async with fake_node(pn), fake_node(dn), router_for([pn], [dn], **router) as (url, _), \
+            aiohttp.ClientSession() as s:
+        yield url, s, pn, dn
+
+
 async def _stack(n_p: int = 1, n_d: int = 1, p_modes: tuple[str, ...] = (), d_modes: tuple[str, ...] = ()):
     ps = [Fake(p_modes[i] if i < len(p_modes) else "ok") for i in range(n_p)]
     ds = [Fake(d_modes[i] if i < len(d_modes) else "ok") for i in range(n_d)]
@@ -125,9 +134,7 @@ async def _stack(n_p: int = 1, n_d: int = 1, p_modes: tuple[str, ...] = (), d_mo
 
 def test_pd_pair_gets_params_and_sse_passes_through_unchanged():
     async def go() -> None:
-        ps, ds = await _stack()
-        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
-                aiohttp.ClientSession() as s:
+        async with one_pair() as (url, s, pn, dn):
             body = {"model": "m", "prompt": "hi", "max_tokens": 5, "stream": True,
                     "stream_options": {"include_usage": True}}
             async with s.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": "rid-1"}) as r:
@@ -135,13 +142,13 @@ def test_pd_pair_gets_params_and_sse_passes_through_unchanged():
                 assert r.status == 200 and r.headers["X-Request-Id"] == "rid-1"
             assert raw == b"".join(SSE)
             await asyncio.sleep(0.1)
-            p, d = ps[0].requests[0], ds[0].requests[0]
+            p, d = pn.requests[0], dn.requests[0]
             assert p["max_tokens"] == 1 and p["stream"] is False and "stream_options" not in p
             push, pull = p["kv_transfer_params"]["kvrelay"], d["kv_transfer_params"]["kvrelay"]
             assert push["role"] == "push" and pull["role"] == "pull"
             assert push["transfer_id"] == pull["transfer_id"] and push["push_to"] == "tcp://127.0.0.1:9100"
             assert d["max_tokens"] == 5 and d["stream"] is True
-            assert ds[0].headers[0]["X-Request-Id"] == "rid-1"
+            assert dn.headers[0]["X-Request-Id"] == "rid-1"
     run(go())
 
 
@@ -165,9 +172,7 @@ def test_failed_prefill_is_retried_once_on_another_node():
 
 def test_decode_failure_is_a_clean_502_and_bad_json_a_400():
     async def go() -> None:
-        ps, ds = await _stack(d_modes=("http500",))
-        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
-                aiohttp.ClientSession() as s:
+        async with one_pair(d_mode="http500") as (url, s, pn, dn):
             chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             async with s.post(f"{url}/v1/chat/completions", json=chat) as r:
                 body = await r.json()
@@ -183,13 +188,11 @@ def test_decode_failure_is_a_clean_502_and_bad_json_a_400():
 
 def test_client_disconnect_aborts_the_decode_stream():
     async def go() -> None:
-        ps, ds = await _stack(d_modes=("hang",))
-        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
-                aiohttp.ClientSession() as s:
+        async with one_pair(d_mode="hang") as (url, s, pn, dn):
             r = await s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
             await r.content.readline()
             r.close()                                   # the client goes away mid-stream
-            await asyncio.wait_for(ds[0].disconnected.wait(), 5)
+            await asyncio.wait_for(dn.disconnected.wait(), 5)
     run(go())
 
 
@@ -233,9 +236,7 @@ BAD_BODIES = [
 def test_requests_pd_cannot_serve_get_a_400_before_any_engine_sees_them():
     """Hardening 4 / 9 / chaos (f): nothing reaches P (no wasted prefill) or D."""
     async def go() -> None:
-        ps, ds = await _stack()
-        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
-                aiohttp.ClientSession() as s:
+        async with one_pair() as (url, s, pn, dn):
             for body, field in BAD_BODIES:
                 async with s.post(f"{url}/v1/completions", json={"model": "m", **body}) as r:
                     err = await r.json()
@@ -245,16 +246,14 @@ def test_requests_pd_cannot_serve_get_a_400_before_any_engine_sees_them():
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "n": 1}) as r:
                 assert r.status == 200                  # one prompt as token ids is one request
             await asyncio.sleep(0.1)
-            assert len(ps[0].requests) == len(ds[0].requests) == 1
+            assert len(pn.requests) == len(dn.requests) == 1
     run(go())
 
 
 def test_decode_dying_mid_stream_ends_with_an_error_event_and_done():
     """Hardening 5: never a stream that silently stops."""
     async def go() -> None:
-        ps, ds = await _stack(d_modes=("die",))
-        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
-                aiohttp.ClientSession() as s:
+        async with one_pair(d_mode="die") as (url, s, pn, dn):
             body = {"model": "m", "prompt": "x", "stream": True}
             async with s.post(f"{url}/v1/completions", json=body) as r:
                 raw = await asyncio.wait_for(r.read(), 10)
@@ -269,21 +268,17 @@ def test_decode_dying_mid_stream_ends_with_an_error_event_and_done():
 def test_decode_4xx_cancels_the_prefill():
     """Hardening 4: D refuses at once, so P's prefill (and push) is cancelled, not completed."""
     async def go() -> None:
-        ps, ds = await _stack(p_modes=("slow",), d_modes=("http400",))
-        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds) as (url, _), \
-                aiohttp.ClientSession() as s:
+        async with one_pair(p_mode="slow", d_mode="http400") as (url, s, pn, dn):
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as r:
                 assert r.status == 400
-            await asyncio.wait_for(ps[0].disconnected.wait(), 2)
+            await asyncio.wait_for(pn.disconnected.wait(), 2)
     run(go())
 
 
 def test_a_stream_longer_than_the_timeout_is_fine_while_it_keeps_talking():
     """Hardening 5: request_timeout_s bounds silence, not the length of a generation."""
     async def go() -> None:
-        ps, ds = await _stack(d_modes=("trickle",))
-        async with fake_node(ps[0]), fake_node(ds[0]), router_for(ps, ds, request_timeout_s=0.5) as (url, _), \
-                aiohttp.ClientSession() as s:
+        async with one_pair(d_mode="trickle", request_timeout_s=0.5) as (url, s, pn, dn):
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
                 raw = await asyncio.wait_for(r.read(), 10)
             assert raw.endswith(b"data: [DONE]\n\n") and b"error" not in raw     # ~1.2 s of tokens
