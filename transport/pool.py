@@ -96,7 +96,9 @@ class Arena:
         return ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
 
     def pin_if_cuda(self) -> bool:
-        """Page-lock the arena for CUDA when a GPU is present. No-op otherwise."""
+        """Page-lock the arena for CUDA when a GPU is present (idempotent). No-op otherwise."""
+        if self.pinned:
+            return True
         try:
             import torch
         except ImportError:
@@ -106,6 +108,7 @@ class Arena:
         rc = torch.cuda.cudart().cudaHostRegister(self.address, self.buf.nbytes, 0)
         self.pinned = int(rc) == 0
         if not self.pinned:
+            _clear_cuda_error()     # else the next kernel launch in this process reports it
             log.warning("cudaHostRegister failed (%s); receive pool is pageable", rc)
         return self.pinned
 
@@ -118,6 +121,16 @@ class Arena:
 
     def close(self) -> None:
         raise NotImplementedError
+
+
+def _clear_cuda_error() -> None:
+    """Reset the runtime's last-error after a failed host registration (torch checks it after
+    every launch). Best effort: needs NVIDIA's cuda-python, else the error stays to be seen."""
+    try:
+        from cuda.bindings import runtime  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    runtime.cudaGetLastError()
 
 
 class PrivateArena(Arena):

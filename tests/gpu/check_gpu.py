@@ -62,7 +62,7 @@ def check_pinned(results: dict) -> None:
     from transport.pool import ReceivePool
 
     pool = ReceivePool(256 << 20, 4 << 20, shared=False)
-    pinned = pool.arena.pin_if_cuda()
+    pinned = pool.arena.pinned                 # ReceivePool pins at construction
     host = torch.frombuffer(pool.arena.buf, dtype=torch.uint8)
     pageable = torch.empty(256 << 20, dtype=torch.uint8)
     dev = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
