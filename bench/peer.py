@@ -31,10 +31,11 @@ class RemoteError(TransportError):
 
 class SenderPeer:
     def __init__(self, cfg: KVRelayConfig, endpoint: str, fingerprint: bytes,
-                 sender_id: str | None = None) -> None:
+                 sender_id: str | None = None, secret: bytes | None = None) -> None:
+        """``secret``: the shared secret to use (default: the one the child's environment names)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_main, args=(child, to_dict(cfg), endpoint, fingerprint, sender_id),
+        self.proc = ctx.Process(target=_main, args=(child, to_dict(cfg), endpoint, fingerprint, sender_id, secret),
                                 daemon=True, name="kvrelay-sender-peer")
         self.proc.start()
         child.close()
@@ -75,7 +76,7 @@ class SenderPeer:
 
 class _Child:
     def __init__(self, cfg: KVRelayConfig, endpoint: str, fingerprint: bytes, sender_id: str | None,
-                 conn: Any = None) -> None:
+                 conn: Any = None, secret: bytes | None = None) -> None:
         import numpy as np
 
         self.conn = conn
@@ -84,7 +85,8 @@ class _Child:
 
         self.np = np
         self.backend = make_sender_backend(cfg.transport)
-        self.sender = Sender(cfg.transport, cfg.timeouts, endpoint, self.backend, fingerprint, sender_id=sender_id)
+        self.sender = Sender(cfg.transport, cfg.timeouts, endpoint, self.backend, fingerprint, sender_id=sender_id,
+                             secret=secret)
         self.sources: dict[str, Any] = {}
         self.retired: list[Any] = []
         self.allocs: dict[str, Any] = {}
@@ -201,12 +203,13 @@ def _orphan_watchdog(parent: int) -> None:
     os._exit(3)
 
 
-def _main(conn: Any, cfg_data: dict, endpoint: str, fingerprint: bytes, sender_id: str | None) -> None:
+def _main(conn: Any, cfg_data: dict, endpoint: str, fingerprint: bytes, sender_id: str | None,
+          secret: bytes | None = None) -> None:
     import threading
 
     threading.Thread(target=_orphan_watchdog, args=(os.getppid(),), daemon=True).start()
     try:
-        child = _Child(from_dict(cfg_data), endpoint, fingerprint, sender_id, conn)
+        child = _Child(from_dict(cfg_data), endpoint, fingerprint, sender_id, conn, secret)
     except Exception as exc:  # noqa: BLE001 - report any start-up failure to the parent
         conn.recv()
         conn.send((False, (type(exc).__name__, str(exc))))

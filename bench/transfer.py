@@ -137,7 +137,7 @@ class BackendRun:
 
 def _cfg_overrides(cfg: kcfg.KVRelayConfig) -> dict[str, Any]:
     return {"transport.nixl_error_mode": cfg.transport.nixl_error_mode.value,
-            "transport.shared_secret": cfg.transport.shared_secret}
+            "transport.secret_file": cfg.transport.secret_file}
 
 
 Path_ = Any   # Memcpy | RawPath | BackendRun: anything with measure(size, window, count)

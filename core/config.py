@@ -119,6 +119,9 @@ def _convert(data: Mapping[str, Any]) -> KVRelayConfig:
         return msgspec.convert(dict(data), KVRelayConfig, strict=False)
     except msgspec.ValidationError as exc:
         msg = str(exc).replace("`$.", "`").replace("`$`", "`<root>`")
+        if "shared_secret" in msg:
+            msg += ("; the secret no longer lives in the config (it would reach command lines and logs): "
+                    "set KVRELAY_SECRET or transport.secret_file")
         raise ConfigError(f"invalid config: {msg}") from exc
 
 

@@ -5,3 +5,6 @@ import os
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 logging.getLogger("nixl").setLevel(logging.WARNING)
+# One shared secret per test session (nodes refuse to start without one); child processes
+# inherit it. Tests of the secret handling itself pass their own environment.
+os.environ.setdefault("KVRELAY_SECRET", os.urandom(24).hex())

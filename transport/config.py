@@ -103,7 +103,8 @@ class TransportConfig(Section, frozen=True):
     control_port: Port = 0           # 0 = pick a free port
     data_port: Port = 0              # tcp backend listener; 0 = pick a free port
     nixl_error_mode: NixlErrorMode = NixlErrorMode.NONE
-    shared_secret: str = "kvrelay-dev-secret"   # HMAC key for Hello; set per deployment
+    secret_file: str = ""            # 0600 file holding the shared secret (or env KVRELAY_SECRET); no default
+    allowed_decode: list[str] = msgspec.field(default_factory=list)  # prefill: push targets allowed
     max_message_bytes: Positive = 1 * MiB       # control frames above this are rejected
 
 
@@ -115,7 +116,10 @@ FIELD_HELP: dict[str, str] = {
     'transport.control_port': "decode node's ZeroMQ control port (0 = any free port)",
     'transport.data_port': "tcp backend's data listener port (0 = any free port)",
     'transport.nixl_error_mode': 'UCX error handling for nixl: none or peer (same on both sides)',
-    'transport.shared_secret': 'HMAC key that authenticates Hello; set one per deployment',
+    'transport.secret_file': ("file (mode 0600) holding the deployment's shared secret; the env var KVRELAY_SECRET "
+                              "wins. No default: nodes refuse to start without one"),
+    'transport.allowed_decode': ("prefill: decode transfer endpoints (tcp://host:port) it may push to; [] = the "
+                                 "decode nodes router.decode names"),
     'transport.max_message_bytes': 'control frames larger than this are rejected',
     'timeouts.lease_s': 'a slot not filled and consumed within this is reclaimed (seconds)',
     'timeouts.alloc_wait_s': 'back-pressure: how long an Alloc may wait for free slots',

@@ -18,6 +18,18 @@ class FailReason(enum.Enum):
     POOL_FULL = "pool_full"          # Alloc refused after back-pressure
 
 
+class Refusal(str, enum.Enum):
+    """Why the receiver refused something that claimed to come from a sender (counted by cause)."""
+
+    BAD_MAC = "bad_mac"                  # a Hello or sealed message whose MAC does not verify
+    REPLAY = "replay"                    # a used or unknown challenge; a sequence number not above the last
+    NO_SESSION = "no_session"            # a message before a successful Hello, or for an unknown session
+    FOREIGN = "foreign"                  # an Abort or write for a transfer its sender does not own
+    BAD_TOKEN = "bad_token"              # a write that does not present its transfer's grant token
+    UNAUTHENTICATED_DATA = "unauthenticated_data"   # a data connection without a valid session token
+    STALE = "stale"                      # a write for a slot no longer leased to that chunk (not an attack)
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkArrival:
     """Chunk bytes are in ``slot`` and verified. The consumer holds the slot until ``release``."""

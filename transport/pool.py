@@ -127,7 +127,7 @@ def _clear_cuda_error() -> None:
     """Reset the runtime's last-error after a failed host registration (torch checks it after
     every launch). Best effort: needs NVIDIA's cuda-python, else the error stays to be seen."""
     try:
-        from cuda.bindings import runtime  # type: ignore[import-not-found]
+        from cuda.bindings import runtime
     except ImportError:
         return
     runtime.cudaGetLastError()

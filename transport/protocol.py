@@ -8,52 +8,83 @@ frame size, then the version, then the full schema; any failure raises
 
 Conversation (sender = prefill node P, receiver = decode node D)::
 
-    P ─ Hello(fingerprint, backend, nonce, mac, info) ─▶ D     HMAC over a shared secret
-    P ◀─ HelloAck(ok, reason, slot_bytes, info) ──────── D     info: backend endpoint data
-    P ─ Alloc(transfer_id, keys, chunk_bytes, wait_s) ─▶ D     D skips keys it already holds
-    P ◀─ Slots(transfer_id, grants, held) | Refused ──── D     back-pressure: D parks the Alloc
-    P ═ data plane: write(chunk, slot) ═════════════════▶ D     (nixl / tcp / shm / ucx)
-    P ─ Abort(transfer_id, reason) ─────────────────────▶ D     frees the transfer's slots
-    P ─ Heartbeat(sender_id) ───────────────────────────▶ D     liveness, own socket
+    P ─ Challenge(sender_id) ──────────────────────────▶ D
+    P ◀─ ChallengeAck(challenge) ─────────────────────── D     a fresh single-use nonce
+    P ─ Hello(fingerprint, backend, nonce, challenge, info, mac) ─▶ D
+    P ◀─ HelloAck(ok, reason, slot_bytes, info, session, mac) ───── D
+    P ─ Alloc(transfer_id, keys, chunk_bytes, wait_s) ─▶ D     sealed: session, seq, mac
+    P ◀─ Slots(transfer_id, grants, held) | Refused ──── D     each grant carries the transfer's token
+    P ═ data plane: write(chunk, slot, token) ═════════▶ D     (nixl / tcp / shm / ucx)
+    P ─ Abort(transfer_id, reason) ─────────────────────▶ D     sealed
+    P ─ Heartbeat() ────────────────────────────────────▶ D     sealed, own socket and sequence
+    P ─ Bye() ──────────────────────────────────────────▶ D     sealed
+
+Authentication (the secret never travels; keys come from :mod:`transport.secrets`):
+
+* ``Hello.mac`` is an HMAC under the hello key over *every* field of the Hello (the
+  protocol version, D's challenge and ``info`` included). D issued the challenge to this
+  socket and accepts it once, so a replayed or altered Hello fails.
+* ``HelloAck.mac`` covers every field of the answer and P's nonce: P knows the answer
+  (and the NIXL metadata in its ``info``) came from a holder of the secret.
+* Both sides derive a session key from the two nonces. Every later message from P is
+  *sealed*: it names the session and a per-socket sequence number, and carries an HMAC
+  under the session key. D attributes a message to the session's sender, never to a
+  name inside the message, and drops a replay (a sequence number not above the last).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-
 import msgspec
 
 from transport.errors import ErrorCode, ProtocolError
+from transport.secrets import mac, same
 
 __all__ = ["ErrorCode", "ProtocolError"]   # re-exported: callers say P.ErrorCode
 
-PROTOCOL_VERSION = 2                       # 2: ChunkDone removed (every backend reports arrival in band)
-HELLO_CONTEXT = b"kvrelay-hello-v1"
+PROTOCOL_VERSION = 3     # 2: ChunkDone removed; 3: challenge-response Hello, sealed messages, grant tokens
 
 
 class _Msg(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True, kw_only=True):
     v: int = PROTOCOL_VERSION
 
 
-class Hello(_Msg, tag="hello", frozen=True):
+class Challenge(_Msg, tag="challenge", frozen=True):
+    sender_id: str
+
+
+class ChallengeAck(_Msg, tag="challenge_ack", frozen=True):
+    challenge: bytes          # single use, for the socket that asked
+
+
+class Hello(_Msg, tag="hello", frozen=True, kw_only=True):
     sender_id: str
     fingerprint: bytes        # Fingerprint.digest()
     backend: str              # TransportKind value
-    nonce: bytes
-    mac: bytes                # hmac_sha256(secret, HELLO_CONTEXT|sender|fp|backend|nonce)
+    nonce: bytes              # P's, for the answer's MAC and the session key
+    challenge: bytes          # D's, echoed
     info: bytes = b""         # backend-specific (e.g. NIXL agent metadata)
+    mac: bytes = b""          # HMAC(hello key, every other field)
 
 
-class HelloAck(_Msg, tag="hello_ack", frozen=True):
+class HelloAck(_Msg, tag="hello_ack", frozen=True, kw_only=True):
     ok: bool
     reason: str = ""
     receiver_id: str = ""
     slot_bytes: int = 0
     info: bytes = b""
+    session: bytes = b""      # names the session in sealed messages
+    mac: bytes = b""          # HMAC(hello key, P's nonce + every other field); empty when not ok
 
 
-class Alloc(_Msg, tag="alloc", frozen=True):
+class _Sealed(_Msg, frozen=True, kw_only=True):
+    """A message from an authenticated sender: bound to its session, ordered, MAC'd."""
+
+    session: bytes = b""
+    seq: int = 0
+    mac: bytes = b""
+
+
+class Alloc(_Sealed, tag="alloc", frozen=True, kw_only=True):
     transfer_id: str
     keys: list[bytes]
     chunk_bytes: list[int]    # header + payload of each chunk
@@ -65,6 +96,7 @@ class Grant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     slot: int
     generation: int
     offset: int               # byte offset of the slot inside D's pool
+    token: bytes = b""        # the transfer's unguessable token: every write must present it
 
 
 class Slots(_Msg, tag="slots", frozen=True):
@@ -78,17 +110,17 @@ class Refused(_Msg, tag="refused", frozen=True):
     reason: str
 
 
-class Abort(_Msg, tag="abort", frozen=True):
+class Abort(_Sealed, tag="abort", frozen=True, kw_only=True):
     transfer_id: str
     reason: str = ""
 
 
-class Heartbeat(_Msg, tag="heartbeat", frozen=True):
-    sender_id: str
+class Heartbeat(_Sealed, tag="heartbeat", frozen=True, kw_only=True):
+    channel: int = 1          # heartbeats have their own socket, so their own sequence
 
 
-class Bye(_Msg, tag="bye", frozen=True):
-    sender_id: str
+class Bye(_Sealed, tag="bye", frozen=True, kw_only=True):
+    pass
 
 
 class Error(_Msg, tag="error", frozen=True):
@@ -96,7 +128,8 @@ class Error(_Msg, tag="error", frozen=True):
     reason: str
 
 
-Message = Hello | HelloAck | Alloc | Slots | Refused | Abort | Heartbeat | Bye | Error
+Message = Challenge | ChallengeAck | Hello | HelloAck | Alloc | Slots | Refused | Abort | Heartbeat | Bye | Error
+Sealed = Alloc | Abort | Heartbeat | Bye
 
 
 class _Probe(msgspec.Struct):
@@ -131,11 +164,40 @@ def decode(frame: bytes, max_bytes: int) -> Message:
         raise ProtocolError(code=ErrorCode.MALFORMED, reason=f"invalid message: {exc}") from exc
 
 
-def hello_mac(secret: bytes, sender_id: str, fingerprint: bytes, backend: str, nonce: bytes) -> bytes:
-    body = b"|".join([HELLO_CONTEXT, sender_id.encode(), fingerprint, backend.encode(), nonce])
-    return hmac.new(secret, body, hashlib.sha256).digest()
+def _unsigned(msg: Message) -> bytes:
+    return encode(msgspec.structs.replace(msg, mac=b""))
 
 
-def check_mac(secret: bytes, hello: Hello) -> bool:
-    want = hello_mac(secret, hello.sender_id, hello.fingerprint, hello.backend, hello.nonce)
-    return hmac.compare_digest(want, hello.mac)
+def sign_hello(key: bytes, hello: Hello) -> Hello:
+    return msgspec.structs.replace(hello, mac=mac(key, b"hello", _unsigned(hello)))
+
+
+def check_hello(key: bytes, hello: Hello) -> bool:
+    return same(mac(key, b"hello", _unsigned(hello)), hello.mac)
+
+
+def sign_ack(key: bytes, nonce: bytes, ack: HelloAck) -> HelloAck:
+    return msgspec.structs.replace(ack, mac=mac(key, b"ack", nonce, _unsigned(ack)))
+
+
+def check_ack(key: bytes, nonce: bytes, ack: HelloAck) -> bool:
+    return same(mac(key, b"ack", nonce, _unsigned(ack)), ack.mac)
+
+
+def session_key(key: bytes, hello: Hello, session: bytes) -> bytes:
+    """The session's key: both nonces, the sender and the session id, under the session key."""
+    return mac(key, hello.challenge, hello.nonce, hello.sender_id.encode(), session)
+
+
+def data_token(session_key: bytes) -> bytes:
+    """What the sender's data connection presents (tcp/shm), once."""
+    return mac(session_key, b"data-connection")
+
+
+def seal(key: bytes, session: bytes, seq: int, msg: Sealed) -> Sealed:
+    msg = msgspec.structs.replace(msg, session=session, seq=seq, mac=b"")
+    return msgspec.structs.replace(msg, mac=mac(key, b"sealed", encode(msg)))
+
+
+def check_seal(key: bytes, msg: Sealed) -> bool:
+    return same(mac(key, b"sealed", _unsigned(msg)), msg.mac)

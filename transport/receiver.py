@@ -2,8 +2,11 @@
 
 Lifecycle of one transfer on the receiver (decode node D)::
 
-    1. A sender's Hello passes the fingerprint and HMAC checks; D answers with
-       its backend's connection info (HelloAck).
+    1. A sender asks for a challenge, then says Hello; the Hello's MAC (over every
+       field and the single-use challenge), fingerprint and backend pass; D answers with
+       its backend's connection info and a session (HelloAck, MAC'd for the sender).
+       Every later message must be sealed with the session's key, in order; anything
+       else is refused and counted by cause (``ReceiverStats.refusals``).
     2. The consumer registers the transfer with ``expect(transfer_id, held)``:
        ``held`` are the leading chunk keys it already holds *for this transfer*
        (its own prefix-cache hit). Alloc(transfer_id, keys) arrives; chunks whose
@@ -14,7 +17,9 @@ Lifecycle of one transfer on the receiver (decode node D)::
     3. The data plane reports each chunk as its bytes complete (``_deliver``):
        D verifies header, routing and checksum, then publishes a ChunkArrival on
        the transfer's queue - in completion order, while later chunks are still
-       in flight. A bad chunk is freed and published as ChunkRejected.
+       in flight. A bad chunk is freed and published as ChunkRejected. A write that
+       does not come from the transfer's sender with its grant token is refused
+       without touching the transfer (``_admit``).
     4. The consumer (``next_event``) takes each arrival, installs it, and
        ``release``s the slot. When every chunk is resolved, TransferDone follows.
     5. Abort, an expired lease or a dead sender (heartbeat silence or a broken
@@ -27,8 +32,10 @@ plane callbacks come from backend threads. Shared state sits behind one lock.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -39,7 +46,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from transport import protocol as P
-from transport.backends.base import ReceiverBackend
+from transport.backends.base import ReceiverBackend, ReceiverHooks
 from transport.config import TimeoutConfig, TransportConfig
 from transport.errors import (
     ChecksumError,
@@ -49,14 +56,25 @@ from transport.errors import (
     TransferTimeout,
     TransportError,
 )
-from transport.events import ChunkArrival, ChunkRejected, Event, FailReason, TransferDone, TransferFailed
+from transport.events import (
+    ChunkArrival,
+    ChunkRejected,
+    Event,
+    FailReason,
+    Refusal,
+    TransferDone,
+    TransferFailed,
+)
 from transport.keys import KEY_BYTES
 from transport.polling import Backoff
 from transport.pool import ReceivePool, SlotRef
+from transport.secrets import KeyUse, derive_key, load_secret, same
 from transport.wire import HEADER_SIZE, transfer_tag, verify_chunk
 
 log = logging.getLogger(__name__)
 MAX_TRANSFER_ID = 256
+MAX_CHALLENGES = 1024          # outstanding Hello challenges; the oldest is dropped past this
+TOKEN_BYTES = 16
 
 
 @dataclass
@@ -78,6 +96,14 @@ class ReceiverStats:
     orphans_dropped: int = 0         # transfers no consumer registered, dropped after lease_s
     takeovers: int = 0               # transfers a second sender took over (the router's prefill retry)
     foreign_aborts: int = 0          # Aborts for a transfer the sender does not own (ignored)
+    refusals: collections.Counter[str] = field(default_factory=collections.Counter)   # by Refusal value
+
+
+@dataclass
+class _Session:
+    sender_id: str
+    key: bytes
+    seq: dict[int, int] = field(default_factory=dict)     # channel -> last sequence number seen
 
 
 @dataclass
@@ -87,6 +113,7 @@ class _Transfer:
     keys: list[bytes]
     held: tuple[int, ...]
     tag: bytes
+    token: bytes = b""                                           # writes must present it
     slots: dict[int, SlotRef] = field(default_factory=dict)      # chunk index -> slot
     resolved: set[int] = field(default_factory=set)
     rejected: int = 0
@@ -115,7 +142,8 @@ class Receiver:
     def __init__(self, transport: TransportConfig, timeouts: TimeoutConfig, backend: ReceiverBackend,
                  fingerprint: bytes, *,
                  slot_bytes: int, consumer_wait_s: float = 0.0, verify_payload: bool = True,
-                 clock: Callable[[], float] = time.monotonic, receiver_id: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, receiver_id: str | None = None,
+                 secret: bytes | None = None) -> None:
         self.transport, self.timeouts = transport, timeouts
         self.backend = backend
         self.fingerprint = fingerprint
@@ -132,7 +160,11 @@ class Receiver:
         # An Alloc that arrives before the consumer called expect() waits up to this long for
         # it, so the held answer is what the consumer knows (0 = grant at once).
         self._consumer_wait_s = consumer_wait_s
-        self._secret = transport.shared_secret.encode()
+        secret = load_secret(transport) if secret is None else secret
+        self._hello_key, self._session_root = derive_key(secret, KeyUse.HELLO), derive_key(secret, KeyUse.SESSION)
+        self._challenges: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+        self._sessions: dict[bytes, _Session] = {}                  # session id -> its sender
+        self._session_of: dict[str, bytes] = {}                     # sender id -> its current session
         self._lock = threading.RLock()
         self._transfers: dict[str, _Transfer] = {}
         self._by_tag: dict[bytes, str] = {}
@@ -151,7 +183,8 @@ class Receiver:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.endpoint = f"tcp://{host}:{port}"
         self._stop = threading.Event()
-        self.backend.start(self.pool, self._deliver, self._peer_lost, self._chunk_failed)
+        self.backend.start(self.pool, ReceiverHooks(self._deliver, self._admit, self._peer_lost,
+                                                    self._chunk_failed, self._refused))
         self._thread = threading.Thread(target=self._loop, name="kvrelay-recv-ctl", daemon=True)
         self._thread.start()
 
@@ -277,16 +310,16 @@ class Receiver:
             self._sock.send_multipart([ident, P.encode(msg)], zmq.NOBLOCK)
 
     def _dispatch(self, ident: bytes, msg: P.Message) -> None:
+        if isinstance(msg, P.Challenge):
+            return self._on_challenge(ident)
         if isinstance(msg, P.Hello):
             return self._on_hello(ident, msg)
-        sender = getattr(msg, "sender_id", None) or self._ident_sender(ident)
+        if not isinstance(msg, P.Alloc | P.Abort | P.Heartbeat | P.Bye):
+            raise _invalid(P.ErrorCode.INVALID, f"{type(msg).__name__} is not a request")
+        sender = self._open(msg)
         if isinstance(msg, P.Bye):
-            if self._peers.pop(sender or "", None) is not None:
-                self.backend.on_peer_gone(sender or "")
+            self._end_session(sender)
             return None
-        if sender is None or sender not in self._peers:
-            self.stats.unauthenticated += 1
-            raise _invalid(P.ErrorCode.UNAUTHENTICATED, f"{type(msg).__name__} before a successful Hello")
         self._peers[sender] = self._clock()
         if isinstance(msg, P.Alloc):
             self._on_alloc(ident, sender, msg)
@@ -295,44 +328,91 @@ class Receiver:
                 t = self._transfers.get(msg.transfer_id)
                 if t is None or t.sender_id != sender:    # e.g. a sender that was taken over
                     self.stats.foreign_aborts += 1
+                    self._refused(Refusal.FOREIGN, f"Abort of {msg.transfer_id!r} from {sender!r}")
                     return None
                 self.stats.aborts += 1
                 self._fail_transfer(msg.transfer_id, FailReason.ABORTED, msg.reason or "aborted by sender")
-        elif isinstance(msg, P.Heartbeat):
-            pass
-        else:
-            raise _invalid(P.ErrorCode.INVALID, f"{type(msg).__name__} is not a request")
         return None
 
-    def _ident_sender(self, ident: bytes) -> str | None:
-        with contextlib.suppress(UnicodeDecodeError):
-            return ident.decode()
-        return None
+    def _open(self, msg: P.Sealed) -> str:
+        """The authenticated sender of a sealed message; ProtocolError (counted) if it is not one."""
+        session = self._sessions.get(msg.session)
+        if session is None:
+            raise self._unauthenticated(Refusal.NO_SESSION, f"{type(msg).__name__} outside an authenticated session")
+        if not P.check_seal(session.key, msg):
+            raise self._unauthenticated(Refusal.BAD_MAC, f"{type(msg).__name__} with a bad session MAC")
+        channel = msg.channel if isinstance(msg, P.Heartbeat) else 0
+        if msg.seq <= session.seq.get(channel, 0):
+            raise self._unauthenticated(Refusal.REPLAY, f"{type(msg).__name__} replayed (sequence {msg.seq})")
+        session.seq[channel] = msg.seq
+        return session.sender_id
+
+    def _refused(self, cause: Refusal, detail: str) -> None:
+        """Count a refusal by cause (any thread)."""
+        self.stats.refusals[cause.value] += 1
+        if cause is not Refusal.STALE:
+            log.warning("refused (%s): %s", cause.value, detail)
+
+    def _unauthenticated(self, cause: Refusal, detail: str) -> ProtocolError:
+        self.stats.unauthenticated += 1
+        self._refused(cause, detail)
+        return _invalid(P.ErrorCode.UNAUTHENTICATED, detail)
+
+    def _on_challenge(self, ident: bytes) -> None:
+        challenge = os.urandom(32)
+        self._challenges[challenge] = (ident, self._clock() + self.timeouts.connect_s)
+        while len(self._challenges) > MAX_CHALLENGES:
+            self._challenges.popitem(last=False)
+        self._reply(ident, P.ChallengeAck(challenge=challenge))
+
+    def _hello_refusal(self, ident: bytes, hello: P.Hello) -> str:
+        issued = self._challenges.pop(hello.challenge, None)
+        if issued is None or issued[0] != ident or self._clock() > issued[1]:
+            self.stats.unauthenticated += 1
+            self._refused(Refusal.REPLAY, f"Hello from {hello.sender_id!r} with an unknown, used or expired challenge")
+            return "authentication failed: unknown, used or expired challenge (a replayed Hello?)"
+        if not P.check_hello(self._hello_key, hello):
+            self.stats.unauthenticated += 1
+            self._refused(Refusal.BAD_MAC, f"Hello from {hello.sender_id!r} with a bad MAC")
+            return "authentication failed: HMAC over the shared secret does not match"
+        if hello.fingerprint != self.fingerprint:
+            return (f"incompatible KV fingerprint {hello.fingerprint.hex()[:16]} != "
+                    f"{self.fingerprint.hex()[:16]} (model, dtype, layout, block size or TP differ)")
+        if hello.backend != self.transport.backend.value:
+            return f"backend mismatch: sender uses {hello.backend}, receiver {self.transport.backend.value}"
+        if ident != hello.sender_id.encode():
+            return "socket identity does not match sender_id"
+        return ""
 
     def _on_hello(self, ident: bytes, hello: P.Hello) -> None:
-        reason = ""
-        if not P.check_mac(self._secret, hello):
-            self.stats.unauthenticated += 1
-            reason = "authentication failed: HMAC over the shared secret does not match"
-        elif hello.fingerprint != self.fingerprint:
-            reason = (f"incompatible KV fingerprint {hello.fingerprint.hex()[:16]} != "
-                      f"{self.fingerprint.hex()[:16]} (model, dtype, layout, block size or TP differ)")
-        elif hello.backend != self.transport.backend.value:
-            reason = f"backend mismatch: sender uses {hello.backend}, receiver {self.transport.backend.value}"
-        elif ident != hello.sender_id.encode():
-            reason = "socket identity does not match sender_id"
+        reason = self._hello_refusal(ident, hello)
         if reason:
             log.warning("refused Hello from %r: %s", hello.sender_id, reason)
             self._reply(ident, P.HelloAck(ok=False, reason=reason, receiver_id=self.receiver_id))
             return
+        session = os.urandom(16)
+        key = P.session_key(self._session_root, hello, session)
         try:
-            self.backend.on_hello(hello.sender_id, hello.info)
+            self.backend.on_hello(hello.sender_id, hello.info, P.data_token(key))
         except TransportError as exc:
             self._reply(ident, P.HelloAck(ok=False, reason=f"backend refused: {exc}"))
             return
+        old = self._session_of.get(hello.sender_id)
+        if old is not None:
+            self._sessions.pop(old, None)
+        self._sessions[session], self._session_of[hello.sender_id] = _Session(hello.sender_id, key), session
         self._peers[hello.sender_id] = self._clock()
-        self._reply(ident, P.HelloAck(ok=True, receiver_id=self.receiver_id,
-                                      slot_bytes=self.pool.slot_bytes, info=self.backend.info()))
+        ack = P.HelloAck(ok=True, receiver_id=self.receiver_id, slot_bytes=self.pool.slot_bytes,
+                         info=self.backend.info(), session=session)
+        self._reply(ident, P.sign_ack(self._hello_key, hello.nonce, ack))
+
+    def _end_session(self, sender: str) -> None:
+        """The sender said Bye (authenticated): forget it and its backend state."""
+        session = self._session_of.pop(sender, None)
+        if session is not None:
+            self._sessions.pop(session, None)
+        if self._peers.pop(sender, None) is not None:
+            self.backend.on_peer_gone(sender)
 
     def _on_alloc(self, ident: bytes, sender: str, msg: P.Alloc) -> None:
         _validate_alloc(msg, self.pool.slot_bytes)
@@ -367,16 +447,17 @@ class Receiver:
         if refs is None:
             return False
         held = tuple(i for i, h in enumerate(held_flags) if h)
-        t = _Transfer(msg.transfer_id, p.sender_id, list(msg.keys), held, transfer_tag(msg.transfer_id))
+        t = _Transfer(msg.transfer_id, p.sender_id, list(msg.keys), held, transfer_tag(msg.transfer_id),
+                      os.urandom(TOKEN_BYTES))
         with self._lock:
             for i, ref in zip(want, refs, strict=True):
                 t.slots[i] = ref
             self._transfers[msg.transfer_id] = t
             self._by_tag[t.tag] = msg.transfer_id
             self._queues.setdefault(msg.transfer_id, queue.SimpleQueue())
-        self.backend.on_grants(p.sender_id, msg.transfer_id, [(i, t.slots[i]) for i in want])
-        grants = [P.Grant(chunk_index=i, slot=r.index, generation=r.generation,
-                          offset=self.pool.offset(r)) for i, r in zip(want, refs, strict=True)]
+        self.backend.on_grants(p.sender_id, msg.transfer_id, [(i, t.slots[i]) for i in want], t.token)
+        grants = [P.Grant(chunk_index=i, slot=r.index, generation=r.generation, offset=self.pool.offset(r),
+                          token=t.token) for i, r in zip(want, refs, strict=True)]
         self._reply(p.ident, P.Slots(transfer_id=msg.transfer_id, grants=grants, held=list(held)))
         if not want:
             with self._lock:
@@ -406,16 +487,28 @@ class Receiver:
             q.put(TransferFailed(p.msg.transfer_id, FailReason.POOL_FULL, reason))
 
     # ------------------------------------------------------------------ data-plane callbacks
-    def _deliver(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef,
-                 payload_sum: int | None = None) -> None:
-        """A backend says the bytes of ``chunk_index`` are complete in ``ref``. Any thread."""
+    def _admit(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, token: bytes) -> Refusal | None:
+        """May this write touch its slot? None if it comes from the transfer's sender with its
+        grant token, for a slot still waiting for that chunk; else the refusal (counted). Any thread."""
         with self._lock:
             t = self._awaiting(tag, chunk_index, ref)
-            if t is None:
-                log.info("ignored stale/misrouted arrival: chunk %d slot %s", chunk_index, ref)
+            cause = (Refusal.STALE if t is None else Refusal.FOREIGN if t.sender_id != sender
+                     else None if same(token, t.token) else Refusal.BAD_TOKEN)
+        if cause is Refusal.FOREIGN:
+            self.stats.misrouted += 1
+        if cause is not None:
+            self._refused(cause, f"write of chunk {chunk_index} into slot {ref.index} from {sender!r}")
+        return cause
+
+    def _deliver(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, token: bytes,
+                 payload_sum: int | None = None) -> None:
+        """A backend says the bytes of ``chunk_index`` are complete in ``ref``. Any thread."""
+        if self._admit(sender, tag, chunk_index, ref, token) is not None:
+            return
+        with self._lock:
+            t = self._awaiting(tag, chunk_index, ref)
+            if t is None:                                 # resolved since _admit looked
                 return
-            if t.sender_id != sender:
-                self.stats.misrouted += 1
             key = t.keys[chunk_index]
             self._peers[sender] = self._clock()
         try:
@@ -496,6 +589,9 @@ class Receiver:
 
     def _peer_lost(self, sender: str, reason: str) -> None:
         with self._lock:
+            session = self._session_of.pop(sender, None)
+            if session is not None:
+                self._sessions.pop(session, None)
             if self._peers.pop(sender, None) is not None:
                 self.backend.on_peer_gone(sender)
             victims = [tid for tid, t in self._transfers.items() if t.sender_id == sender and not t.done]

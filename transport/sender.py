@@ -47,6 +47,7 @@ from transport.errors import (
     TransferTimeout,
     TransportError,
 )
+from transport.secrets import KeyUse, derive_key, load_secret
 from transport.wire import HEADER_SIZE, DType, make_header
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,8 @@ class Allocation:
 
 class Sender:
     def __init__(self, transport: TransportConfig, timeouts: TimeoutConfig, endpoint: str,
-                 backend: SenderBackend, fingerprint: bytes, *, sender_id: str | None = None) -> None:
+                 backend: SenderBackend, fingerprint: bytes, *, sender_id: str | None = None,
+                 secret: bytes | None = None) -> None:
         self.transport, self.timeouts = transport, timeouts
         self.endpoint = endpoint
         self.backend = backend
@@ -71,6 +73,9 @@ class Sender:
         self.sender_id = sender_id or f"send-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.slot_bytes = 0
         self.receiver_id = ""
+        secret = load_secret(transport) if secret is None else secret
+        self._hello_key, self._session_root = derive_key(secret, KeyUse.HELLO), derive_key(secret, KeyUse.SESSION)
+        self._session, self._key, self._seq = b"", b"", 0
         self.layout: SourceLayout | None = None
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sock = self._socket(self.sender_id)
@@ -103,27 +108,36 @@ class Sender:
             log.debug("dropping unrelated reply %s", type(reply).__name__)
 
     def connect(self) -> None:
-        """Handshake and open the data path. Raises HandshakeError with the receiver's reason."""
-        nonce = os.urandom(16)
-        backend = self.transport.backend.value
-        mac = P.hello_mac(self.transport.shared_secret.encode(), self.sender_id, self.fingerprint,
-                          backend, nonce)
-        hello = P.Hello(sender_id=self.sender_id, fingerprint=self.fingerprint, backend=backend,
-                        nonce=nonce, mac=mac, info=self.backend.local_info(self.sender_id))
+        """Challenge, Hello, open the data path. Raises HandshakeError with the receiver's reason."""
+        challenge = self._request(P.Challenge(sender_id=self.sender_id), P.ChallengeAck, "", self.timeouts.connect_s)
+        assert isinstance(challenge, P.ChallengeAck)
+        hello = P.sign_hello(self._hello_key, P.Hello(
+            sender_id=self.sender_id, fingerprint=self.fingerprint, backend=self.transport.backend.value,
+            nonce=os.urandom(32), challenge=challenge.challenge, info=self.backend.local_info(self.sender_id)))
         ack = self._request(hello, P.HelloAck, "", self.timeouts.connect_s)
         assert isinstance(ack, P.HelloAck)
         if not ack.ok:
             raise HandshakeError(f"receiver {self.endpoint} refused Hello: {ack.reason}")
+        if not P.check_ack(self._hello_key, hello.nonce, ack):
+            raise HandshakeError(f"receiver {self.endpoint} answered Hello without proof of the shared secret")
         self.slot_bytes, self.receiver_id = ack.slot_bytes, ack.receiver_id
-        self.backend.connect(self.sender_id, ack.info, ack.slot_bytes)
+        self._session, self._key = ack.session, P.session_key(self._session_root, hello, ack.session)
+        self.backend.connect(self.sender_id, ack.info, ack.slot_bytes, P.data_token(self._key))
         self._hb_thread = threading.Thread(target=self._heartbeat, name="kvrelay-send-hb", daemon=True)
         self._hb_thread.start()
 
+    def _sealed(self, msg: P.Sealed) -> P.Sealed:
+        """``msg`` bound to this session with the next sequence number (control socket only)."""
+        self._seq += 1
+        return P.seal(self._key, self._session, self._seq, msg)
+
     def _heartbeat(self) -> None:
         sock = self._socket(f"{self.sender_id}/hb")
+        seq = 0
         try:
-            msg = P.encode(P.Heartbeat(sender_id=self.sender_id))
             while not self._hb_stop.wait(self.timeouts.heartbeat_s):
+                seq += 1
+                msg = P.encode(P.seal(self._key, self._session, seq, P.Heartbeat(channel=1)))
                 with contextlib.suppress(zmq.Again):
                     sock.send(msg, zmq.NOBLOCK)
         finally:
@@ -133,7 +147,8 @@ class Sender:
               wait_s: float | None = None) -> Allocation:
         """Ask for slots. Blocks while the receiver applies back-pressure; PoolFullError if refused."""
         wait = self.timeouts.alloc_wait_s if wait_s is None else wait_s
-        msg = P.Alloc(transfer_id=transfer_id, keys=list(keys), chunk_bytes=list(chunk_bytes), wait_s=wait)
+        msg = self._sealed(P.Alloc(transfer_id=transfer_id, keys=list(keys), chunk_bytes=list(chunk_bytes),
+                                   wait_s=wait))
         reply = self._request(msg, P.Slots, transfer_id, wait + self.timeouts.connect_s)
         if isinstance(reply, P.Refused):
             raise PoolFullError(f"receiver refused transfer {transfer_id!r}: {reply.reason}")
@@ -142,7 +157,7 @@ class Sender:
 
     def abort(self, transfer_id: str, reason: str = "") -> None:
         with contextlib.suppress(zmq.ZMQError):
-            self._sock.send(P.encode(P.Abort(transfer_id=transfer_id, reason=reason)), zmq.NOBLOCK)
+            self._sock.send(P.encode(self._sealed(P.Abort(transfer_id=transfer_id, reason=reason))), zmq.NOBLOCK)
 
     # ------------------------------------------------------------------ data plane
     def register_layout(self, layout: SourceLayout) -> None:
@@ -218,7 +233,8 @@ class Sender:
         if self._hb_thread is not None:
             self._hb_thread.join(timeout=2)
         with contextlib.suppress(zmq.ZMQError):
-            self._sock.send(P.encode(P.Bye(sender_id=self.sender_id)), zmq.NOBLOCK)
+            if self._key:
+                self._sock.send(P.encode(self._sealed(P.Bye())), zmq.NOBLOCK)
         self._sock.close(linger=100)
         self.backend.close()
 

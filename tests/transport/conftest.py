@@ -37,11 +37,11 @@ def make_receiver(cfg: config.KVRelayConfig, slot_bytes: int = SLOT, **kw: Any) 
 
 @contextlib.contextmanager
 def open_pair(cfg: config.KVRelayConfig, *, sender_cfg: config.KVRelayConfig | None = None,
-              sender_fp: bytes = FP, connect: bool = True,
+              sender_fp: bytes = FP, connect: bool = True, sender_secret: bytes | None = None,
               **receiver_kw: Any) -> Iterator[tuple[Receiver, SenderPeer]]:
     """A receiver here and a sender in a spawned process; both closed on exit."""
     receiver = make_receiver(cfg, **receiver_kw)
-    peer = SenderPeer(sender_cfg or cfg, receiver.endpoint, sender_fp)
+    peer = SenderPeer(sender_cfg or cfg, receiver.endpoint, sender_fp, secret=sender_secret)
     try:
         if connect:
             peer.call("connect")

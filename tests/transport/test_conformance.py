@@ -206,7 +206,7 @@ def test_alloc_skips_keys_the_receiver_holds(backend):
 def test_incompatible_or_unauthenticated_hello_is_refused(what):
     cfg = make_cfg("tcp")
     kw = ({"sender_fp": hashlib.sha256(b"other model").digest()} if what == "fingerprint"
-          else {"sender_cfg": make_cfg("tcp", **{"transport.shared_secret": "wrong"})})
+          else {"sender_secret": b"wrong-but-long-enough-secret"})
     with open_pair(cfg, connect=False, **kw) as (_receiver, peer):
         with pytest.raises(RemoteError) as err:
             peer.call("connect")

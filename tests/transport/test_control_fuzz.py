@@ -15,10 +15,10 @@ from tests.transport.conftest import FP, make_cfg, make_receiver
 from transport import protocol as P
 
 VALID = [
-    P.Hello(sender_id="s", fingerprint=FP, backend="tcp", nonce=b"n" * 16, mac=b"m" * 32),
-    P.Alloc(transfer_id="t", keys=[b"k" * 32] * 3, chunk_bytes=[4096] * 3),
+    P.Hello(sender_id="s", fingerprint=FP, backend="tcp", nonce=b"n" * 16, challenge=b"c" * 32, mac=b"m" * 32),
+    P.Alloc(transfer_id="t", keys=[b"k" * 32] * 3, chunk_bytes=[4096] * 3, session=b"s" * 16, seq=1),
     P.Abort(transfer_id="t", reason="x"),
-    P.Heartbeat(sender_id="s"),
+    P.Heartbeat(session=b"s" * 16, seq=1, mac=b"m" * 32),
 ]
 CODES = {c.value for c in P.ErrorCode}
 
@@ -45,11 +45,13 @@ def roundtrip(sock, frames):
     sock.send_multipart(frames)
     assert sock.poll(5000), "receiver did not answer (crashed or hung?)"
     reply = P.decode(sock.recv(), 1 << 20)
-    assert isinstance(reply, P.Error | P.HelloAck), reply
+    assert isinstance(reply, P.Error | P.HelloAck | P.ChallengeAck), reply
     return reply
 
 
 def assert_rejected(reply):
+    if isinstance(reply, P.ChallengeAck):  # a well-formed Challenge is answered (it proves nothing)
+        return
     if isinstance(reply, P.HelloAck):     # a structurally valid but unauthenticated Hello
         assert not reply.ok and reply.reason
         return
@@ -58,7 +60,7 @@ def assert_rejected(reply):
 
 def assert_alive(sock, receiver):
     before = receiver.stats.messages
-    reply = roundtrip(sock, [P.encode(P.Heartbeat(sender_id="nobody"))])
+    reply = roundtrip(sock, [P.encode(P.Heartbeat(session=b"nobody", seq=1))])
     assert reply.code == P.ErrorCode.UNAUTHENTICATED.value
     assert receiver.stats.messages == before + 1
 
@@ -88,14 +90,14 @@ scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), 
 @given(fields=st.dictionaries(st.sampled_from(["type", "v", "transfer_id", "keys", "chunk_bytes",
                                                "sender_id", "slot", "generation", "zzz"]),
                               st.one_of(scalars, st.lists(scalars, max_size=3)), max_size=6),
-       tag=st.sampled_from(["alloc", "hello", "chunk_done", "abort", "slots", "bogus"]))
+       tag=st.sampled_from(["alloc", "hello", "challenge", "chunk_done", "abort", "slots", "bogus"]))
 def test_wrongly_typed_messages_get_a_clear_rejection(receiver, dealer, fields, tag):
     fields = {"type": tag, "v": P.PROTOCOL_VERSION, **fields}
     assert_rejected(roundtrip(dealer, [msgspec.msgpack.encode(fields)]))
 
 
 def test_wrong_version_oversize_and_multiframe(receiver, dealer):
-    raw = msgspec.msgpack.encode({"type": "heartbeat", "v": 99, "sender_id": "x"})
+    raw = msgspec.msgpack.encode({"type": "heartbeat", "v": 99, "session": b"x"})
     assert "version 99" in roundtrip(dealer, [raw]).reason
     assert roundtrip(dealer, [b"\x80" * 4500]).code == "oversize"
     assert roundtrip(dealer, [b"a", b"b"]).code == "malformed"

@@ -2,10 +2,14 @@
 
 A backend has two halves that live in different processes:
 
-* :class:`ReceiverBackend` on the decode node, bound to the :class:`ReceivePool`.
-  It learns that a chunk's bytes are complete in a slot and reports it by calling
-  ``deliver(sender_id, transfer_tag, chunk_index, SlotRef, payload_sum)`` (any
-  thread). ``payload_sum`` is the xxh3_64 the backend computed over the payload
+* :class:`ReceiverBackend` on the decode node, bound to the :class:`ReceivePool`
+  through :class:`ReceiverHooks`. It learns that a chunk's bytes are complete in a slot
+  and reports it by calling ``deliver(sender_id, transfer_tag, chunk_index, SlotRef,
+  token, payload_sum)`` (any thread). ``sender_id`` is the *authenticated* sender of
+  the connection or agent the bytes came by (never a name the write itself claims);
+  ``token`` is the grant token the write presented. A backend that can look before the
+  bytes land (tcp) asks ``admit(...)`` first and discards a refused write without
+  touching the slot. ``payload_sum`` is the xxh3_64 the backend computed over the payload
   bytes *in the slot* as they landed (tcp hashes each received piece while it
   is hot in cache), or None; the receiver then verifies - hashing the slot
   itself when no sum was given - and publishes the arrival. A receive the library
@@ -16,9 +20,12 @@ A backend has two halves that live in different processes:
   (header + ``[layer][block]`` payload regions) into a granted slot and returns a
   :class:`WriteHandle`; ``poll``/``wait`` report completion.
 
-Handshake data flows through the control plane: ``SenderBackend.local_info()``
+Handshake data flows through the authenticated control plane: ``SenderBackend.local_info()``
 travels in ``Hello.info`` to ``ReceiverBackend.on_hello``, and
-``ReceiverBackend.info()`` returns in ``HelloAck.info`` to ``SenderBackend.connect``.
+``ReceiverBackend.info()`` returns in ``HelloAck.info`` to ``SenderBackend.connect``,
+both under the Hello's MACs. Both ends also get the session's ``data_token``: a backend
+with its own connections (tcp, shm) makes the sender present it, once, before anything
+on that connection is read.
 Every backend reports arrival in band (the data path itself tells the receiver).
 
 Callers never branch on a backend's name; they ask its :class:`Capabilities`:
@@ -37,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from transport.events import Refusal
 from transport.pool import ReceivePool, SlotRef
 from transport.protocol import Grant
 
@@ -44,8 +52,12 @@ Buffer = bytes | bytearray | memoryview
 
 
 class DeliverFn(Protocol):
-    def __call__(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef,
+    def __call__(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, token: bytes,
                  payload_sum: int | None = None, /) -> None: ...
+
+
+class AdmitFn(Protocol):
+    def __call__(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, token: bytes, /) -> Refusal | None: ...
 
 
 PeerLostFn = Callable[[str, str], None]
@@ -53,6 +65,23 @@ PeerLostFn = Callable[[str, str], None]
 
 class ChunkFailedFn(Protocol):
     def __call__(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, reason: str, /) -> None: ...
+
+
+RefusedFn = Callable[[Refusal, str], None]
+
+
+@dataclass(frozen=True)
+class ReceiverHooks:
+    """The receiver's callbacks into which a backend reports (any thread, non-blocking).
+
+    ``admit`` says whether a write may touch its slot (None = yes; it counts a refusal);
+    ``refused`` counts a refusal the backend made on its own (an unauthenticated connection)."""
+
+    deliver: DeliverFn
+    admit: AdmitFn
+    peer_lost: PeerLostFn
+    chunk_failed: ChunkFailedFn
+    refused: RefusedFn
 
 
 class MemType(str, enum.Enum):
@@ -123,19 +152,21 @@ class ReceiverBackend(abc.ABC):
     needs_shared_pool: bool = False     # peers map the pool by name (shm)
 
     @abc.abstractmethod
-    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn,
-              chunk_failed: ChunkFailedFn) -> None:
+    def start(self, pool: ReceivePool, hooks: ReceiverHooks) -> None:
         """Bind to the pool and start any I/O threads. Called once, before ``info``."""
 
     @abc.abstractmethod
     def info(self) -> bytes:
         """Connection data for senders (sent in ``HelloAck.info``). Non-blocking."""
 
-    def on_hello(self, sender_id: str, info: bytes) -> None:  # noqa: B027 - optional hook
-        """A sender passed the handshake; ``info`` is its ``local_info()``. Non-blocking."""
+    def on_hello(self, sender_id: str, info: bytes, data_token: bytes) -> None:  # noqa: B027 - optional hook
+        """A sender passed the authenticated handshake; ``info`` is its ``local_info()`` and
+        ``data_token`` what its data connection must present (once). Non-blocking."""
 
-    def on_grants(self, sender_id: str, transfer_id: str, grants: Sequence[tuple[int, SlotRef]]) -> None:  # noqa: B027
-        """Slots were granted for (chunk_index, slot). E.g. ucx posts receives, nixl starts polling."""
+    def on_grants(self, sender_id: str, transfer_id: str, grants: Sequence[tuple[int, SlotRef]],  # noqa: B027
+                  token: bytes) -> None:
+        """Slots were granted for (chunk_index, slot) under the transfer's grant ``token``.
+        E.g. ucx posts receives, nixl starts polling."""
 
     def on_release(self, sender_id: str, transfer_id: str) -> None:  # noqa: B027
         """The transfer ended (complete, aborted or failed); drop per-transfer state."""
@@ -168,8 +199,10 @@ class SenderBackend(abc.ABC):
         return b""
 
     @abc.abstractmethod
-    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int) -> None:
-        """Open the data path to the receiver described by ``receiver_info``. Blocks until ready."""
+    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int, data_token: bytes) -> None:
+        """Open the data path to the receiver described by ``receiver_info`` (authenticated by
+        the HelloAck's MAC), presenting ``data_token`` where the path has its own connection.
+        Blocks until ready."""
 
     def register_layout(self, layout: SourceLayout) -> None:
         """Register long-lived source memory (the paged KV cache) once; later writes name its
@@ -179,8 +212,8 @@ class SenderBackend(abc.ABC):
     @abc.abstractmethod
     def write(self, transfer_id: str, chunk_index: int, header: bytes, payload: Payload,
               grant: Grant) -> WriteHandle:
-        """Post header + payload into the granted slot. May complete synchronously. Library
-        errors are raised as :class:`transport.errors.TransportError`."""
+        """Post header + payload into the granted slot, presenting ``grant.token``. May complete
+        synchronously. Library errors are raised as :class:`transport.errors.TransportError`."""
 
     @abc.abstractmethod
     def poll(self, handle: WriteHandle) -> WriteState:

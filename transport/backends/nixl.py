@@ -47,24 +47,23 @@ from transport.backends.base import (
     BlockPayload,
     Buffer,
     Capabilities,
-    ChunkFailedFn,
-    DeliverFn,
     Payload,
-    PeerLostFn,
     ReceiverBackend,
+    ReceiverHooks,
     SenderBackend,
     SourceLayout,
     WriteHandle,
     WriteState,
 )
 from transport.errors import HandshakeError, PeerDeadError, TransportError
+from transport.events import Refusal
 from transport.polling import Backoff
 from transport.pool import ReceivePool, SlotRef
 from transport.protocol import Grant
 from transport.wire import HEADER_SIZE
 
 log = logging.getLogger(__name__)
-NOTIF = struct.Struct("<4sIIQ")          # magic, chunk index, slot, generation; then the header
+NOTIF = struct.Struct("<4sIIQ16s")       # magic, chunk index, slot, generation, grant token; then the header
 NOTIF_MAGIC = b"KVRN"
 CONSUMER_GRACE_S = 2e-3     # background polling backs off while a consumer polled this recently
 
@@ -130,9 +129,8 @@ class NixlReceiver(ReceiverBackend):
 
     poll_driven = True
 
-    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn,
-              chunk_failed: ChunkFailedFn) -> None:
-        self._pool, self._deliver = pool, deliver
+    def start(self, pool: ReceivePool, hooks: ReceiverHooks) -> None:
+        self._pool, self._hooks = pool, hooks
         self._base = pool.arena.address
         self._reg = self.agent.register_memory([(self._base, pool.arena.buf.nbytes, 0, "")], "DRAM")
         self._thread = threading.Thread(target=self._poll_loop, name="kvrelay-nixl-rx", daemon=True)
@@ -142,7 +140,7 @@ class NixlReceiver(ReceiverBackend):
         return msgspec.msgpack.encode(NixlInfo(self.name, self.agent.get_agent_metadata(), self._base,
                                                self._pool.num_slots))
 
-    def on_hello(self, sender_id: str, info: bytes) -> None:
+    def on_hello(self, sender_id: str, info: bytes, data_token: bytes) -> None:
         try:
             meta = msgspec.msgpack.decode(info, type=NixlInfo)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -168,7 +166,8 @@ class NixlReceiver(ReceiverBackend):
                 with contextlib.suppress(Exception):
                     self.agent.remove_remote_agent(agent)
 
-    def on_grants(self, sender_id: str, transfer_id: str, grants: Sequence[tuple[int, SlotRef]]) -> None:
+    def on_grants(self, sender_id: str, transfer_id: str, grants: Sequence[tuple[int, SlotRef]],
+                  token: bytes) -> None:
         with self._lock:
             self._active += 1
         self._wake.set()
@@ -214,20 +213,25 @@ class NixlReceiver(ReceiverBackend):
         if len(raw) != NOTIF.size + HEADER_SIZE or raw[:4] != NOTIF_MAGIC:
             log.warning("ignored malformed NIXL notification (%d bytes) from %s", len(raw), agent_name)
             return
-        _, chunk_index, slot, gen = NOTIF.unpack_from(raw)
+        _, chunk_index, slot, gen, token = NOTIF.unpack_from(raw)
         ref = SlotRef(slot, gen)
         header = raw[NOTIF.size:]
-        sender = self._senders.get(agent_name, agent_name)
+        sender = self._senders.get(agent_name)
+        if sender is None:                      # no authenticated Hello loaded this agent
+            self._hooks.refused(Refusal.UNAUTHENTICATED_DATA, f"NIXL notification from unknown agent {agent_name!r}")
+            return
+        if self._hooks.admit(sender, header[40:56], chunk_index, ref, token) is not None:
+            return                              # refused (counted); the header is not copied in
         try:
             self._pool.begin_write(ref)         # the slot must still be leased to this chunk
         except TransportError:
-            self._deliver(sender, header[40:56], chunk_index, ref)   # counted as stale
+            self._hooks.deliver(sender, header[40:56], chunk_index, ref, token)   # counted as stale
             return
         try:
             self._pool.view(ref, HEADER_SIZE)[:] = header
         finally:
             self._pool.end_write(ref)
-        self._deliver(sender, header[40:56], chunk_index, ref)
+        self._hooks.deliver(sender, header[40:56], chunk_index, ref, token)
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -375,7 +379,7 @@ class NixlSender(SenderBackend):
         self._local_dlist = self.shared.register_layout(layout)
         self._layout = layout
 
-    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int) -> None:
+    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int, data_token: bytes) -> None:
         if self.shared is None:
             self.shared = ProcessAgent.get(self.error_mode)
         try:
@@ -387,7 +391,7 @@ class NixlSender(SenderBackend):
 
     def write(self, transfer_id: str, chunk_index: int, header: bytes, payload: Payload,
               grant: Grant) -> WriteHandle:
-        notif = NOTIF.pack(NOTIF_MAGIC, chunk_index, grant.slot, grant.generation) + header
+        notif = NOTIF.pack(NOTIF_MAGIC, chunk_index, grant.slot, grant.generation, grant.token) + header
         temp: list[Any] = []
         if isinstance(payload, BlockPayload):
             xfer = self._prepped(payload, grant, notif)      # raises unless a layout is registered

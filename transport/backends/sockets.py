@@ -10,13 +10,21 @@ a fixed, versioned frame (``FRAME``); what differs is where the bytes travel:
   copies header + regions straight into the slot (one copy, the minimum), then
   sends the frame on a Unix socket as the arrival notification.
 
-A connection that closes while its sender has active transfers is reported as
-a dead peer at once, without waiting for the heartbeat timeout.
+A connection proves itself before anything on it is read: its preamble names the
+sender and presents the session's data token (:func:`transport.protocol.data_token`),
+which D accepts once. A connection that fails is closed and counted, and its close
+says nothing about the sender it named. Every chunk frame presents the transfer's
+grant token; D asks ``admit`` *before* reading the payload, and discards a refused
+one without touching the slot.
+
+An authenticated connection that closes while its sender has active transfers is
+reported as a dead peer at once, without waiting for the heartbeat timeout.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 import socket
 import struct
@@ -27,25 +35,27 @@ import msgspec
 import xxhash
 
 from transport.backends.base import (
-    ChunkFailedFn,
-    DeliverFn,
     Payload,
-    PeerLostFn,
     ReceiverBackend,
+    ReceiverHooks,
     SenderBackend,
     WriteHandle,
     WriteState,
     host_buffers,
 )
 from transport.errors import PeerDeadError, ProtocolError, TransportError
+from transport.events import Refusal
 from transport.pool import ReceivePool, SharedArena, SlotRef
 from transport.protocol import Grant
 from transport.wire import HEADER_SIZE
 
 log = logging.getLogger(__name__)
-FRAME = struct.Struct("<4sBBH16sIIIQ")   # magic, version, kind, pad, transfer tag, chunk, slot, gen, nbytes
+# magic, version, kind, pad, transfer tag, grant token, chunk, slot, gen, nbytes
+FRAME = struct.Struct("<4sBBH16s16sIIIQ")
 FRAME_MAGIC = b"KVRD"
-FRAME_VERSION = 1
+FRAME_VERSION = 2               # 2: grant token; the preamble presents the session's data token
+TOKEN_BYTES = 32                # the data token (HMAC-SHA256) in the preamble
+PREAMBLE_S = 5.0                # a connection must present its preamble within this
 KIND_HELLO, KIND_CHUNK = 0, 1
 MAX_SENDER_ID = 512
 _DRAIN = 1 << 20
@@ -129,16 +139,25 @@ class SocketReceiver(ReceiverBackend):
         self._conns: set[socket.socket] = set()
         self._closed = threading.Event()
         self._pool: ReceivePool | None = None
+        self._tokens: dict[str, bytes] = {}      # sender -> data token its next connection presents
+        self._tokens_lock = threading.Lock()
 
-    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn,
-              chunk_failed: ChunkFailedFn) -> None:
-        self._pool, self._deliver, self._peer_lost = pool, deliver, peer_lost
+    def start(self, pool: ReceivePool, hooks: ReceiverHooks) -> None:
+        self._pool, self._hooks = pool, hooks
         if not self.inline:
             self._info = SocketInfo("unix", self._info.address, shm_name=pool.arena.name)
         threading.Thread(target=self._accept_loop, name="kvrelay-sock-accept", daemon=True).start()
 
     def info(self) -> bytes:
         return msgspec.msgpack.encode(self._info)
+
+    def on_hello(self, sender_id: str, info: bytes, data_token: bytes) -> None:
+        with self._tokens_lock:
+            self._tokens[sender_id] = data_token
+
+    def on_peer_gone(self, sender_id: str) -> None:
+        with self._tokens_lock:
+            self._tokens.pop(sender_id, None)
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -153,9 +172,11 @@ class SocketReceiver(ReceiverBackend):
             threading.Thread(target=self._serve, args=(conn,), name="kvrelay-sock-rx", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        sender = "?"
+        sender = None
         try:
-            sender = self._read_preamble(conn)
+            sender = self._authenticate(conn)
+            if sender is None:
+                return
             while self._read_chunk(conn, sender):
                 pass
             reason = "data connection closed"
@@ -165,20 +186,35 @@ class SocketReceiver(ReceiverBackend):
             self._conns.discard(conn)
             with contextlib.suppress(OSError):
                 conn.close()
-        if not self._closed.is_set():
-            self._peer_lost(sender, reason)
+        if sender is not None and not self._closed.is_set():
+            self._hooks.peer_lost(sender, reason)
 
-    def _read_preamble(self, conn: socket.socket) -> str:
-        frame = bytearray(FRAME.size)
-        if not _recv_exact(conn, memoryview(frame)):
-            raise PeerDeadError("connection closed before preamble")
-        magic, ver, kind, _, _, _, _, _, n = FRAME.unpack(frame)
-        if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_HELLO or n > MAX_SENDER_ID:
-            raise ProtocolError("bad data-connection preamble")
-        name = bytearray(n)
-        if not _recv_exact(conn, memoryview(name)):
-            raise PeerDeadError("connection closed in preamble")
-        return name.decode(errors="replace")
+    def _authenticate(self, conn: socket.socket) -> str | None:
+        """The sender whose session token this connection presents, or None (refused, counted)."""
+        conn.settimeout(PREAMBLE_S)
+        try:
+            frame = bytearray(FRAME.size)
+            if not _recv_exact(conn, memoryview(frame)):
+                return None
+            magic, ver, kind, _, _, _, _, _, _, n = FRAME.unpack(frame)
+            if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_HELLO or n > MAX_SENDER_ID:
+                self._hooks.refused(Refusal.UNAUTHENTICATED_DATA, "data connection without a valid preamble")
+                return None
+            rest = bytearray(n + TOKEN_BYTES)
+            if not _recv_exact(conn, memoryview(rest)):
+                return None
+        except (OSError, TransportError) as exc:
+            self._hooks.refused(Refusal.UNAUTHENTICATED_DATA, f"data connection preamble: {exc}")
+            return None
+        conn.settimeout(None)
+        name = rest[:n].decode(errors="replace")
+        with self._tokens_lock:
+            want = self._tokens.get(name)
+            if want is not None and hmac.compare_digest(want, bytes(rest[n:])):
+                del self._tokens[name]                   # single use
+                return name
+        self._hooks.refused(Refusal.UNAUTHENTICATED_DATA, f"data connection for {name!r} without its session token")
+        return None
 
     def _read_chunk(self, conn: socket.socket, sender: str) -> bool:
         assert self._pool is not None
@@ -188,29 +224,32 @@ class SocketReceiver(ReceiverBackend):
             return False
         if got < FRAME.size:
             raise PeerDeadError(f"connection closed mid-frame ({got}/{FRAME.size} bytes)")
-        magic, ver, kind, _, tag, chunk, slot, gen, nbytes = FRAME.unpack(frame)
+        magic, ver, kind, _, tag, token, chunk, slot, gen, nbytes = FRAME.unpack(frame)
         if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_CHUNK:
             raise ProtocolError(f"bad data frame (magic {magic!r}, version {ver}, kind {kind})")
         ref = SlotRef(slot, gen)
         if not self.inline:                 # shm: the bytes are already in the slot
-            self._deliver(sender, tag, chunk, ref)
+            self._hooks.deliver(sender, tag, chunk, ref, token)
+            return True
+        if not HEADER_SIZE <= nbytes <= self._pool.slot_bytes:
+            raise ProtocolError(f"frame of {nbytes} bytes does not fit a {self._pool.slot_bytes}-byte slot")
+        if self._hooks.admit(sender, tag, chunk, ref, token) is not None:
+            self._drain(conn, nbytes)       # refused (counted): the slot is not touched
             return True
         try:
             self._pool.begin_write(ref)
         except TransportError as exc:
             log.info("data frame for stale slot from %s: %s", sender, exc)
             self._drain(conn, nbytes)
-            self._deliver(sender, tag, chunk, ref)      # counted as stale by the receiver
+            self._hooks.deliver(sender, tag, chunk, ref, token)      # counted as stale by the receiver
             return True
         try:
-            if not HEADER_SIZE <= nbytes <= self._pool.slot_bytes:
-                raise ProtocolError(f"frame of {nbytes} bytes does not fit a {self._pool.slot_bytes}-byte slot")
             payload_sum = _recv_hashed(conn, self._pool.view(ref, nbytes), HEADER_SIZE)
             if payload_sum is None:
                 raise PeerDeadError("connection closed before payload")
         finally:
             self._pool.end_write(ref)
-        self._deliver(sender, tag, chunk, ref, payload_sum)
+        self._hooks.deliver(sender, tag, chunk, ref, token, payload_sum)
         return True
 
     def _drain(self, conn: socket.socket, nbytes: int) -> None:
@@ -242,7 +281,7 @@ class SocketSender(SenderBackend):
         self._arena: SharedArena | None = None
         self._lock = threading.Lock()
 
-    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int) -> None:
+    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int, data_token: bytes) -> None:
         info = msgspec.msgpack.decode(receiver_info, type=SocketInfo)
         try:
             if info.family == "inet":
@@ -255,8 +294,8 @@ class SocketSender(SenderBackend):
                 self._arena = SharedArena(0, name=info.shm_name, create=False)
             sock.settimeout(None)
             name = sender_id.encode()
-            sock.sendall(FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_HELLO, 0, b"\0" * 16, 0, 0, 0, len(name))
-                         + name)
+            sock.sendall(FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_HELLO, 0, b"\0" * 16, b"\0" * 16, 0, 0, 0,
+                                    len(name)) + name + data_token)
         except OSError as exc:
             raise PeerDeadError(f"cannot open data connection to {info.address}: {exc}") from exc
         self._sock = sock
@@ -268,7 +307,7 @@ class SocketSender(SenderBackend):
         views = [memoryview(header)] + [memoryview(r) for r in host_buffers(payload)]
         nbytes = sum(v.nbytes for v in views)
         tag = header[40:56]                                   # transfer tag field of the chunk header
-        frame = FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_CHUNK, 0, tag, chunk_index, grant.slot,
+        frame = FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_CHUNK, 0, tag, grant.token, chunk_index, grant.slot,
                            grant.generation, nbytes)
         handle = WriteHandle(transfer_id, chunk_index, grant, nbytes)
         try:

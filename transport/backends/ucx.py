@@ -20,8 +20,10 @@ NIXL in the same process.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
+import struct
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -29,11 +31,9 @@ from typing import Any
 import numpy as np
 
 from transport.backends.base import (
-    ChunkFailedFn,
-    DeliverFn,
     Payload,
-    PeerLostFn,
     ReceiverBackend,
+    ReceiverHooks,
     SenderBackend,
     WriteHandle,
     WriteState,
@@ -65,9 +65,12 @@ def _import_ucxx() -> Any:
     return _UCXX
 
 
-def ucx_tag(ref: SlotRef | Grant, part: int) -> int:
+def ucx_tag(ref: SlotRef | Grant, part: int, token: bytes) -> int:
+    """The 64-bit UCX tag of one part of a chunk write: keyed by the transfer's grant token, so
+    a send that does not know the token matches no posted receive and never lands in a slot."""
     slot = ref.index if isinstance(ref, SlotRef) else ref.slot
-    return (slot << 40) | ((ref.generation & 0xFFFFFFFF) << 8) | part
+    body = struct.pack("<IQB", slot, ref.generation, part)
+    return int.from_bytes(hashlib.blake2b(body, key=token, digest_size=8).digest(), "little")
 
 
 def _worker() -> tuple[Any, Any]:
@@ -89,9 +92,8 @@ class UcxReceiver(ReceiverBackend):
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, pool: ReceivePool, deliver: DeliverFn, peer_lost: PeerLostFn,
-              chunk_failed: ChunkFailedFn) -> None:
-        self._pool, self._deliver, self._chunk_failed = pool, deliver, chunk_failed
+    def start(self, pool: ReceivePool, hooks: ReceiverHooks) -> None:
+        self._pool, self._hooks = pool, hooks
         self._base: Any = np.frombuffer(pool.arena.buf, dtype=np.uint8)
         self._thread = threading.Thread(target=self._poll_loop, name="kvrelay-ucx-rx", daemon=True)
         self._thread.start()
@@ -99,31 +101,32 @@ class UcxReceiver(ReceiverBackend):
     def info(self) -> bytes:
         return bytes(self.worker.address.tobytes())
 
-    def _post(self, sender: str, chunk: int, ref: SlotRef) -> list[Any]:
+    def _post(self, sender: str, chunk: int, ref: SlotRef, token: bytes) -> list[Any]:
         lib, Array = _import_ucxx()
         off = self._pool.offset(ref)
         hdr = self._base[off:off + HEADER_SIZE]
         body = self._base[off + HEADER_SIZE:off + self._pool.slot_bytes]
-        return [sender, chunk, ref, self.worker.tag_recv(Array(hdr), lib.UCXXTag(ucx_tag(ref, 0))),
-                self.worker.tag_recv(Array(body), lib.UCXXTag(ucx_tag(ref, 1)))]
+        return [sender, chunk, ref, token, self.worker.tag_recv(Array(hdr), lib.UCXXTag(ucx_tag(ref, 0, token))),
+                self.worker.tag_recv(Array(body), lib.UCXXTag(ucx_tag(ref, 1, token)))]
 
-    def on_grants(self, sender_id: str, transfer_id: str, grants: Sequence[tuple[int, SlotRef]]) -> None:
+    def on_grants(self, sender_id: str, transfer_id: str, grants: Sequence[tuple[int, SlotRef]],
+                  token: bytes) -> None:
         with self._lock:
-            posted = [self._post(sender_id, chunk, ref) for chunk, ref in grants]
+            posted = [self._post(sender_id, chunk, ref, token) for chunk, ref in grants]
             self._posted.setdefault(transfer_id, []).extend(posted)
         self._wake.set()
 
     def on_release(self, sender_id: str, transfer_id: str) -> None:
         with self._lock:
             dropped = self._posted.pop(transfer_id, [])
-            if not any(not (e[3].completed and e[4].completed) for e in dropped):
+            if not any(not (e[4].completed and e[5].completed) for e in dropped):
                 return
             # UCX cannot cancel one request: cancel all, then re-post the ones still wanted,
             # so a late send can never land in a slot that has been reassigned.
             self.worker.cancel_inflight_requests()
             for tid, entries in self._posted.items():
-                self._posted[tid] = [self._post(s, c, r) if not (h.completed and p.completed) else [s, c, r, h, p]
-                                     for s, c, r, h, p in entries]
+                self._posted[tid] = [self._post(s, c, r, k) if not (h.completed and p.completed)
+                                     else [s, c, r, k, h, p] for s, c, r, k, h, p in entries]
 
     def _poll_loop(self) -> None:
         backoff = Backoff(spin=50, max_sleep=100e-6)
@@ -134,27 +137,27 @@ class UcxReceiver(ReceiverBackend):
             with self._lock:
                 self.worker.progress()
                 done, failed = self._collect()
-            for sender, chunk, ref, tid in done:
-                self._deliver(sender, transfer_tag(tid), chunk, ref)
+            for sender, chunk, ref, token, tid in done:
+                self._hooks.deliver(sender, transfer_tag(tid), chunk, ref, token)
             for sender, chunk, ref, tid, reason in failed:
-                self._chunk_failed(sender, transfer_tag(tid), chunk, ref, reason)
+                self._hooks.chunk_failed(sender, transfer_tag(tid), chunk, ref, reason)
             if done:
                 backoff.reset()
             else:
                 backoff.wait()
 
-    def _collect(self) -> tuple[list[tuple[str, int, SlotRef, str]], list[tuple[str, int, SlotRef, str, str]]]:
-        done: list[tuple[str, int, SlotRef, str]] = []
+    def _collect(self) -> tuple[list[tuple[str, int, SlotRef, bytes, str]], list[tuple[str, int, SlotRef, str, str]]]:
+        done: list[tuple[str, int, SlotRef, bytes, str]] = []
         failed: list[tuple[str, int, SlotRef, str, str]] = []
         for tid, entries in self._posted.items():
             keep = []
             for e in entries:
-                sender, chunk, ref, hreq, preq = e
+                sender, chunk, ref, token, hreq, preq = e
                 if hreq.completed and preq.completed:
                     try:
                         hreq.check_error()
                         preq.check_error()
-                        done.append((sender, chunk, ref, tid))
+                        done.append((sender, chunk, ref, token, tid))
                     except Exception as exc:  # noqa: BLE001 - UCXError family: fail the chunk now
                         failed.append((sender, chunk, ref, tid, f"UCX receive failed: {exc}"))
                 else:
@@ -181,7 +184,7 @@ class UcxSender(SenderBackend):
         self.staged_bytes = 0
         self._abandoned: list[Any] = []       # cancelled sends: buffers kept alive until UCX completes them
 
-    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int) -> None:
+    def connect(self, sender_id: str, receiver_info: bytes, slot_bytes: int, data_token: bytes) -> None:
         lib, _ = _import_ucxx()
         try:
             addr = lib.UCXAddress.create_from_buffer(receiver_info)
@@ -201,8 +204,8 @@ class UcxSender(SenderBackend):
         hdr = np.frombuffer(header, dtype=np.uint8)
         handle = WriteHandle(transfer_id, chunk_index, grant, HEADER_SIZE + body.nbytes)
         try:
-            reqs = (self.ep.tag_send(Array(hdr), lib.UCXXTag(ucx_tag(grant, 0))),
-                    self.ep.tag_send(Array(body), lib.UCXXTag(ucx_tag(grant, 1))))
+            reqs = (self.ep.tag_send(Array(hdr), lib.UCXXTag(ucx_tag(grant, 0, grant.token))),
+                    self.ep.tag_send(Array(body), lib.UCXXTag(ucx_tag(grant, 1, grant.token))))
         except Exception as exc:  # noqa: BLE001 - UCXError family
             raise TransportError(f"UCX send of chunk {chunk_index} failed: {exc}") from exc
         handle.native = (reqs, hdr, body)      # keep the buffers alive until completion
