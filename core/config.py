@@ -26,7 +26,7 @@ import msgspec
 import yaml
 
 from transport import config as tcfg
-from transport.config import Port, Positive, Seconds, Section, TimeoutConfig, TransportConfig
+from transport.config import MiB, Port, Positive, Seconds, Section, Size, TimeoutConfig, TransportConfig
 from transport.errors import ConfigError
 from transport.store import config as scfg
 from transport.store.config import StoreConfig
@@ -53,6 +53,7 @@ class ConnectorConfig(Section, frozen=True):
     free_deadline_s: Seconds = 30.0  # prefill: blocks held for a push are freed after this anyway
     events_path: str = ""            # JSONL of per-request transfer events ("" = off)
     metrics_port: Port = 0           # Prometheus exporter of the worker process (0 = off)
+    metrics_host: str = "127.0.0.1"  # address the exporter binds
     push_hook: str = ""              # "module:function" called on each chunk before it is written (tests' faults)
     helper_cpus: str = "all"         # push/install threads: "all" allowed CPUs, "inherit" the engine pin, or "2-3"
 
@@ -87,6 +88,17 @@ class RouterConfig(Section, frozen=True):
     health_interval_s: Seconds = 2.0
     request_timeout_s: Seconds = 600.0     # an upstream silent this long fails (a long stream is fine)
     upstream_connections: Positive = 512  # at most this many connections to one engine; more requests queue
+    api_keys: list[str] = msgspec.field(default_factory=list)   # bearer tokens clients must present ([] = open)
+    api_keys_file: str = ""          # one key per line (0600), e.g. a mounted Secret; adds to api_keys / env
+    tls_cert: str = ""               # PEM certificate: serve HTTPS (with tls_key)
+    tls_key: str = ""
+    max_body_bytes: Size = 8 * MiB   # larger request bodies get a JSON 413
+    max_inflight: Positive = 128     # admitted requests per decode node; beyond, they queue
+    max_queued: int = 256            # waiting requests beyond which a 429 is immediate
+    queue_timeout_s: Seconds = 30.0  # a queued request waits at most this long, then 429
+    rate_limit_rps: float = 0.0      # per API key (or client address) token bucket; 0 = off
+    rate_limit_burst: int = 0        # bucket size (0 = 2 x rate_limit_rps, at least 1)
+    params_ttl_s: Seconds = 300.0    # signed kv_transfer_params expire after this
 
 
 class DeployConfig(Section, frozen=True):
@@ -183,6 +195,7 @@ FIELD_HELP: dict[str, str] = {
     'connector.free_deadline_s': 'prefill: blocks held for a push are freed after this anyway (counted)',
     'connector.events_path': 'JSONL log of per-chunk and per-request transfer events ("" = off; kvrelay up: log_dir/events.jsonl)',
     'connector.metrics_port': 'Prometheus exporter of each worker (node i: port + i; 0 = off)',
+    'connector.metrics_host': 'address the connector metrics exporter binds (loopback unless you open it: 0.0.0.0)',
     'connector.push_hook': ('"module:function" the push thread calls with each chunk before writing it, e.g. a '
                             "test's fault injection (\"\" = none)"),
     'connector.helper_cpus': "push/install threads' CPUs: all (any CPU the container allows), inherit (the engine thread's pin) or a list like 2-3",
@@ -207,6 +220,18 @@ FIELD_HELP: dict[str, str] = {
     'router.health_interval_s': 'health-check period; failed nodes leave rotation until healthy',
     'router.request_timeout_s': 'an upstream (prefill or decode) silent this long fails the request; a long stream is fine',
     'router.upstream_connections': 'at most this many concurrent connections to one engine; further requests wait for one',
+    'router.api_keys': ("bearer tokens clients must send (Authorization: Bearer KEY), as vLLM's --api-key; [] and no "
+                        "KVRELAY_API_KEY = no authentication"),
+    'router.api_keys_file': 'file of API keys, one per line (mode 0600), added to router.api_keys and KVRELAY_API_KEY',
+    'router.tls_cert': 'PEM certificate chain: the router serves HTTPS (needs router.tls_key)',
+    'router.tls_key': 'PEM private key for router.tls_cert',
+    'router.max_body_bytes': 'request bodies larger than this get a JSON 413 (e.g. 8MiB)',
+    'router.max_inflight': 'admission control: requests in flight per decode node; further ones queue',
+    'router.max_queued': 'admission control: requests allowed to wait; beyond, a 429 with Retry-After',
+    'router.queue_timeout_s': 'admission control: a queued request waits at most this long, then 429',
+    'router.rate_limit_rps': 'per API key (or client address) token-bucket rate in requests/s; 0 = off',
+    'router.rate_limit_burst': 'token-bucket size (0 = twice the rate, at least 1)',
+    'router.params_ttl_s': 'the signed kv_transfer_params the router sends engines expire after this',
     'deploy.prefill': 'kvrelay up: number of prefill servers',
     'deploy.decode': 'kvrelay up: number of decode servers',
     'deploy.host': 'kvrelay up: address every server binds to',
@@ -235,6 +260,13 @@ def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
 def to_dict(cfg: KVRelayConfig) -> dict[str, Any]:
     data: dict[str, Any] = msgspec.to_builtins(cfg)
     return data
+
+
+def push_allowlist(cfg: KVRelayConfig) -> list[str] | None:
+    """The decode endpoints a prefill node may push to: ``transport.allowed_decode``, else the
+    transfer endpoints ``router.decode`` names; None (any signed target) if neither names one."""
+    named = list(cfg.transport.allowed_decode) or [d.split("=", 1)[1] for d in cfg.router.decode if "=" in d]
+    return named or None
 
 
 CONNECTOR_KEY = "kvrelay"   # kv_connector_extra_config = {"kvrelay": <config tree>}

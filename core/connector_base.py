@@ -110,7 +110,7 @@ class WorkerBase:
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None
         self.events = EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
-        self.metrics = metrics(cfg.connector.metrics_port)
+        self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         self.metrics.events_dropped.set_function(lambda: self.events.dropped)
         self._lock = threading.Condition()
         self._finished: set[str] = set()

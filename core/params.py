@@ -3,22 +3,48 @@
 ``{"kvrelay": {...}}`` carries :class:`PushParams` to the prefill node and
 :class:`PullParams` to the decode node. Versioned and validated: anything else is a
 :class:`ParamsError` naming what is wrong.
+
+The router signs each one (:class:`ParamsSigner`): an HMAC under the deployment's
+params key over every field, including an expiry. Engines accept only signed, unexpired
+params (:class:`ParamsVerifier`), and a prefill node pushes only to a decode endpoint in
+its allowlist, so a client that reaches an engine directly can neither aim a push at an
+address of its choosing nor name another request's transfer.
 """
 
 from __future__ import annotations
 
+import enum
+import time
+from collections.abc import Callable, Collection
 from typing import Any
 
 import msgspec
 
 from transport.errors import KVRelayError
+from transport.secrets import KeyUse, derive_key, mac, same
 
 PARAMS_KEY = "kvrelay"
-PARAMS_VERSION = 1
+PARAMS_VERSION = 2          # 2: signed (exp, sig)
+
+
+class ParamsRefusal(str, enum.Enum):
+    """Why an engine refused a request's ``kv_transfer_params`` (a metric label)."""
+
+    MALFORMED = "malformed"
+    UNSIGNED = "unsigned"
+    BAD_SIGNATURE = "bad_signature"
+    EXPIRED = "expired"
+    NOT_ALLOWED = "not_allowed"      # push_to is not a decode node this prefill node may push to
+    WRONG_ROLE = "wrong_role"        # push params sent to a decode node, or pull params to a prefill node
+    REUSED = "reused"                # a transfer_id already in use on this node
 
 
 class ParamsError(KVRelayError, ValueError):
-    """Malformed ``kv_transfer_params``."""
+    """Malformed or refused ``kv_transfer_params``; ``cause`` says which."""
+
+    def __init__(self, message: str, cause: ParamsRefusal = ParamsRefusal.MALFORMED) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class PushParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="push", tag_field="role"):
@@ -26,6 +52,8 @@ class PushParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="p
 
     transfer_id: str
     push_to: str                 # the decode node's transfer control endpoint, tcp://host:port
+    exp: float = 0.0             # unix time after which the params are refused
+    sig: str = ""                # hex HMAC over every other field (ParamsSigner)
     v: int = PARAMS_VERSION
 
 
@@ -34,14 +62,18 @@ class PullParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="p
 
     transfer_id: str
     pull_from: str = ""          # informational: the prefill node's URL
+    exp: float = 0.0
+    sig: str = ""
     v: int = PARAMS_VERSION
 
 
 Params = PushParams | PullParams
+_encoder = msgspec.msgpack.Encoder()
 
 
 def parse_params(kv_transfer_params: dict[str, Any] | None) -> Params | None:
-    """Extract kvrelay's params from a request's ``kv_transfer_params`` (None if absent)."""
+    """Extract kvrelay's params from a request's ``kv_transfer_params`` (None if absent).
+    Checks the schema only; :class:`ParamsVerifier` checks the signature."""
     if not kv_transfer_params or PARAMS_KEY not in kv_transfer_params:
         return None
     try:
@@ -58,3 +90,60 @@ def parse_params(kv_transfer_params: dict[str, Any] | None) -> Params | None:
 
 def params_dict(params: Params) -> dict[str, Any]:
     return {PARAMS_KEY: msgspec.to_builtins(params)}
+
+
+def _signature(key: bytes, params: Params) -> str:
+    return mac(key, b"kv_transfer_params", _encoder.encode(msgspec.structs.replace(params, sig=""))).hex()
+
+
+class ParamsSigner:
+    """The router's half: signs params for ``ttl_s`` seconds."""
+
+    def __init__(self, secret: bytes, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
+        self._key, self._ttl, self._clock = derive_key(secret, KeyUse.PARAMS), ttl_s, clock
+
+    def sign(self, params: Params) -> Params:
+        params = msgspec.structs.replace(params, exp=self._clock() + self._ttl, sig="")
+        return msgspec.structs.replace(params, sig=_signature(self._key, params))
+
+
+class ParamsVerifier:
+    """An engine's half: parses and verifies a request's params.
+
+    ``role`` is the kind this node accepts (PushParams on prefill, PullParams on decode);
+    ``allowed_push``: the decode endpoints a prefill node may push to (None = any signed one).
+    """
+
+    def __init__(self, secret: bytes, role: type[PushParams] | type[PullParams], *,
+                 allowed_push: Collection[str] | None = None, clock: Callable[[], float] = time.time) -> None:
+        self._key, self._role, self._clock = derive_key(secret, KeyUse.PARAMS), role, clock
+        self._allowed = frozenset(allowed_push) if allowed_push else None
+
+    def check(self, kv_transfer_params: dict[str, Any] | None) -> Params | None:
+        """The verified params (None if the request has none); ParamsError with its cause."""
+        params = parse_params(kv_transfer_params)
+        if params is None:
+            return None
+        if not isinstance(params, self._role):
+            raise ParamsError(f"kv_transfer_params.{PARAMS_KEY}: {type(params).__name__} sent to a node that "
+                              f"takes {self._role.__name__}", ParamsRefusal.WRONG_ROLE)
+        if not params.sig:
+            raise ParamsError(f"kv_transfer_params.{PARAMS_KEY} is not signed; only the kvrelay router may "
+                              "send transfer params", ParamsRefusal.UNSIGNED)
+        if not same(bytes.fromhex(params.sig) if _is_hex(params.sig) else b"", bytes.fromhex(
+                _signature(self._key, params))):
+            raise ParamsError(f"kv_transfer_params.{PARAMS_KEY} has a bad signature", ParamsRefusal.BAD_SIGNATURE)
+        if params.exp < self._clock():
+            raise ParamsError(f"kv_transfer_params.{PARAMS_KEY} expired", ParamsRefusal.EXPIRED)
+        if isinstance(params, PushParams) and self._allowed is not None and params.push_to not in self._allowed:
+            raise ParamsError(f"kv_transfer_params.{PARAMS_KEY}.push_to {params.push_to!r} is not a decode node "
+                              "this prefill node may push to (transport.allowed_decode)", ParamsRefusal.NOT_ALLOWED)
+        return params
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True

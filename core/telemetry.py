@@ -94,14 +94,17 @@ class Metrics:
         self.receiver_entries = Gauge("kvrelay_receiver_entries",
                                       "Per-transfer entries the decode node's receiver tracks (0 when idle)")
         self.events_dropped = Gauge("kvrelay_events_dropped", "Event-log lines lost (disk full, unwritable path)")
+        self.refusals = Gauge("kvrelay_receiver_refusals", "Writes and messages the decode node's receiver "
+                              "refused, by cause (cumulative)", ["cause"])
 
 
 @functools.cache
-def metrics(port: int = 0) -> Metrics:
-    """The process's metrics; starts an exporter on ``port`` the first time if non-zero."""
+def metrics(port: int = 0, host: str = "127.0.0.1") -> Metrics:
+    """The process's metrics; starts an exporter on ``host:port`` the first time if ``port`` is set
+    (loopback by default: expose it wider only on a network you trust)."""
     m = Metrics()
     if port:
         from prometheus_client import start_http_server
 
-        start_http_server(port)
+        start_http_server(port, addr=host)
     return m

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from core.config import KVRelayConfig
 from core.connector_base import RelayConnector, RelayMeta
-from core.params import ParamsError, PullParams, parse_params
+from core.guard import count_refusal, verifier_for
+from core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams
 from decode.saver import SaveSpec, save_spec
 
 if TYPE_CHECKING:
@@ -68,9 +69,12 @@ class DecodeMeta(RelayMeta):
 
 
 class DecodeScheduler:
-    def __init__(self, cfg: KVRelayConfig) -> None:
+    def __init__(self, cfg: KVRelayConfig, verifier: ParamsVerifier | None = None) -> None:
         self.cfg = cfg
+        self.verifier = verifier or verifier_for(cfg, producer=False)
         self._pending: dict[str, tuple[PullParams, int]] = {}   # req -> (params, local tokens)
+        self._owner: dict[str, str] = {}                         # transfer id -> the request loading it
+        self._params_of: dict[str, PullParams] = {}              # request -> its verified params
         self._loads: list[LoadSpec] = []
         self._cancelled: list[str] = []
         self._loading: set[str] = set()
@@ -84,8 +88,14 @@ class DecodeScheduler:
         if rid in self._done or rid in self._loading:
             return 0, False
         try:
-            params = parse_params(request.kv_transfer_params)
-        except ParamsError as exc:
+            params = self.verifier.check(request.kv_transfer_params)
+            if isinstance(params, PullParams):
+                if self._owner.setdefault(params.transfer_id, rid) != rid:
+                    raise ParamsError(f"transfer {params.transfer_id!r} is already being loaded by another "
+                                      "request", ParamsRefusal.REUSED)
+                self._params_of[rid] = params
+        except ParamsError as exc:        # the API-server guard answers most of these with a 400 first
+            count_refusal(exc)
             log.warning("request %s: %s; computing the prompt locally", rid, exc)
             self._done.add(rid)
             return 0, False
@@ -118,6 +128,9 @@ class DecodeScheduler:
         rid = request.request_id
         self._pending.pop(rid, None)
         self._done.discard(rid)
+        params = self._params_of.pop(rid, None)
+        if params is not None and self._owner.get(params.transfer_id) == rid:
+            del self._owner[params.transfer_id]
         if rid in self._loading:                  # aborted mid-load: the worker still writes its blocks
             self._cancelled.append(rid)
             return True, None

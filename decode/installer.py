@@ -8,6 +8,7 @@ the model thread only starts them and collects results.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from decode.saver import DecodeSaver
 from kernels.blocks import scatter
 from transport.backends import make_receiver_backend
 from transport.errors import ChecksumError, ConfigError, KVRelayError, TransferTimeout
-from transport.events import ChunkArrival, ChunkRejected, TransferDone, TransferFailed
+from transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone, TransferFailed
 from transport.keys import chunk_keys
 from transport.pool import PAGE, round_up
 from transport.receiver import Receiver
@@ -112,6 +113,9 @@ class InstallWorker(WorkerBase):
         pool, receiver = self.receiver.pool, self.receiver
         self.metrics.pool_leased.set_function(lambda: _busy_slots(pool))
         self.metrics.receiver_entries.set_function(lambda: sum(receiver.tracked().values()))
+        for cause in Refusal:
+            self.metrics.refusals.labels(cause.value).set_function(functools.partial(
+                receiver.stats.refusals.__getitem__, cause.value))
         log.info("kvrelay decode: receiving on %s (%s), pool %d slots x %d B", self.receiver.endpoint,
                  self.cfg.transport.backend.value, self.receiver.pool.stats().slots, slot)
 

@@ -39,7 +39,8 @@ from core.placement import place_helper_thread
 from core.telemetry import EventLog, metrics
 from kernels.blocks import KVLayout, gather_to_host
 from transport.keys import chunk_keys
-from transport.store.records import make_record
+from transport.secrets import load_secret
+from transport.store.records import make_record, seal_for
 from transport.store.tiers import RedisTier
 
 log = logging.getLogger("vllm.kvrelay.decode")
@@ -71,8 +72,9 @@ class DecodeSaver:
     def __init__(self, cfg: KVRelayConfig, blocks_per_chunk: int, events: EventLog,
                  done: Callable[[str], None]) -> None:
         self.cfg, self.events, self.done = cfg, events, done
-        self.redis = RedisTier(cfg.store.redis_url)
-        self.metrics = metrics(cfg.connector.metrics_port)
+        self.redis = RedisTier(cfg.store.redis_url, seal=seal_for(load_secret(cfg.transport)),
+                               password=cfg.store.redis_password(), ca_file=cfg.store.redis_ca_file)
+        self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         self.blocks_per_chunk = blocks_per_chunk
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None

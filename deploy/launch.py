@@ -26,6 +26,7 @@ import yaml
 from core import config as kcfg
 from core.config import KVRelayConfig
 from core.telemetry import read_events
+from transport.secrets import SECRET_ENV, write_secret_file
 
 TINY_NAME = "kvrelay-tiny"
 
@@ -99,7 +100,8 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
         dtype = "float32"                     # the tiny model: see deploy.tiny_model
     cmd += ["--dtype", dtype]
     if spec.role is not Role.SINGLE:
-        cmd += ["--kv-transfer-config", json.dumps(connector_config(cfg, spec))]
+        cmd += ["--kv-transfer-config", json.dumps(connector_config(cfg, spec)),
+                "--middleware", "core.guard.kvrelay_guard"]    # 400 for forged kv_transfer_params
     role_args = {Role.PREFILL: cfg.engine.prefill_args, Role.DECODE: cfg.engine.decode_args}.get(spec.role, [])
     return cmd + list(cfg.engine.extra_args) + list(role_args)
 
@@ -170,9 +172,22 @@ class Stack:
         if not cfg.connector.events_path:           # keep a transfer log next to the server logs
             events = str((self.log_dir / "events.jsonl").resolve())
             cfg = msgspec.structs.replace(cfg, connector=msgspec.structs.replace(cfg.connector, events_path=events))
+        if not cfg.transport.allowed_decode:        # prefill nodes push only to this stack's decode nodes
+            allowed = [f"tcp://{cfg.deploy.host}:{s.kv_port}" for s in node_specs(cfg) if s.role is Role.DECODE]
+            cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport,
+                                                                               allowed_decode=allowed))
         self.cfg = cfg
         self.specs = node_specs(cfg)
         self.procs: dict[str, subprocess.Popen] = {}
+
+    def ensure_secret(self) -> None:
+        """Give the stack a shared secret if none is set: a new one in ``log_dir/secret`` (0600),
+        which every node reads through ``transport.secret_file`` - never a command line."""
+        if os.environ.get(SECRET_ENV) or self.cfg.transport.secret_file:
+            return
+        path = write_secret_file(self.log_dir.resolve() / "secret")
+        self.cfg = msgspec.structs.replace(self.cfg, transport=msgspec.structs.replace(
+            self.cfg.transport, secret_file=str(path)))
 
     def url(self, spec: NodeSpec) -> str:
         return f"http://{self.cfg.deploy.host}:{spec.port}"
@@ -198,6 +213,7 @@ class Stack:
 
     def start(self, progress: bool = True) -> None:
         model_path(self.cfg)                                  # create the tiny model once, up front
+        self.ensure_secret()
         for k, s in enumerate(self.specs):
             self._spawn(s.name, server_command(self.cfg, s), server_env(self.cfg, k, len(self.specs)))
         self.log_dir.mkdir(parents=True, exist_ok=True)

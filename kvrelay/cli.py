@@ -8,6 +8,7 @@ import sys
 from core import config as kcfg
 from kvrelay import __version__
 from transport.errors import KVRelayError
+from transport.secrets import load_secret
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -40,6 +41,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
     cfg = kcfg.config_from_args(args)
     if not cfg.router.prefill or not cfg.router.decode:
         raise kcfg.ConfigError("router: router.prefill and router.decode must list at least one node each")
+    load_secret(cfg.transport)                # refuse to start without one, saying how to set it
     run(cfg)
     return 0
 
@@ -54,12 +56,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     kv_port = cfg.transport.control_port or cfg.deploy.kv_base_port + args.index
     port = args.port or cfg.deploy.base_port + args.index
     spec = launch.NodeSpec(role, args.index, port, kv_port if role is launch.Role.DECODE else 0)
+    if role is not launch.Role.SINGLE:
+        load_secret(cfg.transport)            # refuse to start without one, saying how to set it
     cmd = launch.server_command(cfg, spec)
     env = launch.server_env(cfg, 0, 1)
     if args.dry_run:
         print(" ".join(cmd))
         return 0
     os.execvpe(cmd[0], cmd, env)
+    return 0
+
+
+def _cmd_secret(args: argparse.Namespace) -> int:
+    from transport.secrets import write_secret_file
+
+    path = write_secret_file(args.file)
+    print(f"kvrelay: wrote a new shared secret to {path} (mode 0600); point transport.secret_file at it "
+          "on every node and the router", file=sys.stderr)
     return 0
 
 
@@ -129,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="print the vLLM command instead of running it")
     kcfg.add_config_args(s)
     s.set_defaults(func=_cmd_serve)
+
+    sec = sub.add_parser("secret", help="write a new shared secret to FILE (mode 0600) for transport.secret_file",
+                         description="Every node and the router of one deployment share a secret: it "
+                         "authenticates the transfer handshake, the router's signed kv_transfer_params and "
+                         "shared store records. Nodes read it from KVRELAY_SECRET or transport.secret_file.")
+    sec.add_argument("file")
+    sec.set_defaults(func=_cmd_secret)
 
     m = sub.add_parser("make-tiny-model", help="write the built-in tiny Llama checkpoint + tokenizer to DIR")
     m.add_argument("dir")

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 from core.config import KVRelayConfig
 from core.connector_base import RelayConnector, RelayMeta
-from core.params import ParamsError, PushParams, parse_params
+from core.guard import count_refusal, verifier_for
+from core.params import ParamsError, ParamsVerifier, PushParams
 from prefill.lookup import StoreClient, hit_limit, lookup_endpoint
 
 if TYPE_CHECKING:
@@ -76,9 +77,11 @@ class PrefillMeta(RelayMeta):
 class PrefillScheduler:
     """Scheduler-process half: tracks push (and, with the store on, all) requests and their blocks."""
 
-    def __init__(self, cfg: KVRelayConfig, store: StoreClient | None = None) -> None:
+    def __init__(self, cfg: KVRelayConfig, store: StoreClient | None = None,
+                 verifier: ParamsVerifier | None = None) -> None:
         self.cfg = cfg
         self.store = store
+        self.verifier = verifier or verifier_for(cfg, producer=True)
         self._params: dict[str, PushParams | None] = {}   # tracked while their prefill runs
         self._prompt_len: dict[str, int] = {}
         self._store_from: dict[str, int] = {}
@@ -93,8 +96,9 @@ class PrefillScheduler:
         if rid in self._params:
             return
         try:
-            params = parse_params(request.kv_transfer_params)
-        except ParamsError as exc:
+            params = self.verifier.check(request.kv_transfer_params)
+        except ParamsError as exc:        # the API-server guard answers these with a 400 first
+            count_refusal(exc)
             log.warning("request %s: %s; serving it without a push", rid, exc)
             params = None
         if isinstance(params, PushParams) or self.store is not None:

@@ -29,8 +29,9 @@ from kernels.blocks import KVLayout, scatter
 from prefill.lookup import SLOW_LOOKUP_S, Lookup, LookupReply, hit_limit, lookup_endpoint
 from transport.errors import KVRelayError
 from transport.keys import chunk_keys
+from transport.secrets import load_secret
 from transport.store.events import Publisher
-from transport.store.records import make_record, read_record
+from transport.store.records import make_record, read_record, seal_for
 from transport.store.store import MultiTierStore
 
 log = logging.getLogger("vllm.kvrelay.prefill")
@@ -41,13 +42,14 @@ class StoreService:
 
     def __init__(self, cfg: KVRelayConfig, vllm_config: Any, events: EventLog) -> None:
         self.cfg, self.events = cfg, events
-        self.metrics = metrics(cfg.connector.metrics_port)
+        self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         s = cfg.store
         self.publisher = Publisher(cfg.transport.host, s.publish_port) if s.publish_port else None
         self.store = MultiTierStore(int(s.cpu_bytes), policy=s.eviction_policy.value, disk_path=s.disk_path,
                                     disk_bytes=int(s.disk_bytes), redis_url=s.redis_url,
                                     deferred_bytes=int(s.deferred_bytes), prefetch_ahead=s.prefetch_ahead,
-                                    on_event=self.publisher)
+                                    on_event=self.publisher, seal=seal_for(load_secret(cfg.transport)),
+                                    redis_password=s.redis_password(), redis_ca_file=s.redis_ca_file)
         self.endpoint = lookup_endpoint(vllm_config)
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None

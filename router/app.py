@@ -9,6 +9,12 @@ Per completion request:
 3. stream D's answer back unchanged (SSE bytes exactly as vLLM emits them, or the
    JSON body), with ``X-Request-Id`` propagated both ways.
 
+Who gets in (:mod:`router.limits`): with API keys configured, ``/v1`` requests need
+``Authorization: Bearer KEY`` (else 401); a per-key token bucket (429); a body over
+``router.max_body_bytes`` (JSON 413); admission control - ``router.max_inflight`` per
+decode node, a bounded FIFO queue behind it, then 429 with ``Retry-After``. The
+``kv_transfer_params`` the router sends engines are signed (:class:`core.params.ParamsSigner`).
+
 Failures: malformed bodies, and fields PD cannot serve or the prefill rewrite would
 hide (:mod:`router.validate`), get an OpenAI-style 400 here, before any engine sees
 them; engine 4xx answers (e.g. a prompt over ``max_model_len``) pass through, and P's
@@ -29,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import ssl
 import time
 import uuid
 from typing import Any
@@ -38,20 +45,27 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from core.config import KVRelayConfig, RoutingPolicy
-from core.params import PullParams, PushParams, params_dict
+from core.params import ParamsSigner, PullParams, PushParams, params_dict
 from router import validate
 from router.cache_index import ChunkIndex, PromptTokenizer
+from router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from router.pools import Node, NoHealthyNode, Pool, health_loop, pools_from_config
+from transport.errors import ConfigError
+from transport.secrets import load_secret
 
 log = logging.getLogger("kvrelay.router")
-MAX_BODY = 64 * 1024 * 1024
 
 
 def error_response(status: int, message: str, etype: str = "invalid_request_error",
-                   rid: str = "") -> web.Response:
-    body = {"error": {"message": message, "type": etype, "param": None, "code": status}}
-    headers = {"X-Request-Id": rid} if rid else {}
-    return web.json_response(body, status=status, headers=headers)
+                   rid: str = "", headers: dict[str, str] | None = None, code: str | int | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": etype, "param": None, "code": code or status}}
+    hdrs = {"X-Request-Id": rid} if rid else {}
+    return web.json_response(body, status=status, headers={**hdrs, **(headers or {})})
+
+
+def too_many(message: str, retry_after_s: float) -> web.Response:
+    return error_response(429, message, "rate_limit_exceeded",
+                          headers={"Retry-After": str(max(1, round(retry_after_s)))})
 
 
 class RouterMetrics:
@@ -67,12 +81,19 @@ class RouterMetrics:
 
 
 class Router:
-    def __init__(self, cfg: KVRelayConfig, prefill: Pool | None = None, decode: Pool | None = None) -> None:
+    def __init__(self, cfg: KVRelayConfig, prefill: Pool | None = None, decode: Pool | None = None, *,
+                 secret: bytes | None = None) -> None:
         self.cfg = cfg
         if prefill is None or decode is None:
             prefill, decode = pools_from_config(cfg.router)
         self.prefill, self.decode = prefill, decode
         self.metrics = RouterMetrics()
+        rc = cfg.router
+        self.signer = ParamsSigner(load_secret(cfg.transport) if secret is None else secret, rc.params_ttl_s)
+        self.keys = ApiKeys.from_config(rc)
+        self.rates = RateLimits(rc.rate_limit_rps, rc.rate_limit_burst)
+        self.admission = Admission(rc.max_inflight * max(1, len(self.decode.nodes)), rc.max_queued,
+                                   rc.queue_timeout_s)
         self.index: ChunkIndex | None = None
         self.tokenizer: PromptTokenizer | None = None
         if cfg.router.policy is RoutingPolicy.CACHE_AWARE:
@@ -84,7 +105,7 @@ class Router:
         self._health: asyncio.Task[None] | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=int(self.cfg.router.max_body_bytes), middlewares=[self._gate])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -114,6 +135,35 @@ class Router:
         if self.session is not None:
             await self.session.close()
 
+    @web.middleware
+    async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """API key, rate limit and body size, before any handler reads the body (``/v1`` only)."""
+        if not request.path.startswith("/v1/"):
+            return await handler(request)
+        who = request.remote or "?"
+        if self.keys.enabled:
+            key = self.keys.check(request.headers.get("Authorization"))
+            if key is None:
+                self.metrics.errors.labels("unauthorized").inc()
+                return error_response(401, "Incorrect or missing API key: send Authorization: Bearer <key>",
+                                      "invalid_request_error", code="invalid_api_key")
+            who = key
+        wait = self.rates.take(who)
+        if wait:
+            self.metrics.errors.labels("rate_limited").inc()
+            return too_many("rate limit exceeded for this API key", wait)
+        limit = int(self.cfg.router.max_body_bytes)
+        if request.content_length is not None and request.content_length > limit:
+            self.metrics.errors.labels("body_too_large").inc()
+            return error_response(413, f"request body of {request.content_length} bytes exceeds the limit of "
+                                  f"{limit} bytes (router.max_body_bytes)", code="request_too_large")
+        try:
+            return await handler(request)
+        except web.HTTPRequestEntityTooLarge:        # a chunked body that turned out too large
+            self.metrics.errors.labels("body_too_large").inc()
+            return error_response(413, f"request body exceeds the limit of {limit} bytes (router.max_body_bytes)",
+                                  code="request_too_large")
+
     # ---------------------------------------------------------------- simple endpoints
     async def health(self, request: web.Request) -> web.Response:
         p = [n.url for n in self.prefill.nodes if n.healthy]
@@ -134,6 +184,17 @@ class Router:
 
     # ---------------------------------------------------------------- completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            await self.admission.acquire()
+        except Overloaded as exc:
+            self.metrics.errors.labels("overloaded").inc()
+            return too_many(str(exc), exc.retry_after_s)
+        try:
+            return await self._completion(request)
+        finally:
+            self.admission.release()
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id") or f"kvr-{uuid.uuid4().hex}"
         endpoint = request.path
         try:
@@ -190,7 +251,7 @@ class Router:
                        tid: str, rid: str) -> None:
         pbody = dict(body)
         pbody.update(stream=False, max_tokens=1, kv_transfer_params=params_dict(
-            PushParams(transfer_id=tid, push_to=d_node.kv_endpoint)))
+            self.signer.sign(PushParams(transfer_id=tid, push_to=d_node.kv_endpoint))))
         pbody.pop("stream_options", None)
         if "max_completion_tokens" in pbody:
             pbody["max_completion_tokens"] = 1
@@ -229,7 +290,7 @@ class Router:
         assert self.session is not None
         dbody = dict(body)
         if tid:                                 # "" = no prefill node: D computes the prompt itself
-            dbody["kv_transfer_params"] = params_dict(PullParams(transfer_id=tid))
+            dbody["kv_transfer_params"] = params_dict(self.signer.sign(PullParams(transfer_id=tid)))
         node.outstanding += 1
         try:
             async with self.session.post(f"{node.url}{endpoint}", json=dbody,
@@ -294,5 +355,20 @@ def _log_task_error(task: asyncio.Task[None]) -> None:
 def run(cfg: KVRelayConfig) -> None:
     """Serve the router until interrupted."""
     router = Router(cfg)
-    web.run_app(router.app(), host=cfg.router.host, port=cfg.router.port, print=None,
+    web.run_app(router.app(), host=cfg.router.host, port=cfg.router.port, print=None, ssl_context=tls_context(cfg),
                 access_log=None, handle_signals=True, handler_cancellation=True)
+
+
+def tls_context(cfg: KVRelayConfig) -> ssl.SSLContext | None:
+    """HTTPS for clients when ``router.tls_cert`` and ``router.tls_key`` are set."""
+    rc = cfg.router
+    if not rc.tls_cert and not rc.tls_key:
+        return None
+    if not (rc.tls_cert and rc.tls_key):
+        raise ConfigError("router.tls_cert and router.tls_key must be set together")
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        ctx.load_cert_chain(rc.tls_cert, rc.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"router TLS: cannot load {rc.tls_cert} / {rc.tls_key}: {exc}") from exc
+    return ctx

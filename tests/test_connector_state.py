@@ -7,6 +7,7 @@ delayed frees, aborts in the middle of a load, malformed params.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -41,12 +42,15 @@ class Out:
     finished_recving: set[str] = field(default_factory=set)
 
 
+SIGNER = pd.ParamsSigner(os.environ["KVRELAY_SECRET"].encode(), 60)
+
+
 def push(tid: str = "t1") -> dict:
-    return pd.params_dict(pd.PushParams(transfer_id=tid, push_to="tcp://127.0.0.1:9100"))
+    return pd.params_dict(SIGNER.sign(pd.PushParams(transfer_id=tid, push_to="tcp://127.0.0.1:9100")))
 
 
 def pull(tid: str = "t1") -> dict:
-    return pd.params_dict(pd.PullParams(transfer_id=tid))
+    return pd.params_dict(SIGNER.sign(pd.PullParams(transfer_id=tid)))
 
 
 def sched_out(new=(), cached_ids=(), cached_new_blocks=(), cached_computed=(), scheduled=None):

@@ -5,6 +5,7 @@ that still releases the request's blocks."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from decode.saver import DecodeSaver, SaveSpec  # noqa: E402
 from kernels.blocks import KVLayout  # noqa: E402
 from tests.test_kernels import BS, expected_chunk, vllm_like_caches  # noqa: E402
 from transport.keys import Fingerprint, chunk_keys  # noqa: E402
+from transport.store.records import seal_for  # noqa: E402
 from transport.store.tiers import RedisTier  # noqa: E402
 from transport.wire import HEADER_SIZE, verify_chunk  # noqa: E402
 
@@ -50,7 +52,7 @@ def test_saves_exact_block_bytes_skips_present_chunks_and_survives_a_dead_redis(
         saver, caches = _saver(url, str(events), done)
         saver.submit([SaveSpec("r1", tokens, blocks, first_chunk=1)])
         _wait(done, "r1")
-        got = RedisTier(url).get(keys)
+        got = RedisTier(url, seal=seal_for(os.environ["KVRELAY_SECRET"].encode())).get(keys)
         assert got[0] is None                                  # chunk 0 is all prompt: P's job
         for c in (1, 2):
             rec = got[c]

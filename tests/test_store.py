@@ -14,9 +14,12 @@ import pytest
 from bench.local_redis import REDIS, free_port, redis_server
 from transport.keys import KEY_BYTES
 from transport.store.policy import make_policy
+from transport.store.records import seal_for
 from transport.store.store import CpuTier, MultiTierStore
 from transport.store.tiers import DiskTier, RedisTier
 from transport.wire import make_header
+
+SEAL = seal_for(os.environ["KVRELAY_SECRET"].encode())
 
 
 def record(i: int, size: int = 4096) -> tuple[bytes, bytes]:
@@ -36,7 +39,7 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory):
 def test_store_evict_then_load_from_disk_is_byte_identical(tmp_path: Path):
     recs = [record(i) for i in range(8)]
     size = len(recs[0][1])
-    s = MultiTierStore(3 * size, disk_path=str(tmp_path), disk_bytes=100 * size, deferred_bytes=100 * size)
+    s = MultiTierStore(3 * size, disk_path=str(tmp_path), disk_bytes=100 * size, deferred_bytes=100 * size, seal=SEAL)
     for k, r in recs:
         assert s.put(k, r)
     s.flush()
@@ -56,7 +59,7 @@ def test_store_evict_then_load_from_disk_is_byte_identical(tmp_path: Path):
 def test_deferred_writes_flush_in_batches_and_on_close(tmp_path: Path):
     recs = [record(i) for i in range(5)]
     size = len(recs[0][1])
-    s = MultiTierStore(100 * size, disk_path=str(tmp_path), disk_bytes=100 * size, deferred_bytes=2 * size)
+    s = MultiTierStore(100 * size, disk_path=str(tmp_path), disk_bytes=100 * size, deferred_bytes=2 * size, seal=SEAL)
     s.put(*recs[0])
     assert s.disk is not None and s.disk.contains([recs[0][0]]) == [False]   # deferred, not yet written
     s.put(*recs[1])                                                      # 2 records: a batch goes down
@@ -65,11 +68,11 @@ def test_deferred_writes_flush_in_batches_and_on_close(tmp_path: Path):
     for k, r in recs[2:]:
         s.put(k, r)
     s.close()                                                            # acknowledged => on disk
-    assert DiskTier(tmp_path, 100 * size).get([k for k, _ in recs]) == [r for _, r in recs]
+    assert DiskTier(tmp_path, 100 * size, seal=SEAL).get([k for k, _ in recs]) == [r for _, r in recs]
 
 
 def test_corrupt_disk_file_is_a_miss(tmp_path: Path):
-    disk = DiskTier(tmp_path, 1 << 20)
+    disk = DiskTier(tmp_path, 1 << 20, seal=SEAL)
     (k1, r1), (k2, r2) = record(1), record(2)
     assert disk.put([(k1, r1), (k2, r2)]) == 2
     f = tmp_path / f"{k2.hex()}.kvc"
@@ -77,7 +80,7 @@ def test_corrupt_disk_file_is_a_miss(tmp_path: Path):
     data[-100] ^= 0xFF
     f.write_bytes(bytes(data))
     assert disk.get([k1, k2]) == [r1, None]
-    assert disk.corrupt == 1 and disk.contains([k2]) == [False]
+    assert disk.forged == 1 and disk.contains([k2]) == [False]      # a flipped bit fails the MAC first
     # a record stored under the wrong key is rejected too
     (tmp_path / f"{k1.hex()}.kvc").write_bytes(r2)
     assert disk.get([k1]) == [None]
@@ -85,17 +88,17 @@ def test_corrupt_disk_file_is_a_miss(tmp_path: Path):
 
 def test_redis_roundtrip_corruption_and_outage(redis_url, caplog):
     url, proc = redis_url
-    tier = RedisTier(url)
+    tier = RedisTier(url, seal=SEAL)
     (k1, r1), (k2, r2) = record(11, 70000), record(12, 70000)
     assert tier.put([(k1, r1), (k2, r2)]) == 2
     assert tier.get([k1, k2]) == [r1, r2]
     tier.client.setrange(tier._k(k2), len(r2) - 10, b"\x00" * 4)   # corrupt in place
     assert tier.get([k1, k2]) == [r1, None]
-    assert tier.corrupt == 1
+    assert tier.forged == 1                                          # the MAC catches it first
     # Store -> evicted from the CPU tier -> loaded back from Redis, byte-identical.
     recs = [record(100 + i) for i in range(4)]
     size = len(recs[0][1])
-    sr = MultiTierStore(2 * size, redis_url=url, deferred_bytes=100 * size)
+    sr = MultiTierStore(2 * size, redis_url=url, deferred_bytes=100 * size, seal=SEAL)
     for k, r in recs:
         sr.put(k, r)
         sr.flush()                       # written down before the next put evicts it from CPU
@@ -106,14 +109,14 @@ def test_redis_roundtrip_corruption_and_outage(redis_url, caplog):
         loaded.append(bytes(view))
     assert loaded == [r for _, r in recs] and sr.stats.hits.get("redis", 0) >= 2
     # Redis-backed store: a killed server degrades to misses with a warning, never an exception.
-    s = MultiTierStore(1 << 20, redis_url=url, deferred_bytes=1)
+    s = MultiTierStore(1 << 20, redis_url=url, deferred_bytes=1, seal=SEAL)
     k3, r3 = record(13)
     s.put(k3, r3)
     s.flush()
-    assert RedisTier(url).get([k3]) == [r3]
+    assert RedisTier(url, seal=SEAL).get([k3]) == [r3]
     proc.kill()
     proc.wait()
-    s2 = MultiTierStore(1 << 20, redis_url=url)
+    s2 = MultiTierStore(1 << 20, redis_url=url, seal=SEAL)
     with caplog.at_level("WARNING", logger="kvrelay.store"):
         assert s2.lookup_prefix([k3]) == 0
         assert list(s2.load([k3]))[0][1] is None
@@ -126,7 +129,7 @@ def test_redis_roundtrip_corruption_and_outage(redis_url, caplog):
 def test_an_unreachable_redis_is_skipped_for_retry_s_then_used_again(tmp_path, caplog):
     now = [100.0]
     port = free_port()                                   # nothing listens here yet
-    tier = RedisTier(f"redis://127.0.0.1:{port}/0", retry_s=5.0, clock=lambda: now[0])
+    tier = RedisTier(f"redis://127.0.0.1:{port}/0", seal=SEAL, retry_s=5.0, clock=lambda: now[0])
     (k1, r1) = record(21)
     with caplog.at_level("WARNING", logger="kvrelay.store"):
         assert tier.contains([k1]) == [False]
@@ -135,7 +138,7 @@ def test_an_unreachable_redis_is_skipped_for_retry_s_then_used_again(tmp_path, c
         # Within retry_s the tier answers misses without trying the (now live) server.
         assert tier.contains([k1]) == [False] and tier.get([k1]) == [None] and tier.put([(k1, r1)]) == 0
         assert tier.errors == 1 and tier.skipped == 3
-        assert RedisTier(url).get([k1]) == [None]        # the skipped put really wrote nothing
+        assert RedisTier(url, seal=SEAL).get([k1]) == [None]        # the skipped put really wrote nothing
         now[0] += 5.0
         assert tier.put([(k1, r1)]) == 1 and tier.get([k1]) == [r1] and tier.contains([k1]) == [True]
         assert tier.errors == 1 and tier.skipped == 3

@@ -25,7 +25,9 @@ class StoreConfig(Section, frozen=True):
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     disk_path: str = ""
     disk_bytes: Size = 0
-    redis_url: str = ""
+    redis_url: str = ""              # redis:// or rediss:// (TLS); no password here (it reaches command lines)
+    redis_password_file: str = ""    # 0600 file with the Redis password (AUTH / ACL user's password)
+    redis_ca_file: str = ""          # rediss://: CA bundle that verifies the server
     publish_port: Port = 0           # ZeroMQ PUB of chunk stored/evicted events for the router (0 = off)
     save_decoded: bool = False       # decode nodes store the chunks their generated tokens complete (Redis)
 
@@ -34,6 +36,17 @@ class StoreConfig(Section, frozen=True):
         if self.enabled and self.save_decoded and not self.redis_url:
             raise ConfigError("store.save_decoded: prefill nodes can only find a decode node's chunks in a "
                               "shared tier; set store.redis_url")
+
+    def redis_password(self) -> str | None:
+        """The password from ``redis_password_file`` (None if unset)."""
+        if not self.redis_password_file:
+            return None
+        from pathlib import Path
+
+        try:
+            return Path(self.redis_password_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"store.redis_password_file {self.redis_password_file}: {exc.strerror or exc}") from exc
 
     @property
     def active(self) -> bool:
@@ -52,7 +65,9 @@ FIELD_HELP: dict[str, str] = {
     'store.disk_path': 'multi-tier store: disk tier directory ("" = no disk tier)',
     'store.disk_bytes': 'multi-tier store: disk tier size cap',
     'store.publish_port': 'prefill nodes publish chunk stored/evicted events here (ZeroMQ PUB) for cache-aware routing; 0 = off',
-    'store.redis_url': 'multi-tier store: redis://host:port/db ("" = no Redis tier)',
+    'store.redis_url': 'multi-tier store: redis://[user@]host:port/db or rediss:// for TLS ("" = no Redis tier)',
+    'store.redis_password_file': 'file (mode 0600) holding the Redis password; keeps it off command lines and configs',
+    'store.redis_ca_file': 'rediss://: CA certificate file that verifies the Redis server',
     'store.save_decoded': ('decode nodes also store the chunks completed by generated tokens (into store.redis_url, '
                            'which the prefill nodes share), so the next turn finds the previous answer'),
 }

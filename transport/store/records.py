@@ -5,14 +5,55 @@ header checksum) followed by the ``[layer][block]`` payload - the same bytes tha
 travel between nodes. Every tier checks a record when it reads it back; one that
 fails (a flipped bit on disk, a truncated Redis value, a record under the wrong key)
 is a miss, never returned.
+
+Records in the *shared* tiers (disk, Redis) are also sealed (:class:`RecordSeal`): a
+keyed BLAKE2b-256 over the chunk key and the record, under the deployment's store key.
+Anyone who can write to Redis or the disk directory but does not hold the secret
+cannot make a record a node will load: it is a miss, counted as forged.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 from transport.errors import ChunkError, ProtocolError
+from transport.secrets import KeyUse, derive_key
 from transport.wire import HEADER_SIZE, Buffer, ChunkHeader, make_header, parse_header, verify_chunk
 
 RECORD_TAG = "store"    # the transfer id records are stamped with (they belong to no transfer)
+
+
+def seal_for(secret: bytes) -> RecordSeal:
+    """The deployment's record seal (the store key derived from the shared secret)."""
+    return RecordSeal(derive_key(secret, KeyUse.STORE))
+
+
+class RecordSeal:
+    """Appends and checks the keyed MAC of records in the shared tiers."""
+
+    SIZE = 32
+
+    def __init__(self, store_key: bytes) -> None:
+        self._key = store_key[:64]          # BLAKE2b takes keys of up to 64 bytes
+
+    def _tag(self, key: bytes, record: Buffer) -> bytes:
+        h = hashlib.blake2b(key=self._key, digest_size=self.SIZE, person=b"kvrelay-record")
+        h.update(key)
+        h.update(record)
+        return h.digest()
+
+    def seal(self, key: bytes, record: Buffer) -> bytes:
+        """``record`` followed by its MAC (what a shared tier stores)."""
+        return bytes(record) + self._tag(key, record)
+
+    def open(self, key: bytes, sealed: bytes | memoryview) -> memoryview | None:
+        """The record inside ``sealed`` if its MAC verifies for ``key``, else None."""
+        view = memoryview(sealed)
+        if view.nbytes <= self.SIZE:
+            return None
+        record, tag = view[:-self.SIZE], view[-self.SIZE:]
+        return record if hmac.compare_digest(self._tag(key, record), bytes(tag)) else None
 
 
 def make_record(key: bytes, chunk_index: int, payload: Buffer, *, num_layers: int, num_blocks: int) -> bytes:

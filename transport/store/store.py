@@ -25,7 +25,9 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from transport.errors import ConfigError
 from transport.store.policy import make_policy
+from transport.store.records import RecordSeal
 from transport.store.tiers import DiskTier, RedisTier, Tier, first_missing
 
 log = logging.getLogger("kvrelay.store")
@@ -130,10 +132,15 @@ class CpuTier:
 class MultiTierStore:
     def __init__(self, cpu_bytes: int, *, policy: str = "lru", disk_path: str = "", disk_bytes: int = 0,
                  redis_url: str = "", deferred_bytes: int = 8 << 20, prefetch_ahead: int = 2,
-                 on_event: EventFn | None = None) -> None:
+                 on_event: EventFn | None = None, seal: RecordSeal | None = None,
+                 redis_password: str | None = None, redis_ca_file: str = "") -> None:
+        """``seal`` keys the MAC on records in the shared tiers (required with disk or Redis)."""
         self.stats = StoreStats()
-        self.disk = DiskTier(disk_path, disk_bytes, policy) if disk_path and disk_bytes else None
-        self.redis = RedisTier(redis_url) if redis_url else None
+        if (disk_path and disk_bytes or redis_url) and seal is None:
+            raise ConfigError("the disk and Redis store tiers need the deployment's secret (a RecordSeal)")
+        self.disk = DiskTier(disk_path, disk_bytes, policy, seal=seal) if disk_path and disk_bytes and seal else None
+        self.redis = (RedisTier(redis_url, seal=seal, password=redis_password, ca_file=redis_ca_file)
+                      if redis_url and seal else None)
         self.lower: list[Tier] = [t for t in (self.disk, self.redis) if t is not None]
         self.cpu = CpuTier(cpu_bytes, policy, on_evict=self._evicted)
         self.deferred_bytes = deferred_bytes

@@ -25,9 +25,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from transport.store.policy import Policy, make_policy
-from transport.store.records import check_record
+from transport.store.records import RecordSeal, check_record
 
 log = logging.getLogger("kvrelay.store")
 
@@ -56,7 +57,10 @@ class Tier(abc.ABC):
 class DiskTier(Tier):
     name = "disk"
 
-    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, policy: str = "lru") -> None:
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, policy: str = "lru", *,
+                 seal: RecordSeal) -> None:
+        self.seal = seal
+        self.forged = 0          # records whose MAC did not verify (written without the secret)
         self.root = Path(path)
         self.root.mkdir(parents=True, exist_ok=True)
         self.capacity = capacity_bytes
@@ -86,10 +90,19 @@ class DiskTier(Tier):
         out: list[bytes | None] = []
         for key in keys:
             try:
-                data = self._file(key).read_bytes()
+                sealed = self._file(key).read_bytes()
             except OSError:
                 out.append(None)
                 continue
+            record = self.seal.open(key, sealed)
+            if record is None:
+                self.forged += 1
+                log.warning("disk tier: record %s has no valid MAC (not written by this deployment); dropped",
+                            key.hex()[:16])
+                self._drop(key)
+                out.append(None)
+                continue
+            data = bytes(record)
             if not check_record(key, data):
                 self.corrupt += 1
                 log.warning("disk tier: corrupt record %s dropped", key.hex()[:16])
@@ -104,7 +117,7 @@ class DiskTier(Tier):
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
         stored = 0
         for key, record in items:
-            n = memoryview(record).nbytes
+            n = memoryview(record).nbytes + RecordSeal.SIZE
             if n > self.capacity:
                 continue
             with self._lock:
@@ -115,7 +128,7 @@ class DiskTier(Tier):
             tmp = self.root / f"{key.hex()}.{threading.get_ident()}.tmp"
             try:
                 with open(tmp, "wb") as f:
-                    f.write(record)
+                    f.write(self.seal.seal(key, record))
                 os.replace(tmp, self._file(key))
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
@@ -146,12 +159,21 @@ class DiskTier(Tier):
 class RedisTier(Tier):
     name = "redis"
 
-    def __init__(self, url: str, *, ttl_s: int = 0, prefix: bytes = b"kvrelay:", timeout_s: float = 1.0,
+    def __init__(self, url: str, *, seal: RecordSeal, password: str | None = None, ca_file: str = "",
+                 ttl_s: int = 0, prefix: bytes = b"kvrelay:", timeout_s: float = 1.0,
                  retry_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        """``url``: ``redis://`` or ``rediss://`` (TLS; ``ca_file`` verifies the server). ``password``
+        overrides one in the URL (ACL users: ``redis://user@host``)."""
         import redis
 
         self._redis = redis
-        self.pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.seal = seal
+        self.forged = 0
+        extra: dict[str, Any] = {"password": password} if password else {}
+        if url.startswith("rediss://") and ca_file:
+            extra["ssl_ca_certs"] = ca_file
+        self.pool = redis.ConnectionPool.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                                  **extra)
         self.client = redis.Redis(connection_pool=self.pool)
         self.ttl = ttl_s
         self.prefix = prefix
@@ -198,7 +220,17 @@ class RedisTier(Tier):
             return [None] * len(keys)
         out: list[bytes | None] = []
         for key, raw in zip(keys, values, strict=True):
-            value: bytes | None = raw if isinstance(raw, bytes) else None
+            value: bytes | None = None
+            if isinstance(raw, bytes):
+                record = self.seal.open(key, raw)
+                if record is None:
+                    self.forged += 1
+                    log.warning("redis tier: record %s has no valid MAC (not written by this deployment); dropped",
+                                key.hex()[:16])
+                    self._delete(key)
+                    out.append(None)
+                    continue
+                value = bytes(record)
             if value is not None and not check_record(key, value):
                 self.corrupt += 1
                 log.warning("redis tier: corrupt record %s dropped", key.hex()[:16])
@@ -219,7 +251,7 @@ class RedisTier(Tier):
         try:
             pipe = self.client.pipeline(transaction=False)
             for key, record in items:
-                pipe.set(self._k(key), bytes(record), ex=self.ttl or None)
+                pipe.set(self._k(key), self.seal.seal(key, record), ex=self.ttl or None)
             pipe.execute()
         except self._redis.RedisError as exc:
             self._outage("put", exc)

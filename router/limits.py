@@ -1,0 +1,148 @@
+"""Who may use the router, and how much: API keys, per-key rate limits, admission control.
+
+* :class:`ApiKeys` - bearer tokens as vLLM's ``--api-key`` takes them (``router.api_keys``,
+  ``router.api_keys_file`` and the env var ``KVRELAY_API_KEY``), compared in constant time.
+  No key configured = an open router (vLLM's default).
+* :class:`TokenBucket` / :class:`RateLimits` - one bucket per API key (or client address).
+* :class:`Admission` - at most ``capacity`` requests in flight; up to ``max_queued`` more
+  wait (FIFO) for at most ``timeout_s``; anything beyond is refused at once. The caller
+  answers a refusal with 429 and ``Retry-After``.
+
+Clocks are injected; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from core.config import RouterConfig
+from transport.errors import ConfigError, KVRelayError
+
+API_KEY_ENV = "KVRELAY_API_KEY"
+MAX_BUCKETS = 100_000          # distinct clients tracked; the least recently seen is forgotten
+
+
+class Overloaded(KVRelayError):
+    """Admission refused: ``retry_after_s`` says when to try again."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ApiKeys:
+    def __init__(self, keys: Iterable[str]) -> None:
+        self._keys = [k.encode() for k in keys if k]
+
+    @classmethod
+    def from_config(cls, rc: RouterConfig, environ: dict[str, str] | None = None) -> ApiKeys:
+        env = os.environ if environ is None else environ
+        keys = list(rc.api_keys) + ([env[API_KEY_ENV]] if env.get(API_KEY_ENV) else [])
+        if rc.api_keys_file:
+            try:
+                keys += [line.strip() for line in Path(rc.api_keys_file).read_text().splitlines() if line.strip()]
+            except OSError as exc:
+                raise ConfigError(f"router.api_keys_file {rc.api_keys_file}: {exc.strerror or exc}") from exc
+        return cls(keys)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._keys)
+
+    def check(self, authorization: str | None) -> str | None:
+        """The key an ``Authorization: Bearer KEY`` header presents if valid, else None. Every
+        configured key is compared (constant time), so timing says nothing about which matched."""
+        scheme, _, token = (authorization or "").partition(" ")
+        presented = token.strip().encode() if scheme.lower() == "bearer" else b""
+        found = None
+        for key in self._keys:
+            if hmac.compare_digest(key, presented):
+                found = key.decode()
+        return found
+
+
+class TokenBucket:
+    def __init__(self, rate: float, burst: float, now: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens, self.stamp = burst, now
+
+    def take(self, now: float) -> float:
+        """0 if a token was taken, else the seconds until one is available."""
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return 0.0
+        return (1 - self.tokens) / self.rate
+
+
+class RateLimits:
+    def __init__(self, rate: float, burst: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = float(burst or max(1, int(2 * rate)))
+        self._clock = clock
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
+
+    def take(self, who: str) -> float:
+        """0 if ``who`` may send a request now, else the seconds to wait (rate limiting off: 0)."""
+        if self.rate <= 0:
+            return 0.0
+        now = self._clock()
+        bucket = self._buckets.pop(who, None) or TokenBucket(self.rate, self.burst, now)
+        self._buckets[who] = bucket                 # most recently seen last
+        while len(self._buckets) > MAX_BUCKETS:
+            self._buckets.popitem(last=False)
+        return bucket.take(now)
+
+
+class Admission:
+    """Bounded concurrency with a bounded FIFO wait (one event loop; not thread-safe)."""
+
+    def __init__(self, capacity: int, max_queued: int, timeout_s: float) -> None:
+        self.capacity, self.max_queued, self.timeout_s = capacity, max_queued, timeout_s
+        self.inflight = 0
+        self._waiters: list[asyncio.Future[None]] = []
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        """Admit the caller, waiting in line if full; Overloaded if the line is full or too slow."""
+        if self.inflight < self.capacity and not self._waiters:
+            self.inflight += 1
+            return
+        if len(self._waiters) >= self.max_queued:
+            raise Overloaded(f"the router is at capacity ({self.inflight} requests in flight, "
+                             f"{len(self._waiters)} waiting)", 1.0)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except BaseException as exc:                     # timed out, or the client went away
+            if fut.done() and not fut.cancelled():       # admitted just as the wait ended: give it back
+                self.release()
+            else:
+                fut.cancel()
+            if isinstance(exc, TimeoutError):
+                raise Overloaded(f"no capacity within {self.timeout_s:.3g}s ({self.inflight} in flight)",
+                                 1.0) from None
+            raise
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def release(self) -> None:
+        """One admitted request ended: the slot passes to the first waiter, if any."""
+        while self._waiters:
+            fut = self._waiters.pop(0)
+            if not fut.done():
+                fut.set_result(None)                     # the slot passes on; inflight unchanged
+                return
+        self.inflight -= 1
