@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from transport.pool import SlotRef
 from transport.wire import ChunkHeader
@@ -74,3 +75,25 @@ class TransferDone:
 
 
 Event = ChunkArrival | ChunkRejected | TransferFailed | TransferDone
+
+
+@dataclass
+class ReceiverStats:
+    messages: int = 0
+    malformed: int = 0
+    unauthenticated: int = 0
+    chunks_arrived: int = 0
+    bytes_arrived: int = 0
+    chunks_rejected: int = 0
+    checksum_failures: int = 0
+    misrouted: int = 0
+    stale_writes: int = 0
+    aborts: int = 0
+    peers_dead: int = 0
+    alloc_refused: int = 0
+    alloc_parked: int = 0
+    internal_errors: int = 0         # bugs caught by the control loop (it keeps serving)
+    orphans_dropped: int = 0         # transfers no consumer registered, dropped after lease_s
+    takeovers: int = 0               # transfers a second sender took over (the router's prefill retry)
+    foreign_aborts: int = 0          # Aborts for a transfer the sender does not own (ignored)
+    refusals: collections.Counter[str] = field(default_factory=collections.Counter)   # by Refusal value

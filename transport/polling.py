@@ -14,8 +14,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 _PR_SET_TIMERSLACK = 29
 _slack = threading.local()
@@ -63,3 +66,28 @@ class Backoff:
             exp = min(self.polls - self.spin, 16)
             time.sleep(min(self.min_sleep * (1 << exp), self.max_sleep))
         return True
+
+
+T = TypeVar("T")
+
+
+def wait_queue(q: queue.SimpleQueue[T], timeout: float) -> T | None:
+    """The next item, blocking up to ``timeout`` (None if none came)."""
+    try:
+        return q.get(timeout=timeout)
+    except queue.Empty:
+        return None
+
+
+def poll_queue(q: queue.SimpleQueue[T], progress: Callable[[], int], timeout: float) -> T | None:
+    """Drive ``progress`` (a poll-driven backend) from the caller's thread until an item is queued."""
+    backoff = Backoff(timeout, spin=0, max_sleep=50e-6, idle_after=5e-3, idle_sleep=1e-3)
+    while True:
+        try:
+            return q.get_nowait()
+        except queue.Empty:
+            pass
+        if progress():
+            backoff.reset()
+        elif not backoff.wait():
+            return None

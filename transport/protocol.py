@@ -37,7 +37,9 @@ from __future__ import annotations
 import msgspec
 
 from transport.errors import ErrorCode, ProtocolError
+from transport.keys import KEY_BYTES
 from transport.secrets import mac, same
+from transport.wire import HEADER_SIZE
 
 __all__ = ["ErrorCode", "ProtocolError"]   # re-exported: callers say P.ErrorCode
 
@@ -201,3 +203,16 @@ def seal(key: bytes, session: bytes, seq: int, msg: Sealed) -> Sealed:
 
 def check_seal(key: bytes, msg: Sealed) -> bool:
     return same(mac(key, b"sealed", _unsigned(msg)), msg.mac)
+
+
+def check_alloc(msg: Alloc, slot_bytes: int, max_transfer_id: int) -> None:
+    """Raise ProtocolError (INVALID) unless ``msg`` asks for chunks a ``slot_bytes`` slot can hold."""
+    if not msg.transfer_id or len(msg.transfer_id) > max_transfer_id:
+        raise ProtocolError(f"transfer_id must be 1..{max_transfer_id} characters", ErrorCode.INVALID)
+    if len(msg.keys) != len(msg.chunk_bytes) or not msg.keys:
+        raise ProtocolError("keys and chunk_bytes must be non-empty and equally long", ErrorCode.INVALID)
+    for i, (k, n) in enumerate(zip(msg.keys, msg.chunk_bytes, strict=True)):
+        if len(k) != KEY_BYTES:
+            raise ProtocolError(f"key {i} is {len(k)} bytes, expected {KEY_BYTES}", ErrorCode.INVALID)
+        if not HEADER_SIZE < n <= slot_bytes:
+            raise ProtocolError(f"chunk {i} of {n} bytes does not fit a {slot_bytes}-byte slot", ErrorCode.INVALID)

@@ -32,7 +32,6 @@ plane callbacks come from backend threads. Shared state sits behind one lock.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import os
@@ -61,49 +60,20 @@ from transport.events import (
     ChunkRejected,
     Event,
     FailReason,
+    ReceiverStats,
     Refusal,
     TransferDone,
     TransferFailed,
 )
-from transport.keys import KEY_BYTES
-from transport.polling import Backoff
+from transport.polling import poll_queue, wait_queue
 from transport.pool import ReceivePool, SlotRef
-from transport.secrets import KeyUse, derive_key, load_secret, same
+from transport.secrets import load_secret, same
+from transport.sessions import Gatekeeper
 from transport.wire import HEADER_SIZE, transfer_tag, verify_chunk
 
 log = logging.getLogger(__name__)
 MAX_TRANSFER_ID = 256
-MAX_CHALLENGES = 1024          # outstanding Hello challenges; the oldest is dropped past this
 TOKEN_BYTES = 16
-
-
-@dataclass
-class ReceiverStats:
-    messages: int = 0
-    malformed: int = 0
-    unauthenticated: int = 0
-    chunks_arrived: int = 0
-    bytes_arrived: int = 0
-    chunks_rejected: int = 0
-    checksum_failures: int = 0
-    misrouted: int = 0
-    stale_writes: int = 0
-    aborts: int = 0
-    peers_dead: int = 0
-    alloc_refused: int = 0
-    alloc_parked: int = 0
-    internal_errors: int = 0         # bugs caught by the control loop (it keeps serving)
-    orphans_dropped: int = 0         # transfers no consumer registered, dropped after lease_s
-    takeovers: int = 0               # transfers a second sender took over (the router's prefill retry)
-    foreign_aborts: int = 0          # Aborts for a transfer the sender does not own (ignored)
-    refusals: collections.Counter[str] = field(default_factory=collections.Counter)   # by Refusal value
-
-
-@dataclass
-class _Session:
-    sender_id: str
-    key: bytes
-    seq: dict[int, int] = field(default_factory=dict)     # channel -> last sequence number seen
 
 
 @dataclass
@@ -161,10 +131,7 @@ class Receiver:
         # it, so the held answer is what the consumer knows (0 = grant at once).
         self._consumer_wait_s = consumer_wait_s
         secret = load_secret(transport) if secret is None else secret
-        self._hello_key, self._session_root = derive_key(secret, KeyUse.HELLO), derive_key(secret, KeyUse.SESSION)
-        self._challenges: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
-        self._sessions: dict[bytes, _Session] = {}                  # session id -> its sender
-        self._session_of: dict[str, bytes] = {}                     # sender id -> its current session
+        self._gate = Gatekeeper(secret, timeouts.connect_s, self._refused, clock)
         self._lock = threading.RLock()
         self._transfers: dict[str, _Transfer] = {}
         self._by_tag: dict[bytes, str] = {}
@@ -204,7 +171,7 @@ class Receiver:
         with self._lock:
             q = self._queues.setdefault(transfer_id, queue.SimpleQueue())
             self._consumers.add(transfer_id)
-        ev = self._poll_for(q, timeout) if self.backend.poll_driven else self._wait_for(q, timeout)
+        ev = poll_queue(q, self.backend.progress, timeout) if self.backend.poll_driven else wait_queue(q, timeout)
         if ev is None:
             raise TransferTimeout(f"no event for transfer {transfer_id!r} in {timeout:.3g}s")
         if isinstance(ev, ChunkArrival):
@@ -213,26 +180,6 @@ class Receiver:
             except TransportError as exc:   # lease expired between arrival and take
                 return ChunkRejected(transfer_id, ev.chunk_index, FailReason.LEASE_EXPIRED, str(exc))
         return ev
-
-    @staticmethod
-    def _wait_for(q: queue.SimpleQueue[Event], timeout: float) -> Event | None:
-        try:
-            return q.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def _poll_for(self, q: queue.SimpleQueue[Event], timeout: float) -> Event | None:
-        """Drive the backend's progress from the caller's thread until an event is queued."""
-        backoff = Backoff(timeout, spin=0, max_sleep=50e-6, idle_after=5e-3, idle_sleep=1e-3)
-        while True:
-            try:
-                return q.get_nowait()
-            except queue.Empty:
-                pass
-            if self.backend.progress():
-                backoff.reset()
-            elif not backoff.wait():
-                return None
 
     def payload(self, arrival: ChunkArrival) -> memoryview:
         """The chunk's ``[layer][block]`` payload bytes inside the pool (zero-copy)."""
@@ -311,12 +258,16 @@ class Receiver:
 
     def _dispatch(self, ident: bytes, msg: P.Message) -> None:
         if isinstance(msg, P.Challenge):
-            return self._on_challenge(ident)
+            return self._reply(ident, P.ChallengeAck(challenge=self._gate.challenge(ident)))
         if isinstance(msg, P.Hello):
             return self._on_hello(ident, msg)
         if not isinstance(msg, P.Alloc | P.Abort | P.Heartbeat | P.Bye):
             raise _invalid(P.ErrorCode.INVALID, f"{type(msg).__name__} is not a request")
-        sender = self._open(msg)
+        try:
+            sender = self._gate.sender_of(msg)
+        except ProtocolError:
+            self.stats.unauthenticated += 1
+            raise
         if isinstance(msg, P.Bye):
             self._end_session(sender)
             return None
@@ -334,47 +285,17 @@ class Receiver:
                 self._fail_transfer(msg.transfer_id, FailReason.ABORTED, msg.reason or "aborted by sender")
         return None
 
-    def _open(self, msg: P.Sealed) -> str:
-        """The authenticated sender of a sealed message; ProtocolError (counted) if it is not one."""
-        session = self._sessions.get(msg.session)
-        if session is None:
-            raise self._unauthenticated(Refusal.NO_SESSION, f"{type(msg).__name__} outside an authenticated session")
-        if not P.check_seal(session.key, msg):
-            raise self._unauthenticated(Refusal.BAD_MAC, f"{type(msg).__name__} with a bad session MAC")
-        channel = msg.channel if isinstance(msg, P.Heartbeat) else 0
-        if msg.seq <= session.seq.get(channel, 0):
-            raise self._unauthenticated(Refusal.REPLAY, f"{type(msg).__name__} replayed (sequence {msg.seq})")
-        session.seq[channel] = msg.seq
-        return session.sender_id
-
     def _refused(self, cause: Refusal, detail: str) -> None:
         """Count a refusal by cause (any thread)."""
         self.stats.refusals[cause.value] += 1
         if cause is not Refusal.STALE:
             log.warning("refused (%s): %s", cause.value, detail)
 
-    def _unauthenticated(self, cause: Refusal, detail: str) -> ProtocolError:
-        self.stats.unauthenticated += 1
-        self._refused(cause, detail)
-        return _invalid(P.ErrorCode.UNAUTHENTICATED, detail)
-
-    def _on_challenge(self, ident: bytes) -> None:
-        challenge = os.urandom(32)
-        self._challenges[challenge] = (ident, self._clock() + self.timeouts.connect_s)
-        while len(self._challenges) > MAX_CHALLENGES:
-            self._challenges.popitem(last=False)
-        self._reply(ident, P.ChallengeAck(challenge=challenge))
-
     def _hello_refusal(self, ident: bytes, hello: P.Hello) -> str:
-        issued = self._challenges.pop(hello.challenge, None)
-        if issued is None or issued[0] != ident or self._clock() > issued[1]:
+        refusal = self._gate.authenticate(ident, hello)
+        if refusal is not None:
             self.stats.unauthenticated += 1
-            self._refused(Refusal.REPLAY, f"Hello from {hello.sender_id!r} with an unknown, used or expired challenge")
-            return "authentication failed: unknown, used or expired challenge (a replayed Hello?)"
-        if not P.check_hello(self._hello_key, hello):
-            self.stats.unauthenticated += 1
-            self._refused(Refusal.BAD_MAC, f"Hello from {hello.sender_id!r} with a bad MAC")
-            return "authentication failed: HMAC over the shared secret does not match"
+            return refusal
         if hello.fingerprint != self.fingerprint:
             return (f"incompatible KV fingerprint {hello.fingerprint.hex()[:16]} != "
                     f"{self.fingerprint.hex()[:16]} (model, dtype, layout, block size or TP differ)")
@@ -390,32 +311,26 @@ class Receiver:
             log.warning("refused Hello from %r: %s", hello.sender_id, reason)
             self._reply(ident, P.HelloAck(ok=False, reason=reason, receiver_id=self.receiver_id))
             return
-        session = os.urandom(16)
-        key = P.session_key(self._session_root, hello, session)
+        session, key = self._gate.open_session(hello)
         try:
             self.backend.on_hello(hello.sender_id, hello.info, P.data_token(key))
         except TransportError as exc:
+            self._gate.end(hello.sender_id)
             self._reply(ident, P.HelloAck(ok=False, reason=f"backend refused: {exc}"))
             return
-        old = self._session_of.get(hello.sender_id)
-        if old is not None:
-            self._sessions.pop(old, None)
-        self._sessions[session], self._session_of[hello.sender_id] = _Session(hello.sender_id, key), session
         self._peers[hello.sender_id] = self._clock()
         ack = P.HelloAck(ok=True, receiver_id=self.receiver_id, slot_bytes=self.pool.slot_bytes,
                          info=self.backend.info(), session=session)
-        self._reply(ident, P.sign_ack(self._hello_key, hello.nonce, ack))
+        self._reply(ident, P.sign_ack(self._gate.hello_key, hello.nonce, ack))
 
     def _end_session(self, sender: str) -> None:
         """The sender said Bye (authenticated): forget it and its backend state."""
-        session = self._session_of.pop(sender, None)
-        if session is not None:
-            self._sessions.pop(session, None)
+        self._gate.end(sender)
         if self._peers.pop(sender, None) is not None:
             self.backend.on_peer_gone(sender)
 
     def _on_alloc(self, ident: bytes, sender: str, msg: P.Alloc) -> None:
-        _validate_alloc(msg, self.pool.slot_bytes)
+        P.check_alloc(msg, self.pool.slot_bytes, MAX_TRANSFER_ID)
         also_held: frozenset[int] = frozenset()
         with self._lock:
             t = self._transfers.get(msg.transfer_id)
@@ -589,9 +504,7 @@ class Receiver:
 
     def _peer_lost(self, sender: str, reason: str) -> None:
         with self._lock:
-            session = self._session_of.pop(sender, None)
-            if session is not None:
-                self._sessions.pop(session, None)
+            self._gate.end(sender)
             if self._peers.pop(sender, None) is not None:
                 self.backend.on_peer_gone(sender)
             victims = [tid for tid, t in self._transfers.items() if t.sender_id == sender and not t.done]
@@ -682,15 +595,3 @@ class Receiver:
 
 def _invalid(code: P.ErrorCode, reason: str) -> ProtocolError:
     return ProtocolError(reason, code)
-
-
-def _validate_alloc(msg: P.Alloc, slot_bytes: int) -> None:
-    if not msg.transfer_id or len(msg.transfer_id) > MAX_TRANSFER_ID:
-        raise _invalid(P.ErrorCode.INVALID, f"transfer_id must be 1..{MAX_TRANSFER_ID} characters")
-    if len(msg.keys) != len(msg.chunk_bytes) or not msg.keys:
-        raise _invalid(P.ErrorCode.INVALID, "keys and chunk_bytes must be non-empty and equally long")
-    for i, (k, n) in enumerate(zip(msg.keys, msg.chunk_bytes, strict=True)):
-        if len(k) != KEY_BYTES:
-            raise _invalid(P.ErrorCode.INVALID, f"key {i} is {len(k)} bytes, expected {KEY_BYTES}")
-        if not HEADER_SIZE < n <= slot_bytes:
-            raise _invalid(P.ErrorCode.INVALID, f"chunk {i} of {n} bytes does not fit a {slot_bytes}-byte slot")

@@ -1,0 +1,103 @@
+"""The decode node's gatekeeper: challenges, authenticated Hellos and sessions.
+
+Contract (see :mod:`transport.protocol` for the messages):
+
+* :meth:`Gatekeeper.challenge` issues a fresh 32-byte challenge to a socket identity;
+  it is good for one Hello from that identity within ``ttl_s``. At most
+  ``MAX_CHALLENGES`` are outstanding (the oldest is dropped).
+* :meth:`Gatekeeper.authenticate` checks a Hello's challenge (known, unused, unexpired,
+  issued to this identity) and MAC; it returns the refusal or None.
+* :meth:`Gatekeeper.open_session` makes the session a successful Hello starts (replacing
+  that sender's previous one) and returns the signed HelloAck fields' session id and key.
+* :meth:`Gatekeeper.sender_of` attributes a sealed message to its session's sender, or
+  raises :class:`ProtocolError` (``UNAUTHENTICATED``): unknown session, bad MAC, or a
+  sequence number not above the last on its channel.
+
+Every refusal is reported through ``refused(cause, detail)``. Not thread-safe: the
+receiver's control thread owns it (``end`` may be called under the receiver's lock).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transport import protocol as P
+from transport.errors import ErrorCode, ProtocolError
+from transport.events import Refusal
+from transport.secrets import KeyUse, derive_key
+
+MAX_CHALLENGES = 1024
+
+
+@dataclass
+class Session:
+    sender_id: str
+    key: bytes
+    seq: dict[int, int] = field(default_factory=dict)     # channel -> last sequence number seen
+
+
+class Gatekeeper:
+    def __init__(self, secret: bytes, ttl_s: float, refused: Callable[[Refusal, str], None],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.hello_key, self._root = derive_key(secret, KeyUse.HELLO), derive_key(secret, KeyUse.SESSION)
+        self._ttl, self._refused, self._clock = ttl_s, refused, clock
+        self._challenges: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+        self._sessions: dict[bytes, Session] = {}         # session id -> its sender
+        self._session_of: dict[str, bytes] = {}          # sender id -> its current session
+        self.failures = 0                                 # refused Hellos and sealed messages
+
+    def challenge(self, ident: bytes) -> bytes:
+        nonce = os.urandom(32)
+        self._challenges[nonce] = (ident, self._clock() + self._ttl)
+        while len(self._challenges) > MAX_CHALLENGES:
+            self._challenges.popitem(last=False)
+        return nonce
+
+    def authenticate(self, ident: bytes, hello: P.Hello) -> str | None:
+        """None if ``hello`` answers a live challenge issued to ``ident`` under the secret."""
+        issued = self._challenges.pop(hello.challenge, None)
+        if issued is None or issued[0] != ident or self._clock() > issued[1]:
+            self._fail(Refusal.REPLAY, f"Hello from {hello.sender_id!r} with an unknown, used or expired challenge")
+            return "authentication failed: unknown, used or expired challenge (a replayed Hello?)"
+        if not P.check_hello(self.hello_key, hello):
+            self._fail(Refusal.BAD_MAC, f"Hello from {hello.sender_id!r} with a bad MAC")
+            return "authentication failed: HMAC over the shared secret does not match"
+        return None
+
+    def open_session(self, hello: P.Hello) -> tuple[bytes, bytes]:
+        """``(session id, session key)`` for an authenticated Hello; the sender's old session ends."""
+        session = os.urandom(16)
+        key = P.session_key(self._root, hello, session)
+        self.end(hello.sender_id)
+        self._sessions[session], self._session_of[hello.sender_id] = Session(hello.sender_id, key), session
+        return session, key
+
+    def sender_of(self, msg: P.Sealed) -> str:
+        session = self._sessions.get(msg.session)
+        if session is None:
+            raise self._unauthenticated(Refusal.NO_SESSION, f"{type(msg).__name__} outside an authenticated session")
+        if not P.check_seal(session.key, msg):
+            raise self._unauthenticated(Refusal.BAD_MAC, f"{type(msg).__name__} with a bad session MAC")
+        channel = msg.channel if isinstance(msg, P.Heartbeat) else 0
+        if msg.seq <= session.seq.get(channel, 0):
+            raise self._unauthenticated(Refusal.REPLAY, f"{type(msg).__name__} replayed (sequence {msg.seq})")
+        session.seq[channel] = msg.seq
+        return session.sender_id
+
+    def end(self, sender: str) -> None:
+        """Forget ``sender``'s session (Bye, or the sender is gone)."""
+        session = self._session_of.pop(sender, None)
+        if session is not None:
+            self._sessions.pop(session, None)
+
+    def _fail(self, cause: Refusal, detail: str) -> None:
+        self.failures += 1
+        self._refused(cause, detail)
+
+    def _unauthenticated(self, cause: Refusal, detail: str) -> ProtocolError:
+        self._fail(cause, detail)
+        return ProtocolError(detail, ErrorCode.UNAUTHENTICATED)
