@@ -1,6 +1,9 @@
 import logging
 import os
 
+# Real-vLLM fixtures (the reference server, the PD stacks), shared by tests/e2e and tests/security.
+pytest_plugins = ["tests.e2e.harness"]
+
 # Keep UCX on loopback-capable transports in tests (no NIC is needed, none is assumed) and quiet.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.e2e.conftest import CONCURRENT, openai_client, read_events, run_shared
+from tests.e2e.harness import CONCURRENT, openai_client, read_events, run_shared
 
 pytestmark = pytest.mark.chaos
 

@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 
 from deploy.launch import Role
-from tests.e2e.conftest import CASES, MODEL, Case, openai_client, read_events, run_case, start_stack
+from tests.e2e.harness import CASES, MODEL, Case, openai_client, read_events, run_case, start_stack
 
 pytestmark = pytest.mark.chaos
 LONG = [Case(f"kill{i}", "completion", True, 1900 + 7 * i, 300 + i) for i in range(16)]   # 8 chunks each

@@ -15,7 +15,7 @@ import uuid
 import pytest
 
 from deploy.launch import Role
-from tests.e2e.conftest import CASES, PIPELINE_CASE, openai_client, run_case, start_stack
+from tests.e2e.harness import CASES, PIPELINE_CASE, openai_client, run_case, start_stack
 
 pytestmark = pytest.mark.slow
 BLOCK = 128

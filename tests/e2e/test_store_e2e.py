@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from bench.local_redis import REDIS, redis_server
-from tests.e2e.conftest import (
+from tests.e2e.harness import (
     DSAVE_ANSWER,
     TURN1,
     dsave_messages,
@@ -168,7 +168,7 @@ def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_sta
 
     from core import config as kcfg
     from deploy.launch import Role, wait_healthy
-    from tests.e2e.conftest import Case
+    from tests.e2e.harness import Case
 
     stack = two_prefill_stack
     node_b = stack.stack.url([s for s in stack.stack.specs if s.role is Role.PREFILL][1])
