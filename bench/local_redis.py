@@ -20,19 +20,23 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def redis_server(workdir: Path, port: int = 0) -> Iterator[tuple[str, subprocess.Popen]]:
-    """Start redis-server on ``port`` (0 = a free one); yield (url, process); kill it on exit. Needs ``REDIS``."""
+def redis_server(workdir: Path, port: int = 0, password: str = "") -> Iterator[tuple[str, subprocess.Popen]]:
+    """Start redis-server on ``port`` (0 = a free one); yield (url, process); kill it on exit. Needs ``REDIS``.
+    ``password``: require AUTH (set in a 0600 config file, not on the command line)."""
     assert REDIS is not None, "redis-server not installed (deploy/setup.sh installs it)"
     import redis
 
     port = port or free_port()
-    proc = subprocess.Popen([REDIS, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    conf = Path(workdir) / f"redis-{port}.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\nsave \"\"\nappendonly no\ndir {workdir}\n"
+                    + (f"requirepass {password}\n" if password else ""))
+    conf.chmod(0o600)
+    proc = subprocess.Popen([REDIS, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"redis://127.0.0.1:{port}/0"
     try:
         for _ in range(200):
             try:
-                redis.Redis.from_url(url).ping()
+                redis.Redis.from_url(url, password=password or None).ping()
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
