@@ -1,0 +1,113 @@
+"""Forged transfer params sent straight to real vLLM engines, while honest traffic flows through
+the router (which needs an API key here); and the secret in no command line or log.
+
+Each forgery gets an OpenAI-style 400 from the engine's kvrelay guard, is counted in
+``kvrelay_params_refused_total{cause}`` on the engine's own ``/metrics``, and pushes
+nothing; the honest requests stay token-identical to the single-server reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from core.params import ParamsSigner, PullParams, PushParams, params_dict
+from deploy import launch
+from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case, scrape, start_stack
+
+SECRET = os.environ["KVRELAY_SECRET"].encode()
+API_KEY = "security-suite-key"
+pytestmark = pytest.mark.chaos
+
+
+@pytest.fixture(scope="module")
+def guarded(reference, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-security"), 19700, transport__backend="tcp",
+                         router__api_keys=[API_KEY])
+    yield handle
+    handle.stack.stop()
+
+
+def post(url: str, body: dict, key: str = "") -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def node_url(handle, role: launch.Role) -> str:
+    return handle.stack.url(next(s for s in handle.stack.specs if s.role is role))
+
+
+def test_forged_params_get_a_400_and_push_nothing_while_honest_requests_stay_exact(guarded, reference):
+    p_url, d_url = node_url(guarded, launch.Role.PREFILL), node_url(guarded, launch.Role.DECODE)
+    d_kv = guarded.stack.router_config().router.decode[0].split("=", 1)[1]
+    honest: dict[str, str] = {}
+    client = openai_client(guarded.router_url)
+    client.api_key = API_KEY
+
+    def traffic() -> None:
+        for case in CASES[:8]:
+            honest[case.name] = run_case(client, case)[0]
+    t = threading.Thread(target=traffic)
+    t.start()
+    good, stale = ParamsSigner(SECRET, 60), ParamsSigner(SECRET, 60, clock=lambda: time.time() - 3600)
+    push = PushParams(transfer_id="atk-push", push_to=d_kv)
+    attacks = {      # name: (node, params, refusal cause)
+        "unsigned": (p_url, push, "unsigned"),
+        "forged": (p_url, PushParams(transfer_id="atk-forged", push_to=d_kv, exp=4e9, sig="ab" * 32), "bad_signature"),
+        "expired": (p_url, stale.sign(PushParams(transfer_id="atk-expired", push_to=d_kv)), "expired"),
+        "foreign": (p_url, good.sign(PushParams(transfer_id="atk-foreign", push_to="tcp://127.0.0.1:9")),
+                    "not_allowed"),
+        "hijack": (d_url, PullParams(transfer_id="atk-hijack"), "unsigned"),
+        "hijack-forged": (d_url, PullParams(transfer_id="atk-hijack2", exp=4e9, sig="cd" * 32), "bad_signature"),
+    }
+    before = {url: scrape(f"{url}/metrics") for url in (p_url, d_url)}
+    for name, (url, params, cause) in attacks.items():
+        status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "exfiltrate me " * 30,
+                                                     "max_tokens": 2, "kv_transfer_params": params_dict(params)})
+        assert status == 400, (name, status, body)
+        assert body["error"]["param"] == "kv_transfer_params" and body["error"]["message"], (name, body)
+    t.join(300)
+    assert honest == {c.name: reference[c.name] for c in CASES[:8]}
+    for url in (p_url, d_url):
+        after = scrape(f"{url}/metrics")
+        for name, (node, _, cause) in attacks.items():
+            if node == url:
+                key = f'kvrelay_params_refused_total{{cause="{cause}"}}'
+                assert after.get(key, 0) > before[url].get(key, 0), (name, key)
+    time.sleep(1)
+    touched = [e for e in read_events(guarded.events_path) if "atk-" in json.dumps(e)]
+    assert touched == [], touched                               # nothing pushed, nothing loaded
+    status, _ = post(f"{guarded.router_url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert status == 401                                        # the router wants its key
+
+
+def test_the_secret_is_in_no_command_line_and_no_log(guarded):
+    secret = os.environ["KVRELAY_SECRET"]
+    groups = {p.pid for p in guarded.stack.procs.values()}
+    seen = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) not in groups:                    # process group id
+                continue
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        seen += 1
+        assert secret not in cmdline, f"secret on the command line of pid {stat.parent.name}"
+    assert seen >= 3                                            # prefill, decode, router (and their children)
+    for f in guarded.stack.log_dir.iterdir():
+        assert secret not in f.read_text(errors="replace"), f"secret in {f}"
+    assert secret not in guarded.events_path.read_text(errors="replace")
