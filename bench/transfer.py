@@ -35,6 +35,7 @@ from bench import raw
 from core import config as kcfg
 from transport.config import parse_size
 from transport.events import ChunkArrival, TransferDone, TransferFailed
+from transport.secrets import SECRET_ENV, generate_secret
 from transport.wire import HEADER_SIZE
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -293,6 +294,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     cfg = kcfg.config_from_args(args)
+    if not cfg.transport.secret_file:            # a throwaway secret for this run's two processes
+        os.environ.setdefault(SECRET_ENV, generate_secret())
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     bad = [b for b in backends if b not in BACKENDS]
     if bad:

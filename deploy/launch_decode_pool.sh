@@ -6,4 +6,6 @@
 # Node i serves HTTP on deploy.base_port + i and receives KV chunks on
 # tcp://transport.host:(deploy.kv_base_port + i); list it to the router as
 # "http://host:port=tcp://host:kvport". Every kvrelay config key is a flag.
+# Every node and the router need the deployment's shared secret: KVRELAY_SECRET in the
+# environment, or --transport.secret_file FILE (0600; `kvrelay secret FILE` makes one).
 exec bash "$(dirname "$0")/_pool.sh" decode "$@"

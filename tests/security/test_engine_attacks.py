@@ -73,7 +73,7 @@ def test_forged_params_get_a_400_and_push_nothing_while_honest_requests_stay_exa
         "hijack-forged": (d_url, PullParams(transfer_id="atk-hijack2", exp=4e9, sig="cd" * 32), "bad_signature"),
     }
     before = {url: scrape(f"{url}/metrics") for url in (p_url, d_url)}
-    for name, (url, params, cause) in attacks.items():
+    for name, (url, params, _cause) in attacks.items():
         status, body = post(f"{url}/v1/completions", {"model": MODEL, "prompt": "exfiltrate me " * 30,
                                                      "max_tokens": 2, "kv_transfer_params": params_dict(params)})
         assert status == 400, (name, status, body)
