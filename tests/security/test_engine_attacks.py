@@ -89,8 +89,35 @@ def test_forged_params_get_a_400_and_push_nothing_while_honest_requests_stay_exa
     time.sleep(1)
     touched = [e for e in read_events(guarded.events_path) if "atk-" in json.dumps(e)]
     assert touched == [], touched                               # nothing pushed, nothing loaded
+    assert drained(guarded), "a slot, receiver entry, engine request or KV block was left behind"
     status, _ = post(f"{guarded.router_url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert status == 401                                        # the router wants its key
+
+
+def drained(handle, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        d = handle.worker_metrics(launch.Role.DECODE)
+        engines = [handle.engine_metrics(r) for r in (launch.Role.PREFILL, launch.Role.DECODE)]
+        busy = [d["kvrelay_pool_slots_busy"], d["kvrelay_receiver_entries"]]
+        busy += [sum(v for k, v in m.items() if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                                                 "vllm:kv_cache_usage_perc"))) for m in engines]
+        if not any(busy):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def test_exporters_listen_on_loopback_only(guarded):
+    """``connector.metrics_host`` defaults to 127.0.0.1: the exporter's listening socket says so."""
+    port = guarded.cfg.connector.metrics_port + 1            # the decode node's worker exporter
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                listening.append(local.rsplit(":", 1)[0])
+    assert listening == ["0100007F"], listening              # 127.0.0.1, and nothing else
 
 
 def test_the_secret_is_in_no_command_line_and_no_log(guarded):

@@ -41,6 +41,8 @@ def test_api_keys_401_with_an_openai_error_body():
                 assert r.status == 200
             async with s.get(f"{url}/v1/models") as r:
                 assert r.status == 401
+            async with s.get(f"{url}/metrics") as r:
+                assert 'kvrelay_router_errors_total{cause="unauthorized"} 4.0' in await r.text()
     run(go())
     keys = ApiKeys.from_config(kcfg.from_dict({}).router, {"KVRELAY_API_KEY": "from-env"})
     assert keys.enabled and keys.check("Bearer from-env") == "from-env" and keys.check("Bearer x") is None
@@ -63,6 +65,8 @@ def test_oversize_body_gets_a_json_413_and_reaches_no_engine():
                               headers={"Content-Type": "application/json"}) as r:
                 assert r.status == 413 and r.content_type == "application/json"
             assert not pn.requests and not dn.requests
+            async with s.get(f"{url}/metrics") as r:
+                assert 'kvrelay_router_errors_total{cause="body_too_large"} 2.0' in await r.text()
     run(go())
 
 
@@ -83,6 +87,8 @@ def test_a_flood_past_admission_gets_429s_while_the_admitted_requests_complete()
             assert len(dn.requests) == 5                              # the refused ones reached no engine
             async with s.post(f"{url}/v1/completions", json=BODY) as r:   # capacity is back
                 assert r.status == 200
+            async with s.get(f"{url}/metrics") as r:
+                assert 'kvrelay_router_errors_total{cause="overloaded"} 7.0' in await r.text()
     run(go())
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,16 @@ def test_redis_with_a_password_from_a_0600_file(tmp_path: Path):
         anonymous = RedisTier(url, seal=SEAL)                       # no password: refused by Redis = a miss
         assert anonymous.get([k]) == [None] and anonymous.errors == 1
         assert "s3cret" not in url
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_redis_over_tls_verifies_the_server(tmp_path: Path):
+    with redis_server(tmp_path, tls=True, password="tls-and-auth") as (url, _):
+        assert url.startswith("rediss://")
+        tier = RedisTier(url, seal=SEAL, password="tls-and-auth", ca_file=str(tmp_path / "redis-ca.pem"))
+        (k, r) = record(51)
+        assert tier.put([(k, r)]) == 1 and tier.get([k]) == [r]
+        plain = RedisTier(url.replace("rediss://", "redis://"), seal=SEAL, password="tls-and-auth")
+        assert plain.get([k]) == [None] and plain.errors == 1          # no TLS: no answer, a miss
+        unverified = RedisTier(url, seal=SEAL, password="tls-and-auth")   # the system CAs do not know it
+        assert unverified.get([k]) == [None] and unverified.errors == 1
