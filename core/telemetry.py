@@ -94,6 +94,8 @@ class Metrics:
         self.receiver_entries = Gauge("kvrelay_receiver_entries",
                                       "Per-transfer entries the decode node's receiver tracks (0 when idle)")
         self.events_dropped = Gauge("kvrelay_events_dropped", "Event-log lines lost (disk full, unwritable path)")
+        self.store_forged = Gauge("kvrelay_store_records_forged", "Shared-tier records refused for a bad MAC "
+                                  "(written without the deployment's secret), by tier (cumulative)", ["tier"])
         self.refusals = Gauge("kvrelay_receiver_refusals", "Writes and messages the decode node's receiver "
                               "refused, by cause (cumulative)", ["cause"])
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -50,6 +51,8 @@ class StoreService:
                                     deferred_bytes=int(s.deferred_bytes), prefetch_ahead=s.prefetch_ahead,
                                     on_event=self.publisher, seal=seal_for(load_secret(cfg.transport)),
                                     redis_password=s.redis_password(), redis_ca_file=s.redis_ca_file)
+        for tier in self.store.lower:
+            self.metrics.store_forged.labels(tier.name).set_function(functools.partial(getattr, tier, "forged"))
         self.endpoint = lookup_endpoint(vllm_config)
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None

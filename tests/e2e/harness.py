@@ -109,7 +109,7 @@ DSAVE_ANSWER = 100
 
 
 def dsave_messages(answer1: str | None = None, conv: int = 0) -> list[dict]:
-    """Conversation ``conv`` (0: the decode-save test; 1, 2: the Redis outage test)."""
+    """Conversation ``conv`` (0: the decode-save test; 1, 2: the Redis outage test; 3: poisoning)."""
     msgs = [{"role": "system", "content": "You are terse."},
             {"role": "user", "content": Case(f"dsave1.{conv}", "chat", False, 180, 43 + 10 * conv).text()}]
     if answer1 is None:
@@ -212,7 +212,7 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         ref["dsave1"] = run_chat(client, dsave_messages(), DSAVE_ANSWER)
         ref["dsave2"] = run_chat(client, dsave_messages(ref["dsave1"]), MAX_TOKENS)
         ref.update({c.name: run_shared(client, c) for c in CONCURRENT})
-        for conv in (1, 2):                           # the Redis outage test's conversations
+        for conv in (1, 2, 3):                        # the Redis outage and poisoning tests' conversations
             ref[f"dsave1.{conv}"] = run_chat(client, dsave_messages(conv=conv), DSAVE_ANSWER)
             ref[f"dsave2.{conv}"] = run_chat(client, dsave_messages(ref[f"dsave1.{conv}"], conv), MAX_TOKENS)
         return ref

@@ -17,6 +17,7 @@ import uuid
 import pytest
 
 from bench.local_redis import REDIS, redis_server
+from deploy.launch import Role
 from tests.e2e.harness import (
     DSAVE_ANSWER,
     TURN1,
@@ -93,6 +94,36 @@ def test_decode_saves_answer_chunks_and_turn2_prefill_loads_them_from_redis(stor
     assert load["tier_bytes"].get("redis", 0) >= 2 << 20, load          # a 2 MiB chunk + its header
     done = [e for e in evs if e["event"] == "load_done"]
     assert done and done[0]["recomputed_tokens"] == 0
+
+
+def test_a_poisoned_redis_record_is_a_counted_miss_and_the_answer_stays_exact(store_stack, store_redis, reference):
+    """Security: someone with write access to Redis (but not the secret) replaces the chunk a
+    decode node saved. The prefill node refuses it (bad MAC: counted in
+    kvrelay_store_records_forged{tier="redis"}), recomputes, and the answer is exact."""
+    if not store_redis:
+        pytest.skip("redis-server not installed (deploy/setup.sh installs it)")
+    import redis
+
+    client = openai_client(store_stack.router_url)
+    r1, r2 = f"px1-{uuid.uuid4().hex[:6]}", f"px2-{uuid.uuid4().hex[:6]}"
+    answer1 = run_chat(client, dsave_messages(conv=3), DSAVE_ANSWER, r1)
+    assert answer1 == reference["dsave1.3"]
+    saved = next(e for e in store_stack.wait_events(r1, {"decode_save"}) if e["event"] == "decode_save")
+    assert saved["written"] == 1, saved
+    r = redis.Redis.from_url(store_redis)
+    keys = list(r.scan_iter(b"kvrelay:*"))
+    assert keys
+    for k in keys:                          # a well-formed record (header + payload), but no valid MAC
+        value = r.get(k)
+        assert value is not None
+        r.set(k, value[:-32] + bytes(32))
+    before = store_stack.worker_metrics(Role.PREFILL).get('kvrelay_store_records_forged{tier="redis"}', 0)
+    answer2 = run_chat(client, dsave_messages(answer1, 3), 12, r2)
+    assert answer2 == reference["dsave2.3"]
+    load = next(e for e in store_stack.wait_events(r2, {"store_load"}) if e["event"] == "store_load")
+    assert load["loaded_tokens"] == 0, load                       # refused, so computed
+    after = store_stack.worker_metrics(Role.PREFILL)['kvrelay_store_records_forged{tier="redis"}']
+    assert after >= before + 1
 
 
 @pytest.mark.chaos

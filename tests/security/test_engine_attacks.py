@@ -29,7 +29,7 @@ pytestmark = pytest.mark.chaos
 
 @pytest.fixture(scope="module")
 def guarded(reference, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-security"), 19700, transport__backend="tcp",
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-security"), 19800, transport__backend="tcp",
                          router__api_keys=[API_KEY])
     yield handle
     handle.stack.stop()

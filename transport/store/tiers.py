@@ -37,6 +37,7 @@ class Tier(abc.ABC):
     """A key -> record map. Batch methods are the interface: one round trip per batch."""
 
     name: str
+    forged: int = 0          # records refused for a bad MAC (shared tiers)
 
     @abc.abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
