@@ -37,7 +37,24 @@ class Tier(abc.ABC):
     """A key -> record map. Batch methods are the interface: one round trip per batch."""
 
     name: str
-    forged: int = 0          # records refused for a bad MAC (shared tiers)
+    seal: RecordSeal
+    forged: int = 0          # records refused for a bad MAC (written without the deployment's secret)
+    corrupt: int = 0         # records with a valid MAC that fail their own checks
+
+    def _verified(self, key: bytes, sealed: bytes) -> bytes | None:
+        """The record inside ``sealed`` if its MAC and its own checks pass; else None (counted, logged)."""
+        record = self.seal.open(key, sealed)
+        if record is None:
+            self.forged += 1
+            log.warning("%s tier: record %s has no valid MAC (not written by this deployment); dropped",
+                        self.name, key.hex()[:16])
+            return None
+        data = bytes(record)
+        if not check_record(key, data):
+            self.corrupt += 1
+            log.warning("%s tier: corrupt record %s dropped", self.name, key.hex()[:16])
+            return None
+        return data
 
     @abc.abstractmethod
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -95,18 +112,8 @@ class DiskTier(Tier):
             except OSError:
                 out.append(None)
                 continue
-            record = self.seal.open(key, sealed)
-            if record is None:
-                self.forged += 1
-                log.warning("disk tier: record %s has no valid MAC (not written by this deployment); dropped",
-                            key.hex()[:16])
-                self._drop(key)
-                out.append(None)
-                continue
-            data = bytes(record)
-            if not check_record(key, data):
-                self.corrupt += 1
-                log.warning("disk tier: corrupt record %s dropped", key.hex()[:16])
+            data = self._verified(key, sealed)
+            if data is None:
                 self._drop(key)
                 out.append(None)
                 continue
@@ -221,22 +228,9 @@ class RedisTier(Tier):
             return [None] * len(keys)
         out: list[bytes | None] = []
         for key, raw in zip(keys, values, strict=True):
-            value: bytes | None = None
-            if isinstance(raw, bytes):
-                record = self.seal.open(key, raw)
-                if record is None:
-                    self.forged += 1
-                    log.warning("redis tier: record %s has no valid MAC (not written by this deployment); dropped",
-                                key.hex()[:16])
-                    self._delete(key)
-                    out.append(None)
-                    continue
-                value = bytes(record)
-            if value is not None and not check_record(key, value):
-                self.corrupt += 1
-                log.warning("redis tier: corrupt record %s dropped", key.hex()[:16])
+            value = self._verified(key, raw) if isinstance(raw, bytes) else None
+            if isinstance(raw, bytes) and value is None:
                 self._delete(key)
-                value = None
             out.append(value)
         return out
 
