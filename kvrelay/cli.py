@@ -185,6 +185,12 @@ def _add_bench_commands(b: argparse.ArgumentParser) -> None:
                         description=(e2e.__doc__ or "").split("\n\n")[0])
     e2e.add_args(e)
     e.set_defaults(func=e2e.main)
+    from bench import proxy
+
+    r = bsub.add_parser("router", help="router overhead: added latency and streamed req/s vs direct and a toy proxy",
+                        description=(proxy.__doc__ or "").split("\n\n")[0])
+    proxy.add_args(r)
+    r.set_defaults(func=proxy.main)
     from bench import multiturn
 
     mt = bsub.add_parser("multiturn", help="multi-turn chat TTFT with the prefill store on vs off",

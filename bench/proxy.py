@@ -1,0 +1,280 @@
+"""`kvrelay bench router`: what the router costs, against direct access and a toy proxy.
+
+A scripted upstream streams tokens as fast as it can (SSE events shaped like vLLM's),
+and answers the prefill leg (``max_tokens=1``, not streamed) at once. In the same run,
+one system at a time sits between the client and that upstream:
+
+* ``direct``  - no proxy: the client talks to the upstream (the floor);
+* ``kvrelay`` - kvrelay's router (P and D legs, signed params, admission, SSE passthrough);
+* ``toy``     - a proxy written the way vLLM's disaggregated-serving example is
+                (FastAPI + httpx: the prefill request, then the decode stream re-yielded).
+
+Every proxy process is pinned to one core (the upstream and the client share the other),
+so "streamed requests per second" is per proxy core. Reported:
+
+* added latency = a system's time to the last byte minus direct's, p50 and p99, at 1 and
+  at 64 concurrent streams;
+* the most streamed requests per second (64 streams for ``--duration`` seconds), as a ratio
+  to the toy proxy and to direct.
+
+Prints a table; writes ``router.json`` and ``router.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HOST = "127.0.0.1"
+
+
+# ------------------------------------------------------------------ the processes
+def _pin(core: int) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[core % len(cores)]})
+
+
+def _event(i: int) -> bytes:
+    body = {"id": "cmpl-bench", "object": "text_completion", "created": 1764547200, "model": "kvrelay-tiny",
+            "choices": [{"index": 0, "text": f"t{i} ", "logprobs": None, "finish_reason": None,
+                         "stop_reason": None}]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def run_upstream(port: int, tokens: int, core: int) -> None:
+    """A scripted engine: SSE tokens as fast as the loop can write them."""
+    from aiohttp import web
+
+    _pin(core)
+    events = [_event(i) for i in range(tokens)] + [b"data: [DONE]\n\n"]
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"id": "cmpl-p", "choices": [{"text": "t0", "finish_reason": "length"}],
+                                      "usage": {"prompt_tokens": 8, "completion_tokens": 1}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for ev in events:
+            await resp.write(ev)
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", health)
+    web.run_app(app, host=HOST, port=port, print=None, access_log=None)
+
+
+def run_kvrelay(port: int, upstream: str, core: int) -> None:
+    from core import config as kcfg
+    from router.app import run
+
+    _pin(core)
+    cfg = kcfg.from_dict({"router": {"host": HOST, "port": port, "prefill": [upstream],
+                                     "decode": [f"{upstream}=tcp://{HOST}:1"], "health_interval_s": 5,
+                                     "max_inflight": 4096}})
+    run(cfg)
+
+
+def run_toy(port: int, upstream: str, core: int) -> None:
+    """The shape of vLLM's example proxy: FastAPI + httpx, prefill then decode, chunks re-yielded."""
+    import httpx
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    _pin(core)
+    app = FastAPI()
+    client = httpx.AsyncClient(timeout=None, base_url=upstream, limits=httpx.Limits(max_connections=None))
+
+    async def completions(request: Request) -> StreamingResponse:
+        req = await request.json()
+        prefill = dict(req, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+        await client.post("/v1/completions", json=prefill)
+
+        async def decode() -> Any:
+            async with client.stream("POST", "/v1/completions", json=req) as resp:
+                async for chunk in resp.aiter_bytes():
+                    yield chunk
+        return StreamingResponse(decode(), media_type="text/event-stream")
+
+    completions.__annotations__ = {"request": Request, "return": StreamingResponse}  # types, not strings
+    app.post("/v1/completions")(completions)
+    uvicorn.run(app, host=HOST, port=port, log_level="warning", access_log=False)
+
+
+# ------------------------------------------------------------------ the client
+async def _one(session: Any, url: str) -> float:
+    t0 = time.perf_counter()
+    body = {"model": "kvrelay-tiny", "prompt": "bench", "max_tokens": 64, "stream": True}
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        data = await r.read()
+        if r.status != 200 or not data.endswith(b"data: [DONE]\n\n"):
+            raise RuntimeError(f"{url}: HTTP {r.status}, stream ended {data[-40:]!r}")
+    return time.perf_counter() - t0
+
+
+async def _latencies(url: str, concurrency: int, requests: int) -> list[float]:
+    import aiohttp
+
+    out: list[float] = []
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+        for _ in range(3):
+            await _one(s, url)                                  # warm connections
+
+        async def worker(n: int) -> None:
+            for _ in range(n):
+                out.append(await _one(s, url))
+        per = max(1, requests // concurrency)
+        await asyncio.gather(*(worker(per) for _ in range(concurrency)))
+    return out
+
+
+async def _throughput(url: str, concurrency: int, duration: float) -> float:
+    import aiohttp
+
+    done = 0
+    stop = time.perf_counter() + duration
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def worker() -> None:
+            nonlocal done
+            while time.perf_counter() < stop:
+                await _one(s, url)
+                done += 1
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return done / (time.perf_counter() - t0)
+
+
+def _wait_up(url: str, timeout: float = 60) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1):
+                return
+        except urllib.error.HTTPError:
+            return                                            # it answers: up
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not come up")
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# ------------------------------------------------------------------ the run
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=64, help="SSE events per streamed answer")
+    p.add_argument("--requests", type=int, default=512, help="requests per latency measurement")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of the throughput measurement")
+    p.add_argument("--base-port", type=int, default=18600)
+    p.add_argument("--out", default="bench-out/router", help="directory for router.json and router.png")
+
+
+def main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from transport.secrets import SECRET_ENV, generate_secret
+
+    os.environ.setdefault(SECRET_ENV, generate_secret())      # the router signs params: a throwaway secret
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    up_url = f"http://{HOST}:{args.base_port}"
+    procs = [ctx.Process(target=run_upstream, args=(args.base_port, args.tokens, 1), daemon=True)]
+    systems = {"direct": up_url, "kvrelay": f"http://{HOST}:{args.base_port + 1}",
+               "toy": f"http://{HOST}:{args.base_port + 2}"}
+    procs += [ctx.Process(target=run_kvrelay, args=(args.base_port + 1, up_url, 0), daemon=True),
+              ctx.Process(target=run_toy, args=(args.base_port + 2, up_url, 0), daemon=True)]
+    busy_pid = {"direct": 0, "kvrelay": 1, "toy": 2}         # whose core is measured: the upstream's for direct
+    for p in procs:
+        p.start()
+    rows: dict[str, dict[str, Any]] = {}
+    try:
+        for url in systems.values():
+            _wait_up(url)
+        bar = tqdm(total=3 * len(systems), desc="bench router", unit="run")
+        for name, url in systems.items():
+            rows[name] = {}
+            for c in (1, 64):
+                lat = asyncio.run(_latencies(url, c, args.requests if c > 1 else args.requests // 4))
+                rows[name][f"c{c}"] = {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * _pct(lat, 0.99)}
+                bar.update(1)
+            pid = procs[busy_pid[name]].pid
+            assert pid is not None
+            cpu0, t0 = _cpu_s(pid), time.perf_counter()
+            rows[name]["rps"] = asyncio.run(_throughput(url, 64, args.duration))
+            rows[name]["core_busy"] = (_cpu_s(pid) - cpu0) / (time.perf_counter() - t0)
+            bar.update(1)
+        bar.close()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.join(5)
+    report = _report(rows)
+    print(report)
+    (out / "router.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}, indent=2))
+    (out / "table.txt").write_text(report + "\n")
+    _plot(rows, out / "router.png")
+    print(f"wrote {out}/router.json, table.txt, router.png", file=sys.stderr)
+    return 0
+
+
+def _report(rows: dict[str, dict[str, Any]]) -> str:
+    d = rows["direct"]
+    lines = [f"{'system':<9} {'c1 p50':>8} {'c1 p99':>8} {'c64 p50':>8} {'c64 p99':>8} {'+c1 p50':>8} "
+             f"{'+c64 p50':>8} {'+c64 p99':>8} {'req/s':>7} {'vs toy':>7} {'vs direct':>9} {'core busy':>9}"]
+    for name, r in rows.items():
+        lines.append(f"{name:<9} {r['c1']['p50_ms']:8.2f} {r['c1']['p99_ms']:8.2f} {r['c64']['p50_ms']:8.2f} "
+                     f"{r['c64']['p99_ms']:8.2f} {r['c1']['p50_ms'] - d['c1']['p50_ms']:8.2f} "
+                     f"{r['c64']['p50_ms'] - d['c64']['p50_ms']:8.2f} {r['c64']['p99_ms'] - d['c64']['p99_ms']:8.2f} "
+                     f"{r['rps']:7.0f} {r['rps'] / rows['toy']['rps']:7.2f} {r['rps'] / d['rps']:9.2f} "
+                     f"{100 * r['core_busy']:8.0f}%")
+    lines.append("times in ms to the last byte; '+' = added over direct; req/s = streamed requests per second "
+                 "with 64 streams, the proxy on one core; core busy = that proxy's CPU use during the req/s run "
+                 "(direct: the upstream's)")
+    return "\n".join(lines)
+
+
+def _plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(rows)
+    for i, key in enumerate(("c1", "c64")):
+        a.bar([x + 0.4 * i for x in range(len(names))], [rows[n][key]["p50_ms"] for n in names], 0.4,
+              label=f"p50, {key[1:]} streams")
+    a.set_xticks([x + 0.2 for x in range(len(names))], names)
+    a.set_ylabel("ms to last byte")
+    a.legend()
+    b.bar(names, [rows[n]["rps"] for n in names])
+    b.set_ylabel("streamed requests / s (proxy on 1 core)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

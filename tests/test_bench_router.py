@@ -1,0 +1,20 @@
+"""`kvrelay bench router` runs end to end (small): three systems, a table, JSON and a PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_router_smoke(tmp_path: Path):
+    r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "router", "--requests", "32", "--duration", "1",
+                        "--base-port", "18640", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads((tmp_path / "router.json").read_text())["rows"]
+    assert set(rows) == {"direct", "kvrelay", "toy"}
+    for row in rows.values():
+        assert row["rps"] > 0 and row["c1"]["p50_ms"] > 0 and 0 < row["core_busy"] < 1.5
+    assert (tmp_path / "router.png").stat().st_size > 1000
+    assert "vs toy" in r.stdout
