@@ -46,6 +46,11 @@ class RoutingPolicy(str, enum.Enum):
     CACHE_AWARE = "cache_aware"       # prefill: the node holding the longest cached prefix, weighed by load
 
 
+class FirstToken(str, enum.Enum):
+    PREFILL = "prefill"       # the prefill node's sampled token 1 goes to the client at once; D continues
+    DECODE = "decode"         # D computes every output token (the prompt's last token is recomputed)
+
+
 class ConnectorConfig(Section, frozen=True):
     """The vLLM connectors (prefill pushes, decode installs)."""
 
@@ -99,6 +104,7 @@ class RouterConfig(Section, frozen=True):
     rate_limit_rps: float = 0.0      # per API key (or client address) token bucket; 0 = off
     rate_limit_burst: int = 0        # bucket size (0 = 2 x rate_limit_rps, at least 1)
     params_ttl_s: Seconds = 300.0    # signed kv_transfer_params expire after this
+    first_token: FirstToken = FirstToken.PREFILL   # who emits the first output token (see router/split.py)
 
 
 class DeployConfig(Section, frozen=True):
@@ -232,6 +238,9 @@ FIELD_HELP: dict[str, str] = {
     'router.rate_limit_rps': 'per API key (or client address) token-bucket rate in requests/s; 0 = off',
     'router.rate_limit_burst': 'token-bucket size (0 = twice the rate, at least 1)',
     'router.params_ttl_s': 'the signed kv_transfer_params the router sends engines expire after this',
+    'router.first_token': ("prefill: stream token 1 from the prefill node at once, D continues from prompt + token 1 "
+                           "(requests with features that cannot be split fall back per request); decode: D emits "
+                           "every token"),
     'deploy.prefill': 'kvrelay up: number of prefill servers',
     'deploy.decode': 'kvrelay up: number of decode servers',
     'deploy.host': 'kvrelay up: address every server binds to',

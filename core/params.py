@@ -52,6 +52,7 @@ class PushParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="p
 
     transfer_id: str
     push_to: str                 # the decode node's transfer control endpoint, tcp://host:port
+    early: bool = False          # D's request follows P's answer (first token from P): push without waiting
     exp: float = 0.0             # unix time after which the params are refused
     sig: str = ""                # hex HMAC over every other field (ParamsSigner)
     v: int = PARAMS_VERSION
@@ -62,6 +63,7 @@ class PullParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="p
 
     transfer_id: str
     pull_from: str = ""          # informational: the prefill node's URL
+    tail: int = 0                # the prompt's last `tail` tokens are not in the transfer (token 1 from P): D computes them
     exp: float = 0.0
     sig: str = ""
     v: int = PARAMS_VERSION

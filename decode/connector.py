@@ -101,7 +101,7 @@ class DecodeScheduler:
             return 0, False
         if not isinstance(params, PullParams):
             return 0, False
-        n = len(request.prompt_token_ids) - num_computed
+        n = len(request.prompt_token_ids) - params.tail - num_computed    # the tail is D's to compute
         if n <= 0:
             return 0, False
         self._pending[rid] = (params, num_computed)
@@ -115,8 +115,9 @@ class DecodeScheduler:
         params, local = entry
         self._loading.add(rid)
         self._done.add(rid)
-        self._loads.append(LoadSpec(rid, params.transfer_id, list(request.prompt_token_ids),
-                                    list(blocks.get_block_ids()[0]), local, num_external))
+        transferred = list(request.prompt_token_ids)[:len(request.prompt_token_ids) - params.tail]
+        self._loads.append(LoadSpec(rid, params.transfer_id, transferred, list(blocks.get_block_ids()[0]), local,
+                                    num_external))
 
     def build_meta(self, so: Any = None) -> DecodeMeta:
         idle = so is not None and so.total_num_scheduled_tokens == 0

@@ -191,7 +191,9 @@ class InstallWorker(WorkerBase):
                 self._fail_rest(load, str(exc))
                 return
             timeout = self.cfg.timeouts.chunk_s
-            if isinstance(ev, ChunkArrival):
+            if isinstance(ev, ChunkArrival) and ev.chunk_index < first:
+                self.receiver.release(ev)         # pushed early (before D said what it holds): not needed
+            elif isinstance(ev, ChunkArrival):
                 self._install(load, ev)
             elif isinstance(ev, ChunkRejected):
                 load.failed.setdefault(ev.chunk_index, f"{ev.reason.value}: {ev.detail}")

@@ -54,6 +54,7 @@ class PushSpec:
     ready: int                                   # prompt tokens whose KV exists after this step
     token_ids: list[int] | None = None           # sent once, with the first spec
     store_from: int = -1                         # store full chunks starting at this token (-1: none)
+    early: bool = False                          # D registers after P answers: D grants without waiting
 
 
 @dataclass
@@ -147,7 +148,7 @@ class PrefillScheduler:
         p, n = self._params[rid], self._prompt_len[rid]
         store_from = self._store_from.get(rid, 0) if self.store is not None else -1
         spec = PushSpec(rid, p.transfer_id if p else "", p.push_to if p else "", n, list(self._blocks[rid]),
-                        min(ready, n), token_ids, store_from)
+                        min(ready, n), token_ids, store_from, bool(p and p.early))
         if ready >= n:                            # prefill done: nothing more to tell the worker
             del self._params[rid]
         return spec

@@ -258,14 +258,14 @@ class PushWorker(WorkerBase):
         lane = p.lane
         p.sender = self._sender(lane)
         try:
-            p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes)
+            p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes, early=p.spec.early)
         except KVRelayError as exc:
             if not session_lost(exc):
                 raise
             log.info("session to %s lost (%s); reconnecting", lane.endpoint, exc)
             self._drop_sender(lane)
             p.sender = self._sender(lane)
-            p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes)
+            p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes, early=p.spec.early)
         self.events.write("push_alloc", req=p.spec.req_id, transfer=p.spec.transfer_id, chunks=p.n_chunks,
                           held=list(p.alloc.held))
 

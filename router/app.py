@@ -44,9 +44,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from core.config import KVRelayConfig, RoutingPolicy
+from core.config import FirstToken, KVRelayConfig, RoutingPolicy
 from core.params import ParamsSigner, PullParams, PushParams, params_dict
-from router import validate
+from router import split, validate
 from router.cache_index import ChunkIndex, PromptTokenizer
 from router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from router.pools import Node, NoHealthyNode, Pool, health_loop, pools_from_config
@@ -80,7 +80,141 @@ class RouterMetrics:
                               registry=self.registry)
 
 
-class Router:
+class _SplitMixin:
+    """``router.first_token: prefill`` (see :mod:`router.split`)."""
+
+    cfg: KVRelayConfig
+    session: aiohttp.ClientSession | None
+    metrics: RouterMetrics
+    signer: ParamsSigner
+
+    async def _split(self, request: web.Request, endpoint: str, body: dict[str, Any], p_node: Node,
+                     d_node: Node, tid: str, rid: str, t0: float) -> web.StreamResponse:
+        budget = split.max_new(endpoint, body)
+        pbody = split.prefill_body(body)
+        if budget != 1:                               # token 1 may be all the answer: then nothing is pushed
+            pbody["kv_transfer_params"] = params_dict(self.signer.sign(
+                PushParams(transfer_id=tid, push_to=d_node.kv_endpoint, early=True)))
+        status, answer = await self._ask(p_node, endpoint, pbody, f"{rid}-p")
+        if status != 200 or not isinstance(answer, dict):
+            if status is not None and status < 500:   # P refused the request: the client's error, as vLLM says it
+                return web.json_response(answer, status=status, headers={"X-Request-Id": rid})
+            self.metrics.errors.labels("prefill_failed").inc()
+            return await self._decode(request, endpoint, body, d_node, "", rid, t0, "")   # type: ignore[attr-defined]
+        try:
+            first = split.FirstToken.parse(endpoint, answer)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:    # no token ids: D decodes as usual
+            log.warning("prefill answer for %s lacks token ids (%r); decoding on D", rid, exc)
+            self.metrics.errors.labels("first_token_fallback").inc()
+            return await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)  # type: ignore[attr-defined]
+        with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        writer = split.StreamWriter(endpoint, first, with_usage)
+        headers = {"X-Request-Id": rid, "X-Kvrelay-Prefill": p_node.url}
+        if first.ends_answer(budget):
+            self.metrics.requests.labels(endpoint, "ok").inc()
+            self.metrics.ttft.observe(time.monotonic() - t0)
+            if not body.get("stream"):
+                return web.json_response(split.final_answer(endpoint, first, "", first.finish_reason,
+                                                            first.stop_reason, 0), headers=headers)
+            out = await _open_stream(request, headers)
+            await out.write(writer.opening() + writer.token(first.text, first.finish_reason, first.stop_reason)
+                            + (writer.usage(split.usage(first, 0)) if with_usage else b"") + b"data: [DONE]\n\n")
+            await out.write_eof()
+            return out
+        dbody = split.decode_body(body, first, budget)
+        dbody["kv_transfer_params"] = params_dict(self.signer.sign(PullParams(transfer_id=tid, tail=len(
+            first.token_ids))))
+        return await self._continue(request, endpoint, body, first, writer, d_node, dbody, rid, t0, headers)
+
+    async def _ask(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[int | None, Any]:
+        """POST and read a JSON answer: (status, body); (None, None) when the node failed."""
+        assert self.session is not None
+        node.outstanding += 1
+        try:
+            async with self.session.post(f"{node.url}{endpoint}", json=body, headers={"X-Request-Id": rid}) as r:
+                return r.status, await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+            node.failures += 1
+            log.warning("prefill on %s failed for %s: %r", node.url, rid, exc)
+            return None, None
+        finally:
+            node.outstanding -= 1
+
+    async def _continue(self, request: web.Request, endpoint: str, body: dict[str, Any], first: split.FirstToken,
+                        writer: split.StreamWriter, node: Node, dbody: dict[str, Any], rid: str, t0: float,
+                        headers: dict[str, str]) -> web.StreamResponse:
+        """Token 1 to the client (streamed at once), then D's continuation in the client's format."""
+        assert self.session is not None
+        stream = bool(body.get("stream"))
+        out = None
+        if stream:
+            out = await _open_stream(request, headers)
+            await out.write(writer.opening() + writer.token(first.text))
+            self.metrics.ttft.observe(time.monotonic() - t0)
+        text, finish, stop, decoded, failure = [], None, None, 0, ""
+        node.outstanding += 1
+        try:
+            async with self.session.post(f"{node.url}/v1/completions", json=dbody,
+                                         headers={"X-Request-Id": rid}) as r:
+                if r.status != 200:
+                    data = await r.read()
+                    if out is None:
+                        status = 502 if r.status >= 500 else r.status
+                        return web.Response(body=data, status=status, content_type="application/json",
+                                            headers=headers)
+                    failure = f"the decode node answered HTTP {r.status}"
+                else:
+                    pending = b""
+                    async for piece in r.content.iter_any():
+                        events, pending = split.decode_events(piece, pending)
+                        for ev in events:
+                            if ev.get("usage"):
+                                decoded = int(ev["usage"]["completion_tokens"])
+                            for c in ev.get("choices", ()):
+                                text.append(c["text"])
+                                finish, stop = c.get("finish_reason"), c.get("stop_reason")
+                                if out is not None:
+                                    await out.write(writer.token(c["text"], finish, stop))
+                    if finish is None:
+                        failure = "the decode node ended the stream early"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            failure = f"the decode node failed: {type(exc).__name__}: {exc}"
+        finally:
+            node.outstanding -= 1
+        return await self._finish_split(endpoint, first, writer, out, "".join(text), finish, stop, decoded,
+                                        failure, rid, headers, bool((body.get("stream_options") or {}).get(
+                                            "include_usage")))
+
+    async def _finish_split(self, endpoint: str, first: split.FirstToken, writer: split.StreamWriter,
+                            out: web.StreamResponse | None, text: str, finish: str | None, stop: Any, decoded: int,
+                            failure: str, rid: str, headers: dict[str, str], with_usage: bool) -> web.StreamResponse:
+        if failure:
+            self.metrics.errors.labels("decode_failed").inc()
+            self.metrics.requests.labels(endpoint, "decode_failed").inc()
+            if out is None:
+                return error_response(502, f"{failure} (request {rid})", "bad_gateway", rid)
+            await out.write(sse_error(failure, rid))
+            await out.write_eof()
+            return out
+        self.metrics.requests.labels(endpoint, "ok").inc()
+        if out is None:
+            self.metrics.ttft.observe(0.0)
+            return web.json_response(split.final_answer(endpoint, first, text, finish, stop, decoded), headers=headers)
+        if with_usage:
+            await out.write(writer.usage(split.usage(first, decoded)))
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+
+async def _open_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+    out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                  **headers})
+    await out.prepare(request)
+    return out
+
+
+class Router(_SplitMixin):
     def __init__(self, cfg: KVRelayConfig, prefill: Pool | None = None, decode: Pool | None = None, *,
                  secret: bytes | None = None) -> None:
         self.cfg = cfg
@@ -222,6 +356,14 @@ class Router:
             self.metrics.latency.observe(time.monotonic() - t0)
             return resp
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        if self.cfg.router.first_token is FirstToken.PREFILL:
+            why = split.fallback_reason(endpoint, body)
+            if why is None:
+                resp = await self._split(request, endpoint, body, p_node, d_node, tid, rid, t0)
+                self.metrics.latency.observe(time.monotonic() - t0)
+                return resp
+            self.metrics.errors.labels("first_token_fallback").inc()
+            log.debug("request %s takes the decode path: %s", rid, why)
         prefill = asyncio.create_task(self._prefill(endpoint, body, p_node, d_node, tid, rid))
         try:
             resp = await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)

@@ -100,6 +100,7 @@ async def fake_node(fake: Fake):
 
 @asynccontextmanager
 async def router_for(prefills: list[Fake], decodes: list[Fake], policy: str = "round_robin", **router: Any):
+    router.setdefault("first_token", "decode")         # these tests pin the decode path; test_split the other
     cfg = kcfg.from_dict({"router": {"policy": policy, "health_interval_s": 0.2, **router}})
     pool_p = Pool("prefill", [Node(f.url) for f in prefills], cfg.router.policy)
     pool_d = Pool("decode", [Node(f.url, f"tcp://127.0.0.1:{9100 + i}") for i, f in enumerate(decodes)],

@@ -91,6 +91,7 @@ class Alloc(_Sealed, tag="alloc", frozen=True, kw_only=True):
     keys: list[bytes]
     chunk_bytes: list[int]    # header + payload of each chunk
     wait_s: float = 5.0       # how long D may park this request when the pool is full
+    early: bool = False       # D's consumer registers only after the push starts (first token from P): no wait
 
 
 class Grant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

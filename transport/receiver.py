@@ -347,7 +347,7 @@ class Receiver:
 
     def _try_grant(self, p: _Pending) -> bool:
         msg = p.msg
-        if (self._consumer_wait_s and msg.transfer_id not in self._consumers
+        if (self._consumer_wait_s and not msg.early and msg.transfer_id not in self._consumers
                 and self._clock() < p.arrived + self._consumer_wait_s):
             return False                            # the consumer has not registered it yet
         with self._lock:

@@ -144,11 +144,13 @@ class Sender:
             sock.close(linger=0)
 
     def alloc(self, transfer_id: str, keys: Sequence[bytes], chunk_bytes: Sequence[int],
-              wait_s: float | None = None) -> Allocation:
-        """Ask for slots. Blocks while the receiver applies back-pressure; PoolFullError if refused."""
+              wait_s: float | None = None, early: bool = False) -> Allocation:
+        """Ask for slots. Blocks while the receiver applies back-pressure; PoolFullError if refused.
+        ``early``: the receiver's consumer will register after the push starts, so D grants at
+        once instead of waiting for it (it then cannot skip chunks the consumer holds)."""
         wait = self.timeouts.alloc_wait_s if wait_s is None else wait_s
         msg = self._sealed(P.Alloc(transfer_id=transfer_id, keys=list(keys), chunk_bytes=list(chunk_bytes),
-                                   wait_s=wait))
+                                   wait_s=wait, early=early))
         reply = self._request(msg, P.Slots, transfer_id, wait + self.timeouts.connect_s)
         if isinstance(reply, P.Refused):
             raise PoolFullError(f"receiver refused transfer {transfer_id!r}: {reply.reason}")

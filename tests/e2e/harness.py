@@ -257,6 +257,7 @@ class StackHandle:
 
 
 _ACTIVE: list[launch.Stack] = []
+FIRST_TOKEN = {"tcp": "prefill", "nixl": "decode"}
 
 
 def start_stack(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> StackHandle:
@@ -280,7 +281,9 @@ def pd_stack(request: pytest.FixtureRequest, reference: dict[str, str], tiny_mod
              tmp_path_factory: pytest.TempPathFactory):
     backend = request.param
     port0 = {"tcp": 18100, "nixl": 18300}[backend]
+    # Both router.first_token settings run the whole e2e set: tcp with token 1 from the prefill
+    # node (the default), nixl with every token from the decode node.
     handle = start_stack(tiny_model, tmp_path_factory.mktemp(f"stack-{backend}"), port0,
-                         transport__backend=backend)
+                         transport__backend=backend, router__first_token=FIRST_TOKEN[backend])
     yield handle
     handle.stack.stop()

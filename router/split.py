@@ -1,0 +1,184 @@
+"""First token from the prefill node (``router.first_token: prefill``).
+
+The prefill node computes the prompt and samples token 1 anyway. The router asks it for
+that token (``max_tokens=1``, ``return_token_ids``), sends it to the client at once, and
+asks the decode node to continue from *prompt + token 1* as a token-id completion
+(``max_tokens - 1``). D then recomputes nothing but token 1's own KV, and the transfer
+runs while token 1 is on its way to the client. An answer that ends at token 1 (EOS, a
+stop token, ``max_tokens=1``) never touches D.
+
+The client sees exactly what one vLLM emits, ids and timestamps aside: the same SSE event
+shapes in the same order (chat: the role event, then content deltas), ``finish_reason``
+and ``stop_reason`` from whoever ended the answer, and usage counted against the
+client's prompt (D's prompt is one token longer).
+
+Anything that cannot be split this way exactly falls back, per request, to the decode
+path (:func:`fallback_reason`): fields outside :data:`SPLITTABLE` - logprobs, echo,
+suffix, structured outputs / guided decoding, tools, stop strings (one could span token
+1 and token 2), penalties (D would count token 1 as prompt), seeded sampling (P and D
+would draw from different generators), ``min_tokens``, ``return_token_ids`` asked for
+by the client, continuous usage stats.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# Keys a request may carry and still be split; any other key present falls back.
+_COMMON = {"model", "stream", "max_tokens", "temperature", "top_p", "top_k", "min_p", "user", "ignore_eos",
+           "skip_special_tokens", "spaces_between_special_tokens", "logit_bias", "allowed_token_ids",
+           "priority", "request_id", "add_special_tokens", "truncate_prompt_tokens", "stream_options"}
+SPLITTABLE = {
+    "completions": _COMMON | {"prompt"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "chat_template",
+                       "chat_template_kwargs", "documents", "mm_processor_kwargs"},
+}
+# Sampling keys D gets from the client's request (the rest are prompt-side or handled here).
+_TO_DECODE = ("model", "temperature", "top_p", "top_k", "min_p", "user", "ignore_eos", "skip_special_tokens",
+              "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "priority")
+
+
+def kind(endpoint: str) -> str:
+    return "chat" if endpoint.endswith("/chat/completions") else "completions"
+
+
+def fallback_reason(endpoint: str, body: dict[str, Any]) -> str | None:
+    """Why ``body`` must take the decode path (None: it can be split)."""
+    extra = sorted(k for k, v in body.items() if k not in SPLITTABLE[kind(endpoint)] and v is not None)
+    if extra:
+        return f"fields {extra}"
+    opts = body.get("stream_options") or {}
+    if set(opts) - {"include_usage"}:
+        return f"stream_options {sorted(set(opts) - {'include_usage'})}"
+    temperature = body.get("temperature")
+    if temperature is not None and temperature < 0:
+        return "temperature < 0"
+    return None
+
+
+def max_new(endpoint: str, body: dict[str, Any]) -> int | None:
+    """The client's output-token budget (None: up to the context length)."""
+    value = body.get("max_completion_tokens") if kind(endpoint) == "chat" else None
+    value = body.get("max_tokens") if value is None else value
+    return int(value) if value is not None else None
+
+
+@dataclass(frozen=True)
+class FirstToken:
+    """What the prefill node answered: token 1 and everything needed to continue."""
+
+    answer: dict[str, Any]           # P's response (a template for the client's answer)
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+    @classmethod
+    def parse(cls, endpoint: str, answer: dict[str, Any]) -> FirstToken:
+        choice = answer["choices"][0]
+        chat = kind(endpoint) == "chat"
+        return cls(answer, choice["message"]["content"] if chat else choice["text"], list(choice["token_ids"]),
+                   list(answer["prompt_token_ids"] if chat else choice["prompt_token_ids"]),
+                   int(answer["usage"]["prompt_tokens"]), choice.get("finish_reason"), choice.get("stop_reason"))
+
+    def ends_answer(self, budget: int | None) -> bool:
+        return self.finish_reason == "stop" or budget == 1
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request P computes: the client's, for one token, with the token ids returned."""
+    pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    pbody.update(max_tokens=1, stream=False, return_token_ids=True)
+    if "max_completion_tokens" in pbody:
+        pbody["max_completion_tokens"] = 1
+    return pbody
+
+
+def decode_body(body: dict[str, Any], first: FirstToken, budget: int | None) -> dict[str, Any]:
+    """D continues from prompt + token 1 as a token-id completion, streamed with usage."""
+    dbody: dict[str, Any] = {k: body[k] for k in _TO_DECODE if k in body}
+    dbody.update(prompt=first.prompt_token_ids + first.token_ids, stream=True,
+                 stream_options={"include_usage": True})
+    if budget is not None:
+        dbody["max_tokens"] = budget - 1
+    return dbody
+
+
+def usage(first: FirstToken, decoded: int) -> dict[str, int]:
+    """Usage as one vLLM counts it: the client's prompt, token 1 plus D's tokens."""
+    return {"prompt_tokens": first.prompt_tokens, "total_tokens": first.prompt_tokens + 1 + decoded,
+            "completion_tokens": 1 + decoded}
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class StreamWriter:
+    """Renders the client's SSE events in vLLM's shapes (``completions`` or ``chat``)."""
+
+    def __init__(self, endpoint: str, first: FirstToken, with_usage: bool) -> None:
+        self.chat = kind(endpoint) == "chat"
+        self.with_usage = with_usage     # the fingerprint then rides on the usage event, not the last token
+        a = first.answer
+        self.head = {"id": a["id"], "object": "chat.completion.chunk" if self.chat else "text_completion",
+                     "created": a["created"], "model": a["model"]}
+        self.fingerprint = a.get("system_fingerprint")
+
+    def opening(self) -> bytes:
+        """Chat streams start with the assistant's role (as vLLM's do); completions with nothing."""
+        if not self.chat:
+            return b""
+        return sse({**self.head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "logprobs": None, "finish_reason": None}],
+                    "prompt_token_ids": None, "prompt_text": None})
+
+    def token(self, text: str, finish_reason: str | None = None, stop_reason: Any = None) -> bytes:
+        choice: dict[str, Any]
+        if self.chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
+            if finish_reason is not None:
+                choice["stop_reason"] = stop_reason
+            choice["token_ids"] = None
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+                      "stop_reason": stop_reason, "prompt_token_ids": None, "token_ids": None}
+        event: dict[str, Any] = {**self.head, "choices": [choice]}
+        if finish_reason is not None and not self.with_usage:
+            event["system_fingerprint"] = self.fingerprint
+        return sse(event)
+
+    def usage(self, counts: dict[str, int]) -> bytes:
+        return sse({**self.head, "choices": [], "usage": counts, "system_fingerprint": self.fingerprint})
+
+
+def final_answer(endpoint: str, first: FirstToken, text: str, finish_reason: str | None, stop_reason: Any,
+                 decoded: int) -> dict[str, Any]:
+    """The client's non-streamed answer: P's response with the whole text, reasons and usage."""
+    answer = json.loads(json.dumps(first.answer))
+    choice = answer["choices"][0]
+    if kind(endpoint) == "chat":
+        choice["message"]["content"] = first.text + text
+        answer["prompt_token_ids"] = None
+    else:
+        choice["text"] = first.text + text
+        choice["prompt_token_ids"] = None
+    choice.update(finish_reason=finish_reason, stop_reason=stop_reason, token_ids=None)
+    answer["usage"].update(usage(first, decoded))
+    return answer
+
+
+def decode_events(chunk: bytes, pending: bytes) -> tuple[list[dict[str, Any]], bytes]:
+    """Split D's SSE bytes into events (JSON objects); returns (events, the unfinished tail)."""
+    data = pending + chunk
+    *complete, rest = data.split(b"\n\n")
+    events = []
+    for raw in complete:
+        raw = raw.strip()
+        if raw.startswith(b"data: ") and raw != b"data: [DONE]":
+            events.append(json.loads(raw[6:]))
+    return events, rest
