@@ -7,6 +7,7 @@ Servers are expensive (~90 s to start on a 2-core host), so:
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import subprocess
@@ -94,6 +95,37 @@ def run_shared(client: Any, case: SharedCase, request_id: str = "") -> str:
         return str(resp.choices[0].text)
     return "".join(ch.text for ev in resp for ch in ev.choices)
 TURN1 = Case("turn1", "chat", False, 1000, 41)
+
+
+# The client-visible format with first_token=prefill is compared with one vLLM's, field by
+# field (ids and timestamps aside); and requests that must take the decode path stay exact.
+_FMT_PROMPT = Case("fmt", "completion", False, 300, 77).text()
+_FMT_CHAT = [{"role": "user", "content": Case("fmtc", "chat", False, 280, 78).text()}]
+FORMAT_REQS = {
+    "fmt-c-stream": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 6, "stream": True,
+                                         "stream_options": {"include_usage": True}}),
+    "fmt-c-stream-plain": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 6, "stream": True}),
+    "fmt-c": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 6}),
+    "fmt-h-stream": ("/v1/chat/completions", {"messages": _FMT_CHAT, "max_tokens": 6, "stream": True,
+                                              "stream_options": {"include_usage": True}}),
+    "fmt-h-stream-plain": ("/v1/chat/completions", {"messages": _FMT_CHAT, "max_tokens": 6, "stream": True}),
+    "fmt-h": ("/v1/chat/completions", {"messages": _FMT_CHAT, "max_completion_tokens": 6}),
+    "fmt-c-one": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 1, "stream": True}),
+    # fallbacks (the decode path), compared by text
+    "fb-stop": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 12, "stop": ["x", "M"]}),
+    "fb-penalty": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 12, "presence_penalty": 1.5,
+                                       "frequency_penalty": 0.5}),
+    "fb-seed": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 12, "temperature": 1.0, "seed": 11}),
+    "fb-logprobs": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 12, "logprobs": 2}),
+    "fb-chat-min": ("/v1/chat/completions", {"messages": _FMT_CHAT, "max_tokens": 12, "min_tokens": 4}),
+}
+
+
+def raw_post(url: str, path: str, body: dict) -> bytes:
+    req = urllib.request.Request(f"{url}{path}", data=json.dumps({"model": MODEL, "temperature": 0, **body}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return bytes(r.read())
 
 
 def turn2_messages(answer1: str) -> list[dict]:
@@ -212,6 +244,7 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         ref["dsave1"] = run_chat(client, dsave_messages(), DSAVE_ANSWER)
         ref["dsave2"] = run_chat(client, dsave_messages(ref["dsave1"]), MAX_TOKENS)
         ref.update({c.name: run_shared(client, c) for c in CONCURRENT})
+        ref.update({name: raw_post(url, path, body).decode() for name, (path, body) in FORMAT_REQS.items()})
         for conv in (1, 2, 3):                        # the Redis outage and poisoning tests' conversations
             ref[f"dsave1.{conv}"] = run_chat(client, dsave_messages(conv=conv), DSAVE_ANSWER)
             ref[f"dsave2.{conv}"] = run_chat(client, dsave_messages(ref[f"dsave1.{conv}"], conv), MAX_TOKENS)
