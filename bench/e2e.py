@@ -3,8 +3,12 @@
 Systems, all on this machine, same model, same prompts (each request gets a fresh
 random prompt so no system profits from prefix caching):
 
-* ``single``      - one plain vLLM server;
-* ``kvrelay-B``   - kvrelay 1P1D through the router, transport B (tcp, nixl);
+* ``single``      - one plain vLLM server with all cores;
+* ``single-p``    - one plain vLLM server on the prefill node's cores only (the same compute
+                    that produces kvrelay's first token);
+* ``kvrelay-B``   - kvrelay 1P1D through the router, transport B (tcp, nixl), first token from
+                    the prefill node (``router.first_token: prefill``); ``kvrelay-B-d``: every
+                    token from the decode node (``--first-token prefill,decode`` runs both);
 * ``nixl-stock``  - vLLM's NixlConnector P/D with the toy-proxy flow (P with
                     ``max_tokens=1`` + ``do_remote_decode``, then D with P's params), as shipped;
 * ``nixl-fair``   - the same with :class:`bench.fair_nixl.FairNixlConnector` (no core pinning,
@@ -44,7 +48,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", type=int, default=3, help="requests per length and system")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--backends", default="tcp,nixl", help="kvrelay transports to run")
-    p.add_argument("--systems", default="single,kvrelay,nixl-fair,nixl-stock")
+    p.add_argument("--systems", default="single,single-p,kvrelay,nixl-fair,nixl-stock")
+    p.add_argument("--first-token", default="prefill", help="kvrelay router.first_token settings to run (comma list)")
     p.add_argument("--prefill-batch-tokens", type=int, default=512,
                    help="P's --max-num-batched-tokens (chunked prefill lets pushes overlap compute; 0 = vLLM's)")
     p.add_argument("--base-port", type=int, default=19100)
@@ -135,36 +140,44 @@ def _measure(label: str, lengths: list[int], reps: int, fn: Callable[[str, str],
             ttfts.append(ttft)
             itls.extend(gaps)
             bar.update(1)
+        q = sorted(ttfts)
         rows.append({"system": label, "prompt_tokens": n, "ttft_ms": 1e3 * statistics.median(ttfts),
+                     "ttft_p90_ms": 1e3 * q[min(len(q) - 1, int(0.9 * len(q)))],
+                     "ttft_p99_ms": 1e3 * q[min(len(q) - 1, int(0.99 * len(q)))],
                      "itl_ms": 1e3 * statistics.median(itls) if itls else float("nan"),
                      "ttft_all_ms": [round(1e3 * t, 2) for t in ttfts]})
 
 
-def _run_single(args: argparse.Namespace, out: Path, lengths: list[int], rows: list[dict], bar: Any) -> None:
-    cfg = _base_cfg(args, out / "single")
-    servers = Servers(out / "single" / "logs")
+def _run_single(args: argparse.Namespace, out: Path, lengths: list[int], rows: list[dict], bar: Any,
+                label: str = "single") -> None:
+    over = {}
+    if label == "single-p":                      # the cores `kvrelay up` gives prefill node 0 of a 1P1D stack
+        over["engine__cpu_bind"] = ",".join(map(str, launch.split_cores(0, 2)))
+    cfg = _base_cfg(args, out / label, **over)
+    servers = Servers(out / label / "logs")
     spec = launch.NodeSpec(launch.Role.SINGLE, 0, args.base_port + 90)
     try:
         servers.start("single", launch.server_command(cfg, spec), launch.server_env(cfg, 0, 1))
         url = f"http://127.0.0.1:{spec.port}"
         launch.wait_healthy(url, servers.procs[0], 900)
-        _measure("single", lengths, args.reps,
+        _measure(label, lengths, args.reps,
                  lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens), rows, bar)
     finally:
         servers.stop()
 
 
 def _run_kvrelay(args: argparse.Namespace, out: Path, backend: str, lengths: list[int], rows: list[dict],
-                 bar: Any) -> dict:
-    sub = out / f"kvrelay-{backend}"
+                 bar: Any, first_token: str = "prefill") -> dict:
+    label = f"kvrelay-{backend}" + ("-d" if first_token == "decode" else "")
+    sub = out / label
     sub.mkdir(parents=True, exist_ok=True)
     (sub / "events.jsonl").unlink(missing_ok=True)
-    cfg = _base_cfg(args, sub, transport__backend=backend)
+    cfg = _base_cfg(args, sub, transport__backend=backend, router__first_token=first_token)
     stack = launch.Stack(cfg)
     try:
         stack.start(progress=False)
         url = f"http://127.0.0.1:{cfg.router.port}"
-        _measure(f"kvrelay-{backend}", lengths, args.reps,
+        _measure(label, lengths, args.reps,
                  lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens, headers={"X-Request-Id": rid}),
                  rows, bar)
         time.sleep(1.0)
@@ -237,16 +250,19 @@ def _nixl_pair(args: argparse.Namespace, out: Path, label: str, fair: bool, leng
 
 def _table(rows: list[dict], transfer: dict[str, dict]) -> str:
     single = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "single"}
+    single_p = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "single-p"}
     fair = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "nixl-fair"}
-    lines = [f"{'system':<14} {'tokens':>6} {'TTFT ms':>9} {'ITL ms':>7} {'TTFT/single':>11} {'TTFT/nixl-fair':>14} "
-             f"{'exposed ms':>10} {'exposed/chunk':>13}"]
+    lines = [f"{'system':<14} {'tokens':>6} {'TTFT ms':>9} {'p90/p50':>7} {'ITL ms':>7} {'TTFT/single':>11} "
+             f"{'TTFT/single-p':>13} {'TTFT/nixl-fair':>14} {'exposed ms':>10} {'exposed/chunk':>13}"]
     for r in rows:
         n = r["prompt_tokens"]
         x = transfer.get(r["system"], {})
         exp = x.get("exposed_ms", {}).get(n)
         chunk = x.get("one_chunk_ms")
-        lines.append(f"{r['system']:<14} {n:>6} {r['ttft_ms']:>9.1f} {r['itl_ms']:>7.2f} "
+        lines.append(f"{r['system']:<14} {n:>6} {r['ttft_ms']:>9.1f} {r['ttft_p90_ms'] / r['ttft_ms']:>7.2f} "
+                     f"{r['itl_ms']:>7.2f} "
                      f"{r['ttft_ms'] / single[n] if n in single else float('nan'):>11.2f} "
+                     f"{r['ttft_ms'] / single_p[n] if n in single_p else float('nan'):>13.2f} "
                      f"{r['ttft_ms'] / fair[n] if n in fair else float('nan'):>14.2f} "
                      f"{exp if exp is not None else float('nan'):>10.1f} "
                      f"{exp / chunk if exp is not None and chunk else float('nan'):>13.2f}")
@@ -287,15 +303,20 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out) / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     launch.model_path(kcfg.from_dict({}))
-    n_req = len(lengths) * (args.reps * (("single" in systems) + len(backends) + ("nixl-fair" in systems))
+    modes = args.first_token.split(",")
+    n_req = len(lengths) * (args.reps * (("single" in systems) + ("single-p" in systems) + len(backends) * len(modes)
+                                         + ("nixl-fair" in systems))
                             + ("nixl-stock" in systems))
     bar = tqdm(total=n_req, desc="bench e2e", unit="req")
     rows: list[dict] = []
     transfer: dict[str, dict] = {}
-    if "single" in systems:
-        _run_single(args, out, lengths, rows, bar)
+    for label in ("single", "single-p"):
+        if label in systems:
+            _run_single(args, out, lengths, rows, bar, label)
     for b in backends:
-        transfer[f"kvrelay-{b}"] = _run_kvrelay(args, out, b, lengths, rows, bar)
+        for mode in modes:
+            transfer[f"kvrelay-{b}" + ("-d" if mode == "decode" else "")] = _run_kvrelay(args, out, b, lengths, rows,
+                                                                                       bar, mode)
     if "nixl-fair" in systems:
         _nixl_pair(args, out, "nixl-fair", True, lengths, rows, bar)
     if "nixl-stock" in systems:
@@ -304,7 +325,8 @@ def main(args: argparse.Namespace) -> int:
     table = _table(rows, transfer)
     print(table)
     (out / "table.txt").write_text(table + "\n")
-    (out / "e2e.json").write_text(json.dumps({"args": vars(args), "rows": rows, "transfer": transfer,
+    (out / "e2e.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
+                                              "rows": rows, "transfer": transfer,
                                               "host": {"cpus": os.cpu_count()}}, indent=2, default=str))
     _plot(rows, out / "e2e_ttft.png")
     print(f"wrote {out}/e2e.json, table.txt, e2e_ttft.png", file=sys.stderr)
