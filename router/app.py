@@ -183,11 +183,12 @@ class _SplitMixin:
             node.outstanding -= 1
         return await self._finish_split(endpoint, first, writer, out, "".join(text), finish, stop, decoded,
                                         failure, rid, headers, bool((body.get("stream_options") or {}).get(
-                                            "include_usage")))
+                                            "include_usage")), t0)
 
     async def _finish_split(self, endpoint: str, first: split.FirstToken, writer: split.StreamWriter,
                             out: web.StreamResponse | None, text: str, finish: str | None, stop: Any, decoded: int,
-                            failure: str, rid: str, headers: dict[str, str], with_usage: bool) -> web.StreamResponse:
+                            failure: str, rid: str, headers: dict[str, str], with_usage: bool,
+                            t0: float) -> web.StreamResponse:
         if failure:
             self.metrics.errors.labels("decode_failed").inc()
             self.metrics.requests.labels(endpoint, "decode_failed").inc()
@@ -197,8 +198,8 @@ class _SplitMixin:
             await out.write_eof()
             return out
         self.metrics.requests.labels(endpoint, "ok").inc()
-        if out is None:
-            self.metrics.ttft.observe(0.0)
+        if out is None:                           # not streamed: the first token arrives with the answer
+            self.metrics.ttft.observe(time.monotonic() - t0)
             return web.json_response(split.final_answer(endpoint, first, text, finish, stop, decoded), headers=headers)
         if with_usage:
             await out.write(writer.usage(split.usage(first, decoded)))
