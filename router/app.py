@@ -87,6 +87,7 @@ class _SplitMixin:
     session: aiohttp.ClientSession | None
     metrics: RouterMetrics
     signer: ParamsSigner
+    context_limits: dict[str, int]       # decode node URL -> its max_model_len
 
     async def _split(self, request: web.Request, endpoint: str, body: dict[str, Any], p_node: Node,
                      d_node: Node, tid: str, rid: str, t0: float) -> web.StreamResponse:
@@ -121,10 +122,27 @@ class _SplitMixin:
                             + (writer.usage(split.usage(first, 0)) if with_usage else b"") + b"data: [DONE]\n\n")
             await out.write_eof()
             return out
+        limit = await self._context_limit(d_node)
+        if budget is not None and limit and len(first.prompt_token_ids) + budget > limit:
+            # vLLM refuses this (prompt + max_tokens over the context); let D say so exactly as one vLLM
+            # would, with the client's own request (P's early push is dropped by D's orphan collection)
+            return await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)  # type: ignore[attr-defined]
         dbody = split.decode_body(body, first, budget)
         dbody["kv_transfer_params"] = params_dict(self.signer.sign(PullParams(transfer_id=tid, tail=len(
             first.token_ids))))
         return await self._continue(request, endpoint, body, first, writer, d_node, dbody, rid, t0, headers)
+
+    async def _context_limit(self, node: Node) -> int | None:
+        """The decode node's ``max_model_len`` (from its ``/v1/models``, asked once; None if unknown)."""
+        limits = self.context_limits
+        if node.url not in limits:
+            assert self.session is not None
+            try:
+                async with self.session.get(f"{node.url}/v1/models") as r:
+                    limits[node.url] = int((await r.json())["data"][0]["max_model_len"])
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError):
+                return None                   # asked again next time
+        return limits[node.url]
 
     async def _ask(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[int | None, Any]:
         """POST and read a JSON answer: (status, body); (None, None) when the node failed."""
@@ -224,6 +242,7 @@ class Router(_SplitMixin):
         self.prefill, self.decode = prefill, decode
         self.metrics = RouterMetrics()
         rc = cfg.router
+        self.context_limits: dict[str, int] = {}
         self.signer = ParamsSigner(load_secret(cfg.transport) if secret is None else secret, rc.params_ttl_s)
         self.keys = ApiKeys.from_config(rc)
         self.rates = RateLimits(rc.rate_limit_rps, rc.rate_limit_burst)

@@ -12,6 +12,7 @@ import random
 import re
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,7 @@ FORMAT_REQS = {
     "fmt-h-stream-plain": ("/v1/chat/completions", {"messages": _FMT_CHAT, "max_tokens": 6, "stream": True}),
     "fmt-h": ("/v1/chat/completions", {"messages": _FMT_CHAT, "max_completion_tokens": 6}),
     "fmt-c-one": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 1, "stream": True}),
+    "fmt-err-context": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 4090, "stream": True}),
     # fallbacks (the decode path), compared by text
     "fb-stop": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 12, "stop": ["x", "M"]}),
     "fb-penalty": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 12, "presence_penalty": 1.5,
@@ -124,8 +126,11 @@ FORMAT_REQS = {
 def raw_post(url: str, path: str, body: dict) -> bytes:
     req = urllib.request.Request(f"{url}{path}", data=json.dumps({"model": MODEL, "temperature": 0, **body}).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return bytes(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return bytes(r.read())
+    except urllib.error.HTTPError as exc:       # an error answer is compared like any other
+        return f"HTTP {exc.code} ".encode() + exc.read()
 
 
 def turn2_messages(answer1: str) -> list[dict]:

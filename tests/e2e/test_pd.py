@@ -189,6 +189,9 @@ def test_corrupted_chunks_are_rejected_and_recomputed(corrupt_stack, reference, 
 
 def _events(raw: str) -> list:
     """SSE events (or one JSON answer) with the fields that differ between any two runs removed."""
+    if raw.startswith("HTTP "):                 # an error: the status, then vLLM's error body
+        status, _, raw = raw.partition(" ")[2].partition(" ")
+        return [status, json.loads(raw)]
     parts = [p[6:] for p in raw.split("\n\n") if p.startswith("data: ")] if raw.startswith("data: ") else [raw]
     out = []
     for p in parts:
