@@ -112,6 +112,7 @@ def run_toy(port: int, upstream: str, core: int) -> None:
 
     completions.__annotations__ = {"request": Request, "return": StreamingResponse}  # types, not strings
     app.post("/v1/completions")(completions)
+    app.get("/health")(lambda: {})
     uvicorn.run(app, host=HOST, port=port, log_level="warning", access_log=False)
 
 
@@ -167,10 +168,8 @@ def _wait_up(url: str, timeout: float = 60) -> None:
     while time.monotonic() < deadline:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=1):
-                return
-        except urllib.error.HTTPError:
-            return                                            # it answers: up
-        except OSError:
+                return                                        # 200: up (the router: both pools healthy)
+        except OSError:                                       # refused, or 503 until the first health round
             time.sleep(0.2)
     raise TimeoutError(f"{url} did not come up")
 
