@@ -42,8 +42,16 @@ def source(size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (n, size), dtype=np.uint8)
 
 
+def copy_out(view: Any, scratch: np.ndarray) -> None:
+    """The consumer's work on one chunk, the same on every path: one copy out of where it landed
+    (what an install does; kvrelay's consumer also verifies the checksum in that pass)."""
+    src = np.frombuffer(view, dtype=np.uint8)
+    np.copyto(scratch[:src.size], src)
+
+
 class Memcpy:
-    """The single-thread memcpy ceiling, same access pattern as the two-process paths."""
+    """The single-thread memcpy ceiling, same access pattern as the two-process paths: the copy
+    into the slot, then the consumer's copy out of it."""
 
     def __init__(self) -> None:
         self._src: np.ndarray | None = None
@@ -52,10 +60,12 @@ class Memcpy:
         if self._src is None or self._src.shape[1] != size:
             self._src = source(size, 0)
         src, dst = self._src, np.empty((window, size), dtype=np.uint8)
+        scratch = np.empty(size, dtype=np.uint8)
         starts, arrivals = [], []
         for i in range(count):
             t0 = time.monotonic()
             np.copyto(dst[i % window], src[i % len(src)])
+            copy_out(dst[i % window], scratch)
             arrivals.append(time.monotonic())
             starts.append(t0)
         return starts, arrivals
@@ -173,6 +183,7 @@ class RawPath:
             self._dst = np.zeros(cap, dtype=np.uint8)
             self.agent.register_memory([(int(self._dst.ctypes.data), cap, 0, "")], "DRAM")
             info = {"meta": self.agent.get_agent_metadata(), "base": int(self._dst.ctypes.data)}
+        self._scratch = np.empty(max_size, dtype=np.uint8)
         self.proc = ctx.Process(target=_child, args=(kind, child_conn, info), daemon=True)
         self.proc.start()
         if kind == "raw_nixl":
@@ -186,35 +197,42 @@ class RawPath:
         for b in range(0, count, window):
             n = min(window, count - b)
             if self.kind == "raw_nixl":
-                self._nixl_wait(n, arrivals)
+                self._nixl_wait(n, arrivals, size, window)
             else:
                 for _ in range(n):
-                    self._recv_one(size, arrivals)
+                    self._recv_one(size, window, arrivals)
             self.conn.send(("next", ()))
         starts: list[float] = self.conn.recv()
         return starts, arrivals
 
-    def _recv_one(self, size: int, arrivals: list[float]) -> None:
+    def _recv_one(self, size: int, window: int, arrivals: list[float]) -> None:
         if self.kind == "raw_tcp":
             got, buf = 0, self._buf[:size]
             while got < size:
                 got += self._c.recv_into(buf[got:])
+            copy_out(buf, self._scratch)
         else:
             note = bytearray(NOTE.size)
             self._c.recv_into(note, NOTE.size, socket.MSG_WAITALL)
+            (i,) = NOTE.unpack(note)
+            off = (i % window) * size
+            shm_buf = self._shm.buf
+            assert shm_buf is not None
+            copy_out(shm_buf[off:off + size], self._scratch)
         arrivals.append(time.monotonic())
 
-    def _nixl_wait(self, n: int, arrivals: list[float]) -> None:
+    def _nixl_wait(self, n: int, arrivals: list[float], size: int, window: int) -> None:
         seen = 0
         backoff = Backoff(60)
         while seen < n and backoff.wait():
             notifs = self.agent.get_new_notifs()
-            k = sum(len(v) for v in notifs.values())
-            if k:
-                now = time.monotonic()
-                arrivals.extend([now] * k)
-                seen += k
-                backoff.reset()
+            for msgs in notifs.values():
+                for msg in msgs:
+                    off = (int(msg) % window) * size
+                    copy_out(self._dst[off:off + size], self._scratch)
+                    arrivals.append(time.monotonic())
+                    seen += 1
+                    backoff.reset()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
