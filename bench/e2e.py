@@ -114,7 +114,7 @@ class Servers:
         self.procs.clear()
 
 
-def _base_cfg(args: argparse.Namespace, out: Path, **over: Any) -> kcfg.KVRelayConfig:
+def base_cfg(args: argparse.Namespace, out: Path, **over: Any) -> kcfg.KVRelayConfig:
     data: dict[str, Any] = {
         "engine": {"max_model_len": 8192, "served_model_name": launch.TINY_NAME},
         "deploy": {"base_port": args.base_port, "kv_base_port": args.base_port + 500,
@@ -153,7 +153,7 @@ def _run_single(args: argparse.Namespace, out: Path, lengths: list[int], rows: l
     over = {}
     if label == "single-p":                      # the cores `kvrelay up` gives prefill node 0 of a 1P1D stack
         over["engine__cpu_bind"] = ",".join(map(str, launch.split_cores(0, 2)))
-    cfg = _base_cfg(args, out / label, **over)
+    cfg = base_cfg(args, out / label, **over)
     servers = Servers(out / label / "logs")
     spec = launch.NodeSpec(launch.Role.SINGLE, 0, args.base_port + 90)
     try:
@@ -172,7 +172,7 @@ def _run_kvrelay(args: argparse.Namespace, out: Path, backend: str, lengths: lis
     sub = out / label
     sub.mkdir(parents=True, exist_ok=True)
     (sub / "events.jsonl").unlink(missing_ok=True)
-    cfg = _base_cfg(args, sub, transport__backend=backend, router__first_token=first_token)
+    cfg = base_cfg(args, sub, transport__backend=backend, router__first_token=first_token)
     stack = launch.Stack(cfg)
     try:
         stack.start(progress=False)
@@ -212,34 +212,44 @@ def exposed_transfer(events_path: Path, chunk_tokens: int) -> dict:
             "exposed_ms": {n: 1e3 * statistics.median(v) for n, v in sorted(exposed.items())}}
 
 
-def _nixl_pair(args: argparse.Namespace, out: Path, label: str, fair: bool, lengths: list[int],
-               rows: list[dict], bar: Any) -> None:
-    cfg = _base_cfg(args, out / label)
-    servers = Servers(out / label / "logs")
-    ports = (args.base_port + 70, args.base_port + 71)
+def start_nixl_pair(cfg: kcfg.KVRelayConfig, servers: Servers, label: str, fair: bool,
+                    base_port: int) -> tuple[str, str]:
+    """Start vLLM's NixlConnector producer + consumer (stock, or :mod:`bench.fair_nixl`); return (P url, D url)."""
+    ports = (base_port + 70, base_port + 71)
     kv: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
     if fair:
         kv.update(kv_connector="FairNixlConnector", kv_connector_module_path="bench.fair_nixl")
+    for k, (role, port) in enumerate(zip(("kv_producer", "kv_consumer"), ports, strict=True)):
+        spec = launch.NodeSpec(launch.Role.SINGLE, k, port)
+        cmd = launch.server_command(cfg, spec) + ["--kv-transfer-config", json.dumps({**kv, "kv_role": role})]
+        if role == "kv_producer":
+            cmd += list(cfg.engine.prefill_args)
+        env = launch.server_env(cfg, k, 2)
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(base_port + 80 + k)
+        servers.start(f"{label}-{role}", cmd, env)
+    p_url, d_url = (f"http://127.0.0.1:{p}" for p in ports)
+    for url, proc in zip((p_url, d_url), servers.procs[-2:], strict=True):
+        launch.wait_healthy(url, proc, 900)
+    return p_url, d_url
+
+
+# what the toy proxy sends P: compute the prompt, keep its KV for a remote decode
+NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                       "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def _nixl_pair(args: argparse.Namespace, out: Path, label: str, fair: bool, lengths: list[int],
+               rows: list[dict], bar: Any) -> None:
+    cfg = base_cfg(args, out / label)
+    servers = Servers(out / label / "logs")
     try:
-        for k, (role, port) in enumerate(zip(("kv_producer", "kv_consumer"), ports, strict=True)):
-            spec = launch.NodeSpec(launch.Role.SINGLE, k, port)
-            cmd = launch.server_command(cfg, spec) + ["--kv-transfer-config", json.dumps({**kv, "kv_role": role})]
-            if role == "kv_producer":
-                cmd += list(cfg.engine.prefill_args)
-            env = launch.server_env(cfg, k, 2)
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(args.base_port + 80 + k)
-            servers.start(f"{label}-{role}", cmd, env)
-        p_url, d_url = (f"http://127.0.0.1:{p}" for p in ports)
-        for url, proc in zip((p_url, d_url), servers.procs, strict=True):
-            launch.wait_healthy(url, proc, 900)
+        p_url, d_url = start_nixl_pair(cfg, servers, label, fair, args.base_port)
 
         def flow(prompt: str, rid: str) -> tuple[float, list[float]]:
             t0 = time.perf_counter()
             pre = _post(f"{p_url}/v1/completions", {
                 "model": launch.TINY_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
-                                       "remote_engine_id": None, "remote_block_ids": None,
-                                       "remote_host": None, "remote_port": None}})
+                "kv_transfer_params": NIXL_PREFILL_PARAMS})
             return _stream(d_url, launch.TINY_NAME, prompt, args.max_tokens,
                            extra={"kv_transfer_params": pre.get("kv_transfer_params")}, t0=t0)
 

@@ -91,6 +91,7 @@ class RouterConfig(Section, frozen=True):
     prefill: list[str] = msgspec.field(default_factory=list)   # http://host:port of prefill servers
     decode: list[str] = msgspec.field(default_factory=list)    # "http://host:port=tcp://host:kvport"
     health_interval_s: Seconds = 2.0
+    health_timeouts: Positive = 3          # consecutive /health timeouts before a node leaves rotation
     request_timeout_s: Seconds = 600.0     # an upstream silent this long fails (a long stream is fine)
     upstream_connections: Positive = 512  # at most this many connections to one engine; more requests queue
     api_keys: list[str] = msgspec.field(default_factory=list)   # bearer tokens clients must present ([] = open)
@@ -224,6 +225,8 @@ FIELD_HELP: dict[str, str] = {
     'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]', or 'http://h1:8100=tcp://h1:9300' with the node's store event port (kvrelay up fills this in)",
     'router.decode': "decode nodes as 'http://host:port=tcp://host:kvport' (kvrelay up fills this in)",
     'router.health_interval_s': 'health-check period; failed nodes leave rotation until healthy',
+    'router.health_timeouts': ('consecutive /health timeouts (a busy node) before a node leaves rotation; a refused '
+                               'connection or an error status takes it out at once'),
     'router.request_timeout_s': 'an upstream (prefill or decode) silent this long fails the request; a long stream is fine',
     'router.upstream_connections': 'at most this many concurrent connections to one engine; further requests wait for one',
     'router.api_keys': ("bearer tokens clients must send (Authorization: Bearer KEY), as vLLM's --api-key; [] and no "

@@ -191,6 +191,12 @@ def _add_bench_commands(b: argparse.ArgumentParser) -> None:
                         description=(proxy.__doc__ or "").split("\n\n")[0])
     proxy.add_args(r)
     r.set_defaults(func=proxy.main)
+    from bench import serve
+
+    sv = bsub.add_parser("serve", help="goodput under load (Poisson rates, vLLM's serving client): PD vs one vLLM",
+                         description=(serve.__doc__ or "").split("\n\n")[0])
+    serve.add_args(sv)
+    sv.set_defaults(func=serve.main)
     from bench import multiturn
 
     mt = bsub.add_parser("multiturn", help="multi-turn chat TTFT with the prefill store on vs off",

@@ -275,7 +275,8 @@ class Router(_SplitMixin):
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.router.upstream_connections)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         self._health = asyncio.create_task(health_loop(self.session, (self.prefill, self.decode),
-                                                       self.cfg.router.health_interval_s))
+                                                       self.cfg.router.health_interval_s,
+                                                       self.cfg.router.health_timeouts))
         if self.index is not None:
             self.index.start()
 

@@ -23,6 +23,7 @@ class Node:
     healthy: bool = False
     outstanding: int = 0
     failures: int = 0
+    timeouts: int = 0             # consecutive /health timeouts
 
 
 class NoHealthyNode(KVRelayError):
@@ -78,11 +79,20 @@ def pools_from_config(cfg: RouterConfig) -> tuple[Pool, Pool]:
     return prefill, decode
 
 
-async def check_once(session: aiohttp.ClientSession, node: Node) -> bool:
+async def check_once(session: aiohttp.ClientSession, node: Node, max_timeouts: int = 1,
+                     timeout_s: float = 2.0) -> bool:
+    """One /health probe. A refused connection or an error status takes the node out at once
+    (it is dead or says it is not ready); a timeout only after ``max_timeouts`` in a row, so a
+    node too busy to answer within ``timeout_s`` (a long prefill on a loaded host) stays in rotation."""
     try:
-        async with session.get(f"{node.url}/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+        async with session.get(f"{node.url}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             ok = r.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+        node.timeouts = 0
+    except asyncio.TimeoutError:
+        node.timeouts += 1
+        ok = node.healthy and node.timeouts < max_timeouts
+    except aiohttp.ClientError:
+        node.timeouts = 0
         ok = False
     if ok != node.healthy:
         log.info("%s is now %s", node.url, "healthy" if ok else "UNHEALTHY")
@@ -90,8 +100,9 @@ async def check_once(session: aiohttp.ClientSession, node: Node) -> bool:
     return ok
 
 
-async def health_loop(session: aiohttp.ClientSession, pools: tuple[Pool, ...], interval: float) -> None:
+async def health_loop(session: aiohttp.ClientSession, pools: tuple[Pool, ...], interval: float,
+                      max_timeouts: int = 1) -> None:
     while True:
         nodes = [n for p in pools for n in p.nodes]
-        await asyncio.gather(*(check_once(session, n) for n in nodes))
+        await asyncio.gather(*(check_once(session, n, max_timeouts) for n in nodes))
         await asyncio.sleep(interval)

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from core import config as kcfg
 from router.app import Router
-from router.pools import Node, Pool
+from router.pools import Node, Pool, check_once
 
 SSE = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n', b"data: [DONE]\n\n"]
@@ -217,6 +217,43 @@ def test_unhealthy_nodes_leave_rotation_and_least_outstanding_prefers_idle():
             assert router.decode.pick() is b
             async with s.get(f"{url}/health") as r:
                 assert r.status == 200
+    run(go())
+
+
+def test_a_busy_node_stays_in_rotation_until_its_health_times_out_repeatedly():
+    # A real HTTP server whose /health stalls (a node busy with a long prefill on a loaded
+    # host): one timeout must not take it out; `max_timeouts` in a row do. A refused
+    # connection (a dead node) takes a node out at once.
+    async def go() -> None:
+        stall = asyncio.Event()
+
+        async def health(request: web.Request) -> web.Response:
+            if not stall.is_set():
+                return web.json_response({})
+            await asyncio.sleep(1.0)
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]          # type: ignore[union-attr]
+        node = Node(f"http://127.0.0.1:{port}")
+        try:
+            async with aiohttp.ClientSession() as s:
+                assert await check_once(s, node, 3, 0.2) and node.healthy
+                stall.set()
+                assert await check_once(s, node, 3, 0.2) and await check_once(s, node, 3, 0.2)
+                assert node.timeouts == 2 and node.healthy
+                assert not await check_once(s, node, 3, 0.2) and not node.healthy
+                stall.clear()
+                assert await check_once(s, node, 3, 0.2) and node.timeouts == 0
+                dead = Node("http://127.0.0.1:9", healthy=True)
+                assert not await check_once(s, dead, 3, 0.2) and not dead.healthy
+        finally:
+            await runner.cleanup()
     run(go())
 
 

@@ -1,0 +1,269 @@
+"""`kvrelay bench serve`: goodput under load, measured with vLLM's own serving-benchmark client.
+
+Systems, one at a time on this host, same model, same requests:
+
+* ``single``       - one plain vLLM server with all cores;
+* ``kvrelay-tcp``, ``kvrelay-nixl`` - kvrelay 1P1D through its router (first token from P);
+* ``nixl-fair``    - vLLM's NixlConnector 1P1D with its CPU faults fixed (:mod:`bench.fair_nixl`)
+                     behind a minimal proxy doing the toy-proxy flow (P with ``max_tokens=1``,
+                     then D streams with P's ``kv_transfer_params``).
+
+Load: ``vllm bench serve`` (vLLM's client, run as a child process) with Poisson arrivals
+(burstiness 1) at each rate of ``--rates``, over its ``random`` dataset: every prompt starts
+with the same ``--prefix-len`` tokens (a shared system prompt, so prefix caches and the
+store have something to reuse) followed by a random body of ``--input-len`` tokens
++- ``--range-ratio``; answers are ``--output-len`` +- ``--range-ratio`` tokens, EOS ignored.
+The SLO (``--slo-ttft-ms``, ``--slo-tpot-ms``) is the same for every system; goodput is
+the client's ``request_goodput``: completed requests per second that met both.
+
+Writes one vLLM result JSON per (system, rate) under ``--out``/serve-*/, a combined
+``serve.json`` (the same fields, plus the load and SLO), a table, and ``serve.png``
+(latency and goodput against rate). Ratios are against ``nixl-fair`` and ``single`` at
+the same rate, from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import e2e
+from core import config as kcfg
+from deploy import launch
+
+SYSTEMS = ("single", "kvrelay-tcp", "kvrelay-nixl", "nixl-fair")
+METRICS = ("ttft", "tpot", "itl", "e2el")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    p.add_argument("--rates", default="2,4,8,16", help="Poisson request rates to sweep (req/s, comma list)")
+    p.add_argument("--num-prompts", type=int, default=60, help="requests per rate")
+    p.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens at the start of every prompt")
+    p.add_argument("--input-len", type=int, default=768, help="random body tokens after the prefix (mean)")
+    p.add_argument("--output-len", type=int, default=48, help="answer tokens (mean; EOS ignored)")
+    p.add_argument("--range-ratio", type=float, default=0.75, help="body and answer lengths vary by +- this fraction")
+    p.add_argument("--slo-ttft-ms", type=float, default=250.0, help="SLO: time to first token")
+    p.add_argument("--slo-tpot-ms", type=float, default=25.0, help="SLO: time per output token after the first")
+    p.add_argument("--prefill-batch-tokens", type=int, default=512, help="P's --max-num-batched-tokens (0 = vLLM's)")
+    p.add_argument("--base-port", type=int, default=19300)
+    p.add_argument("--out", default="bench_results")
+    p.add_argument("--quick", action="store_true", help="rates 2,8 and 20 prompts each")
+
+
+# ------------------------------------------------------------------ the NixlConnector proxy
+def run_nixl_proxy(port: int, p_url: str, d_url: str) -> None:
+    """The toy-proxy flow for vLLM's NixlConnector: P computes (max_tokens=1), D streams with P's params."""
+    import aiohttp
+    from aiohttp import web
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        req = await request.json()
+        session: aiohttp.ClientSession = request.app["session"]
+        pre = dict(req, max_tokens=1, stream=False, kv_transfer_params=e2e.NIXL_PREFILL_PARAMS)
+        pre.pop("stream_options", None)
+        async with session.post(f"{p_url}/v1/completions", json=pre) as r:
+            params = (await r.json()).get("kv_transfer_params")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        async with session.post(f"{d_url}/v1/completions", json=dict(req, kv_transfer_params=params)) as r:
+            async for chunk in r.content.iter_any():
+                await resp.write(chunk)
+        await resp.write_eof()
+        return resp
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def session_ctx(app: web.Application) -> Any:
+        app["session"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                               connector=aiohttp.TCPConnector(limit=0))
+        yield
+        await app["session"].close()
+
+    app = web.Application()
+    app.cleanup_ctx.append(session_ctx)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/health", health)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+# ------------------------------------------------------------------ systems
+class System:
+    """One system under test: ``start()`` returns the URL the client talks to; ``stop()`` tears it all down."""
+
+    def __init__(self, name: str, args: argparse.Namespace, out: Path) -> None:
+        self.name, self.args, self.out = name, args, out / name
+        self.servers = e2e.Servers(self.out / "logs")
+        self.stack: launch.Stack | None = None
+        self.proxy: Any = None
+
+    def start(self) -> str:
+        if self.name == "single":
+            cfg = e2e.base_cfg(self.args, self.out)
+            spec = launch.NodeSpec(launch.Role.SINGLE, 0, self.args.base_port + 90)
+            self.servers.start("single", launch.server_command(cfg, spec), launch.server_env(cfg, 0, 1))
+            url = f"http://127.0.0.1:{spec.port}"
+            launch.wait_healthy(url, self.servers.procs[0], 900)
+            return url
+        if self.name.startswith("kvrelay-"):
+            cfg = e2e.base_cfg(self.args, self.out, transport__backend=self.name.split("-", 1)[1],
+                               router__max_inflight=1024)
+            self.stack = launch.Stack(cfg)
+            self.stack.start(progress=False)
+            return f"http://127.0.0.1:{cfg.router.port}"
+        cfg = e2e.base_cfg(self.args, self.out)
+        p_url, d_url = e2e.start_nixl_pair(cfg, self.servers, self.name, True, self.args.base_port)
+        port = self.args.base_port + 60
+        self.proxy = mp.get_context("spawn").Process(target=run_nixl_proxy, args=(port, p_url, d_url), daemon=True)
+        self.proxy.start()
+        url = f"http://127.0.0.1:{port}"
+        launch.wait_healthy(url, None, 60)
+        return url
+
+    def stop(self) -> None:
+        if self.proxy is not None:
+            self.proxy.terminate()
+            self.proxy.join(10)
+        if self.stack is not None:
+            self.stack.stop()
+        self.servers.stop()
+
+
+# ------------------------------------------------------------------ the client
+def client_command(args: argparse.Namespace, url: str, rate: float, num_prompts: int, result: Path) -> list[str]:
+    """``vllm bench serve`` for one rate; its result JSON goes to ``result``."""
+    return [sys.executable, "-m", "bench.vllm_client", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+            "--model", launch.TINY_NAME, "--tokenizer", str(launch.model_path(kcfg.from_dict({}))),
+            "--dataset-name", "random", "--random-prefix-len", str(args.prefix_len),
+            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+            "--random-range-ratio", str(args.range_ratio), "--ignore-eos",
+            "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--burstiness", "1.0",
+            "--seed", str(int(rate * 1000)), "--percentile-metrics", ",".join(METRICS),
+            "--metric-percentiles", "50,90,99",
+            "--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}",
+            "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
+            "--disable-tqdm", "--ready-check-timeout-sec", "0"]
+
+
+def run_rate(args: argparse.Namespace, url: str, rate: float, num_prompts: int, result: Path) -> dict:
+    cmd = client_command(args, url, rate, num_prompts, result)
+    log = result.with_suffix(".log")
+    with open(log, "w") as fh:
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ), check=False).returncode
+    if rc != 0 or not result.exists():
+        raise RuntimeError(f"vllm bench serve failed (rc={rc}); see {log}:\n" + log.read_text()[-3000:])
+    return dict(json.loads(result.read_text()))
+
+
+def _row(system: str, rate: float, res: dict) -> dict:
+    row: dict[str, Any] = {"system": system, "rate": rate, "completed": res.get("completed"),
+                           "failed": res.get("failed", 0), "throughput": res.get("request_throughput"),
+                           "goodput": res.get("request_goodput"), "tok_s": res.get("output_throughput")}
+    for m in METRICS:
+        for q in ("50", "90", "99"):
+            row[f"{m}_p{q}"] = res.get(f"p{q}_{m}_ms", res.get(f"median_{m}_ms") if q == "50" else None)
+    return row
+
+
+# ------------------------------------------------------------------ report
+def table(rows: list[dict]) -> str:
+    ref = {(r["system"], r["rate"]): r for r in rows}
+    hdr = (f"{'system':<13} {'rate':>5} {'done':>5} {'req/s':>6} {'goodput':>7} {'gp/fair':>7} {'gp/single':>9} "
+           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TTFT/fair':>9} {'ITL p50':>7} {'p90':>6} {'p99':>6} "
+           f"{'TPOT p50':>8} {'E2E p50':>8}")
+    lines = [hdr]
+    for r in rows:
+        fair, single = ref.get(("nixl-fair", r["rate"])), ref.get(("single", r["rate"]))
+
+        def ratio(a: float | None, b: dict | None, key: str) -> float:
+            return a / b[key] if a is not None and b and b.get(key) else float("nan")
+
+        lines.append(f"{r['system']:<13} {r['rate']:>5g} {r['completed']:>5} {r['throughput']:>6.2f} "
+                     f"{r['goodput']:>7.2f} {ratio(r['goodput'], fair, 'goodput'):>7.2f} "
+                     f"{ratio(r['goodput'], single, 'goodput'):>9.2f} "
+                     f"{r['ttft_p50']:>8.1f} {r['ttft_p90']:>7.1f} {r['ttft_p99']:>7.1f} "
+                     f"{ratio(r['ttft_p50'], fair, 'ttft_p50'):>9.2f} "
+                     f"{r['itl_p50']:>7.2f} {r['itl_p90']:>6.2f} {r['itl_p99']:>6.2f} "
+                     f"{r['tpot_p50']:>8.2f} {r['e2el_p50']:>8.1f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], slo: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        pts = sorted((r["rate"], r) for r in rows if r["system"] == system)
+        rates = [p[0] for p in pts]
+        axes[0].plot(rates, [p[1]["ttft_p50"] for p in pts], marker="o", label=f"{system} p50")
+        axes[0].plot(rates, [p[1]["ttft_p90"] for p in pts], ls="--", color=axes[0].lines[-1].get_color())
+        axes[1].plot(rates, [p[1]["itl_p50"] for p in pts], marker="o", label=f"{system} p50")
+        axes[1].plot(rates, [p[1]["itl_p99"] for p in pts], ls="--", color=axes[1].lines[-1].get_color())
+        axes[2].plot(rates, [p[1]["goodput"] for p in pts], marker="o", label=system)
+    axes[0].axhline(slo["ttft_ms"], color="k", lw=0.8, ls=":")
+    axes[0].set(title="TTFT (solid p50, dashed p90)", xlabel="request rate (req/s)", ylabel="ms", yscale="log")
+    axes[1].set(title="ITL (solid p50, dashed p99)", xlabel="request rate (req/s)", ylabel="ms", yscale="log")
+    axes[2].set(title=f"goodput (TTFT<={slo['ttft_ms']:g} ms, TPOT<={slo['tpot_ms']:g} ms)",
+                xlabel="request rate (req/s)", ylabel="req/s meeting the SLO")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    if args.quick:
+        args.rates, args.num_prompts = "2,8", 20
+    rates = [float(r) for r in args.rates.split(",")]
+    systems = args.systems.split(",")
+    if unknown := set(systems) - set(SYSTEMS):
+        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    out = Path(args.out) / f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    load = {k: getattr(args, k) for k in ("prefix_len", "input_len", "output_len", "range_ratio", "num_prompts")}
+    slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms}
+    print(f"load: Poisson arrivals; prompt = {args.prefix_len} shared + {args.input_len} +- "
+          f"{100 * args.range_ratio:.0f}% random tokens; answer {args.output_len} +- {100 * args.range_ratio:.0f}% "
+          f"tokens; {args.num_prompts} requests per rate. SLO: TTFT <= {args.slo_ttft_ms:g} ms and "
+          f"TPOT <= {args.slo_tpot_ms:g} ms", file=sys.stderr)
+    bar = tqdm(total=len(systems) * len(rates), desc="bench serve", unit="rate")
+    rows: list[dict] = []
+    results: dict[str, dict] = {}
+    for name in systems:
+        system = System(name, args, out)
+        try:
+            bar.set_postfix_str(f"{name}: starting")
+            url = system.start()
+            run_rate(args, url, 1.0, 4, out / name / "warmup.json")      # compile graphs, fill the prefix cache
+            for rate in rates:
+                bar.set_postfix_str(f"{name} @ {rate:g} req/s")
+                res = run_rate(args, url, rate, args.num_prompts, out / name / f"rate-{rate:g}.json")
+                results[f"{name}@{rate:g}"] = res
+                rows.append(_row(name, rate, res))
+                bar.update(1)
+        finally:
+            system.stop()
+    bar.close()
+    text = table(rows)
+    print(text)
+    (out / "table.txt").write_text(text + "\n")
+    (out / "serve.json").write_text(json.dumps({"load": load, "slo": slo, "rates": rates, "rows": rows,
+                                                "vllm_results": results, "host": {"cpus": os.cpu_count()}},
+                                               indent=2, default=str))
+    plot(rows, slo, out / "serve.png")
+    print(f"wrote {out}/serve.json, table.txt, serve.png", file=sys.stderr)
+    return 0
