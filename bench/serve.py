@@ -44,18 +44,18 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
-    p.add_argument("--rates", default="2,4,8,16", help="Poisson request rates to sweep (req/s, comma list)")
-    p.add_argument("--num-prompts", type=int, default=60, help="requests per rate")
+    p.add_argument("--rates", default="1,2,3,4", help="Poisson request rates to sweep (req/s, comma list)")
+    p.add_argument("--num-prompts", type=int, default=40, help="requests per rate")
     p.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens at the start of every prompt")
-    p.add_argument("--input-len", type=int, default=768, help="random body tokens after the prefix (mean)")
-    p.add_argument("--output-len", type=int, default=48, help="answer tokens (mean; EOS ignored)")
+    p.add_argument("--input-len", type=int, default=512, help="random body tokens after the prefix (mean)")
+    p.add_argument("--output-len", type=int, default=32, help="answer tokens (mean; EOS ignored)")
     p.add_argument("--range-ratio", type=float, default=0.75, help="body and answer lengths vary by +- this fraction")
-    p.add_argument("--slo-ttft-ms", type=float, default=250.0, help="SLO: time to first token")
-    p.add_argument("--slo-tpot-ms", type=float, default=25.0, help="SLO: time per output token after the first")
+    p.add_argument("--slo-ttft-ms", type=float, default=400.0, help="SLO: time to first token")
+    p.add_argument("--slo-tpot-ms", type=float, default=30.0, help="SLO: time per output token after the first")
     p.add_argument("--prefill-batch-tokens", type=int, default=512, help="P's --max-num-batched-tokens (0 = vLLM's)")
     p.add_argument("--base-port", type=int, default=19300)
     p.add_argument("--out", default="bench_results")
-    p.add_argument("--quick", action="store_true", help="rates 2,8 and 20 prompts each")
+    p.add_argument("--quick", action="store_true", help="rates 1,3 and 16 prompts each")
 
 
 # ------------------------------------------------------------------ the NixlConnector proxy
@@ -227,7 +227,7 @@ def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     if args.quick:
-        args.rates, args.num_prompts = "2,8", 20
+        args.rates, args.num_prompts = "1,3", 16
     rates = [float(r) for r in args.rates.split(",")]
     systems = args.systems.split(",")
     if unknown := set(systems) - set(SYSTEMS):
