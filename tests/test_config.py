@@ -71,3 +71,21 @@ def test_every_config_key_has_help_and_appears_in_up_help():
     for key in keys:
         assert f"--{key}" in text
     assert "--request" in text and "Ctrl-C" in text
+
+
+def test_a_decode_node_binding_every_address_must_say_which_one_to_announce():
+    import msgspec
+
+    from transport.backends import make_receiver_backend
+    from transport.backends.sockets import SocketInfo
+    from transport.config import TransportConfig
+
+    with pytest.raises(ConfigError, match="advertise_host"):
+        make_receiver_backend(TransportConfig(backend=TransportKind.TCP, host="0.0.0.0"))
+    rx = make_receiver_backend(TransportConfig(backend=TransportKind.TCP, host="0.0.0.0", advertise_host="10.77.0.12"))
+    try:
+        info = msgspec.msgpack.decode(rx.info(), type=SocketInfo)
+        assert (info.family, info.address) == ("inet", "10.77.0.12") and info.port > 0
+    finally:
+        rx.close()
+    assert TransportConfig(host="10.0.0.5").advertised_host() == "10.0.0.5"

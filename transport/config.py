@@ -100,6 +100,7 @@ class TransportConfig(Section, frozen=True):
     backend: TransportKind = TransportKind.NIXL
     pool_bytes: Size = 0             # decode receive pool; 0 = auto (sized from the engine, see decode)
     host: str = "127.0.0.1"
+    advertise_host: str = ""         # the address peers reach this node at ("" = host; required if host is 0.0.0.0)
     control_port: Port = 0           # 0 = pick a free port
     data_port: Port = 0              # tcp backend listener; 0 = pick a free port
     nixl_error_mode: NixlErrorMode = NixlErrorMode.NONE
@@ -107,12 +108,30 @@ class TransportConfig(Section, frozen=True):
     allowed_decode: list[str] = msgspec.field(default_factory=list)  # prefill: push targets allowed
     max_message_bytes: Positive = 1 * MiB       # control frames above this are rejected
 
+    def advertised_host(self) -> str:
+        """The data-plane address a decode node announces (after the authenticated Hello).
+
+        ``advertise_host`` when set, else ``host``. Raises :class:`ConfigError` when ``host``
+        binds every address and nothing says which one peers can reach."""
+        if self.advertise_host:
+            return self.advertise_host
+        if self.host in WILDCARD_HOSTS:
+            raise ConfigError(f"transport.host={self.host!r} binds every address, so it cannot be announced to "
+                              "prefill nodes: set transport.advertise_host to the address they reach this node at "
+                              "(the pod IP, the host's address on the transfer network)")
+        return self.host
+
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 
 FIELD_HELP: dict[str, str] = {
     'transport.backend': 'data plane: nixl (UCX one-sided WRITE), tcp, shm (same host) or ucx',
     'transport.pool_bytes': ("decode node's pinned receive pool (e.g. 4GiB); 0 = auto: two prompts of "
                              "max_model_len, at least 256MiB. Start-up fails if it cannot hold one such prompt"),
     'transport.host': "address the decode node's transfer endpoint binds to",
+    'transport.advertise_host': ("the address the decode node announces to prefill nodes for its data plane (a "
+                                 "pod IP, a NAT address); '' = transport.host. Required when host binds every "
+                                 "address (0.0.0.0 / ::)"),
     'transport.control_port': "decode node's ZeroMQ control port (0 = any free port)",
     'transport.data_port': "tcp backend's data listener port (0 = any free port)",
     'transport.nixl_error_mode': 'UCX error handling for nixl: none or peer (same on both sides)',

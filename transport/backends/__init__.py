@@ -11,8 +11,9 @@ def make_receiver_backend(cfg: TransportConfig) -> ReceiverBackend:
     if kind in (TransportKind.TCP, TransportKind.SHM):
         from transport.backends.sockets import SocketReceiver
 
-        return SocketReceiver(inline_payload=kind is TransportKind.TCP, host=cfg.host,
-                              port=cfg.data_port)
+        inline = kind is TransportKind.TCP
+        return SocketReceiver(inline_payload=inline, host=cfg.host, port=cfg.data_port,
+                              advertise=cfg.advertised_host() if inline else "")
     if kind is TransportKind.NIXL:
         from transport.backends.nixl import NixlReceiver
 

@@ -124,12 +124,14 @@ def _sendmsg_all(sock: socket.socket, bufs: list[memoryview]) -> None:
 class SocketReceiver(ReceiverBackend):
     """Accepts one connection per sender and reads frames (and, for tcp, payloads)."""
 
-    def __init__(self, *, inline_payload: bool, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, *, inline_payload: bool, host: str = "127.0.0.1", port: int = 0, advertise: str = "") -> None:
+        """``host``/``port``: where the tcp listener binds; ``advertise``: the address sent to
+        senders (default ``host``)."""
         self.inline = inline_payload
         self.needs_shared_pool = not inline_payload
         if inline_payload:
             self._lsock = socket.create_server((host, port), backlog=64)
-            self._info = SocketInfo("inet", host, self._lsock.getsockname()[1])
+            self._info = SocketInfo("inet", advertise or host, self._lsock.getsockname()[1])
         else:
             self._lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             name = f"kvrelay-{id(self):x}-{threading.get_native_id()}"

@@ -1,0 +1,157 @@
+"""Prefill, decode and the router on three hosts: network namespaces joined by a bridge.
+
+Each role runs in its own network namespace with its own address (``10.77.0.11`` prefill,
+``.12`` decode, ``.13`` router) on a veth pair into a bridge in the root namespace, where
+the test client sits (``10.77.0.1``). Nothing is reachable over loopback between them,
+so every byte of HTTP, control plane and KV crosses a real (virtual) network link.
+
+Each node is started the way an operator starts one pool per host: ``kvrelay serve``
+(what ``deploy/launch_*_pool.sh`` run) and ``kvrelay router``, from one YAML file, with
+the host-specific settings as flags. The decode node binds every address (``0.0.0.0``)
+and announces the one its peers reach (``transport.advertise_host``), as it would in a
+pod or behind NAT. UCX is limited to TCP over the namespace's interface, so nixl cannot
+take a shared-memory shortcut between the "hosts".
+
+Answers must be token-identical to the plain vLLM reference (``tests/e2e/harness.py``),
+and every prompt's KV must have been loaded from pushes, not recomputed.
+
+Needs root (``ip netns``); without it the test skips and says why.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from deploy import launch
+from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case
+
+pytestmark = pytest.mark.slow
+
+NET = "10.77.0"
+ADDR = {"prefill": f"{NET}.11", "decode": f"{NET}.12", "router": f"{NET}.13"}
+BRIDGE = "kvrbr0"
+PORT = {"prefill": 18400, "decode": 18401, "router": 18450, "kv": 18410}
+
+
+def _ip(*args: str, ns: str = "") -> None:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + ["ip", *args]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+def _teardown_net() -> None:
+    for role in ADDR:
+        subprocess.run(["ip", "netns", "del", f"kvr-{role}"], capture_output=True)
+    subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
+
+
+def _make_net() -> None:
+    _teardown_net()                                   # a previous run killed mid-way
+    _ip("link", "add", BRIDGE, "type", "bridge")
+    _ip("addr", "add", f"{NET}.1/24", "dev", BRIDGE)
+    _ip("link", "set", BRIDGE, "up")
+    for role, addr in ADDR.items():
+        ns, veth = f"kvr-{role}", f"kvr-{role[:3]}"
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "kvr0", "netns", ns)
+        _ip("link", "set", veth, "master", BRIDGE)
+        _ip("link", "set", veth, "up")
+        _ip("addr", "add", f"{addr}/24", "dev", "kvr0", ns=ns)
+        _ip("link", "set", "kvr0", "up", ns=ns)
+        _ip("link", "set", "lo", "up", ns=ns)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[dict[str, str]]:
+    if os.geteuid() != 0:
+        pytest.skip("the multi-host test creates network namespaces: it needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("the multi-host test needs iproute2's `ip` (apt-get install iproute2)")
+    try:
+        _make_net()
+    except subprocess.CalledProcessError as exc:
+        _teardown_net()
+        pytest.skip(f"cannot create network namespaces and veth pairs here: {exc.stderr.strip()}")
+    try:
+        yield ADDR
+    finally:
+        _teardown_net()
+
+
+class Hosts:
+    """One node per namespace, started from one YAML file plus per-host flags."""
+
+    def __init__(self, tmp: Path, tiny_model: Path, backend: str) -> None:
+        self.tmp, self.procs = tmp, {}
+        self.events = tmp / "events.jsonl"
+        self.config = tmp / "kvrelay.yaml"
+        d = f"http://{ADDR['decode']}:{PORT['decode']}=tcp://{ADDR['decode']}:{PORT['kv']}"
+        self.config.write_text(yaml.safe_dump({
+            "engine": {"model": str(tiny_model), "served_model_name": MODEL},
+            "transport": {"backend": backend},
+            "deploy": {"kv_base_port": PORT["kv"], "startup_timeout_s": 900},
+            "connector": {"events_path": str(self.events), "first_chunk_s": 20},
+            "router": {"host": ADDR["router"], "port": PORT["router"], "health_interval_s": 0.5,
+                       "prefill": [f"http://{ADDR['prefill']}:{PORT['prefill']}"], "decode": [d],
+                       "tokenizer": str(tiny_model)},
+        }))
+
+    def _spawn(self, role: str, argv: list[str], core: str) -> None:
+        env = dict(os.environ, UCX_NET_DEVICES="kvr0", UCX_TLS="tcp,self", VLLM_CPU_OMP_THREADS_BIND=core,
+                   VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+        log = open(self.tmp / f"{role}.log", "w")  # noqa: SIM115 - owned by the child
+        cmd = ["ip", "netns", "exec", f"kvr-{role}", sys.executable, "-m", "kvrelay.cli", *argv,
+               "--config", str(self.config)]
+        self.procs[role] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def start(self) -> None:
+        self._spawn("prefill", ["serve", "--role", "prefill", "--index", "0", "--port", str(PORT["prefill"]),
+                                "--deploy.host", ADDR["prefill"]], "0")
+        self._spawn("decode", ["serve", "--role", "decode", "--index", "0", "--port", str(PORT["decode"]),
+                               "--deploy.host", "0.0.0.0", "--transport.advertise_host", ADDR["decode"]], "1")
+        for role in ("prefill", "decode"):
+            launch.wait_healthy(f"http://{ADDR[role]}:{PORT[role]}", self.procs[role], 900,
+                                str(self.tmp / f"{role}.log"))
+        self._spawn("router", ["router"], "0")
+        launch.wait_healthy(f"http://{ADDR['router']}:{PORT['router']}", self.procs["router"], 60,
+                            str(self.tmp / "router.log"))
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            launch.stop_group(p)
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def multihost(request: pytest.FixtureRequest, hosts: dict[str, str], tiny_model: Path,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    h = Hosts(tmp_path_factory.mktemp(f"multihost-{request.param}"), tiny_model, request.param)
+    try:
+        h.start()
+        yield h
+    finally:
+        h.stop()
+
+
+def test_three_hosts_are_token_exact_and_load_from_pushes(multihost: Hosts, reference: dict[str, str]) -> None:
+    client = openai_client(f"http://{ADDR['router']}:{PORT['router']}")
+    for case in CASES:
+        rid = f"mh-{case.name}-{uuid.uuid4().hex[:6]}"
+        text, usage = run_case(client, case, rid)
+        assert text == reference[case.name], f"{case}: output over three hosts differs from one vLLM"
+        deadline = time.monotonic() + 30
+        while not (done := [e for e in read_events(multihost.events)
+                            if e["event"] == "load_done" and rid in e.get("transfer", "")]):
+            assert time.monotonic() < deadline, f"{case.name}: no load_done event"
+            time.sleep(0.1)
+        assert done[0]["recomputed_tokens"] == 0 and not done[0]["failed"], done[0]
+        assert done[0]["loaded_tokens"] > 0, done[0]
