@@ -298,11 +298,16 @@ _ACTIVE: list[launch.Stack] = []
 FIRST_TOKEN = {"tcp": "prefill", "nixl": "decode"}
 
 
+def stop_active() -> None:
+    """Stop the stack the last :func:`start_stack` started, if it still runs."""
+    while _ACTIVE:
+        _ACTIVE.pop().stop()
+
+
 def start_stack(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> StackHandle:
     """Start a stack; the previous one is stopped first (tests are grouped by stack, and a
     2-core / 24 GiB host cannot hold several vLLM pairs at once)."""
-    while _ACTIVE:
-        _ACTIVE.pop().stop()
+    stop_active()
     cfg = _cfg(tiny_model, tmp, port0, **over)
     stack = launch.Stack(cfg)
     _ACTIVE.append(stack)

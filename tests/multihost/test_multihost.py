@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from deploy import launch
-from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case
+from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case, stop_active
 
 pytestmark = pytest.mark.slow
 
@@ -134,6 +134,7 @@ class Hosts:
 @pytest.fixture(scope="module", params=["tcp", "nixl"])
 def multihost(request: pytest.FixtureRequest, hosts: dict[str, str], tiny_model: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    stop_active()                      # an earlier module's stack would compete for the two cores
     h = Hosts(tmp_path_factory.mktemp(f"multihost-{request.param}"), tiny_model, request.param)
     try:
         h.start()
