@@ -92,6 +92,7 @@ class RouterConfig(Section, frozen=True):
     decode: list[str] = msgspec.field(default_factory=list)    # "http://host:port=tcp://host:kvport"
     health_interval_s: Seconds = 2.0
     health_timeouts: Positive = 3          # consecutive /health timeouts before a node leaves rotation
+    dns_refresh_s: Seconds = 5.0           # dns+http:// pool entries are re-resolved this often
     request_timeout_s: Seconds = 600.0     # an upstream silent this long fails (a long stream is fine)
     upstream_connections: Positive = 512  # at most this many connections to one engine; more requests queue
     api_keys: list[str] = msgspec.field(default_factory=list)   # bearer tokens clients must present ([] = open)
@@ -222,9 +223,10 @@ FIELD_HELP: dict[str, str] = {
     'router.policy': 'node choice: round_robin, least_outstanding or cache_aware (prefill: longest cached prefix, weighed by load)',
     'router.tokenizer': 'cache_aware: tokenizer (model path) for computing chunk keys (kvrelay up sets it)',
     'router.load_weight': 'cache_aware: how many cached chunks one outstanding request on a node is worth',
-    'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]', or 'http://h1:8100=tcp://h1:9300' with the node's store event port (kvrelay up fills this in)",
-    'router.decode': "decode nodes as 'http://host:port=tcp://host:kvport' (kvrelay up fills this in)",
+    'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]', or 'http://h1:8100=tcp://h1:9300' with the node's store event port (kvrelay up fills this in); 'dns+http://name:port' stands for every address the name resolves to",
+    'router.decode': "decode nodes as 'http://host:port=tcp://host:kvport' (kvrelay up fills this in), or 'dns+http://name:port=tcp://name:kvport' for every address of a headless Service",
     'router.health_interval_s': 'health-check period; failed nodes leave rotation until healthy',
+    'router.dns_refresh_s': "how often 'dns+http://name:port' pool entries (headless Services) are re-resolved",
     'router.health_timeouts': ('consecutive /health timeouts (a busy node) before a node leaves rotation; a refused '
                                'connection or an error status takes it out at once'),
     'router.request_timeout_s': 'an upstream (prefill or decode) silent this long fails the request; a long stream is fine',

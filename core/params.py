@@ -14,9 +14,12 @@ address of its choosing nor name another request's transfer.
 from __future__ import annotations
 
 import enum
+import ipaddress
+import socket
 import time
 from collections.abc import Callable, Collection
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -109,6 +112,55 @@ class ParamsSigner:
         return msgspec.structs.replace(params, sig=_signature(self._key, params))
 
 
+class PushAllowlist:
+    """The decode transfer endpoints (``tcp://host:port``) a prefill node may push to.
+
+    An entry naming a host (``tcp://kvrelay-decode.ns.svc:9100``, a headless Service) allows
+    every address the name resolves to, so pods that come and go stay allowed. Names are
+    resolved only when an exact match fails, and answers are kept ``ttl_s`` (the resolver
+    and clock are injected: ``resolve(host) -> addresses``).
+    """
+
+    def __init__(self, entries: Collection[str], *, ttl_s: float = 5.0,
+                 resolve: Callable[[str], Collection[str]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._exact = frozenset(entries)
+        self._named = [(u.hostname, u.port) for u in map(urlsplit, entries)
+                       if u.hostname and not _is_ip(u.hostname)]
+        self._ttl, self._clock = ttl_s, clock
+        self._resolve = resolve or _resolve_host
+        self._cache: dict[str, tuple[float, frozenset[str]]] = {}
+
+    def __contains__(self, endpoint: object) -> bool:
+        if endpoint in self._exact:
+            return True
+        u = urlsplit(str(endpoint))
+        return any(port == u.port and u.hostname in self._addresses(name) for name, port in self._named)
+
+    def _addresses(self, name: str) -> frozenset[str]:
+        hit = self._cache.get(name)
+        if hit is not None and self._clock() - hit[0] < self._ttl:
+            return hit[1]
+        try:
+            addrs = frozenset(self._resolve(name))
+        except OSError:
+            addrs = frozenset()
+        self._cache[name] = (self._clock(), addrs)
+        return addrs
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _resolve_host(name: str) -> frozenset[str]:
+    return frozenset(str(info[4][0]) for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM))
+
+
 class ParamsVerifier:
     """An engine's half: parses and verifies a request's params.
 
@@ -119,7 +171,7 @@ class ParamsVerifier:
     def __init__(self, secret: bytes, role: type[PushParams] | type[PullParams], *,
                  allowed_push: Collection[str] | None = None, clock: Callable[[], float] = time.time) -> None:
         self._key, self._role, self._clock = derive_key(secret, KeyUse.PARAMS), role, clock
-        self._allowed = frozenset(allowed_push) if allowed_push else None
+        self._allowed = PushAllowlist(allowed_push) if allowed_push else None
 
     def check(self, kv_transfer_params: dict[str, Any] | None) -> Params | None:
         """The verified params (None if the request has none); ParamsError with its cause."""

@@ -48,6 +48,7 @@ from core.config import FirstToken, KVRelayConfig, RoutingPolicy
 from core.params import ParamsSigner, PullParams, PushParams, params_dict
 from router import split, validate
 from router.cache_index import ChunkIndex, PromptTokenizer
+from router.discovery import Discovery, is_dns, parse_dns
 from router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from router.pools import Node, NoHealthyNode, Pool, health_loop, pools_from_config
 from transport.errors import ConfigError
@@ -248,15 +249,33 @@ class Router(_SplitMixin):
         self.rates = RateLimits(rc.rate_limit_rps, rc.rate_limit_burst)
         self.admission = Admission(rc.max_inflight * max(1, len(self.decode.nodes)), rc.max_queued,
                                    rc.queue_timeout_s)
+        self.discovery = self._discoveries()
         self.index: ChunkIndex | None = None
         self.tokenizer: PromptTokenizer | None = None
         if cfg.router.policy is RoutingPolicy.CACHE_AWARE:
+            if any(is_dns(e) for e in rc.prefill):
+                raise ValueError("router.policy cache_aware follows a fixed list of prefill nodes; "
+                                 "dns+ prefill entries are not supported with it yet (use least_outstanding)")
             self.index = ChunkIndex(self.prefill.nodes)
             if not cfg.router.tokenizer:
                 raise ValueError("router.policy cache_aware needs router.tokenizer (the model path)")
             self.tokenizer = PromptTokenizer(cfg.router.tokenizer)
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _discoveries(self) -> list[Discovery]:
+        """One DNS discovery per pool with ``dns+`` entries; admission follows the decode pool's size."""
+        rc = self.cfg.router
+
+        def resize() -> None:
+            self.admission.capacity = rc.max_inflight * max(1, len(self.decode.nodes))
+        out = []
+        for pool, entries, decode in ((self.prefill, rc.prefill, False), (self.decode, rc.decode, True)):
+            dns = [parse_dns(e, decode) for e in entries if is_dns(e)]
+            if dns:
+                out.append(Discovery(pool, dns, decode=decode, on_change=resize))
+        return out
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=int(self.cfg.router.max_body_bytes), middlewares=[self._gate])
@@ -274,6 +293,9 @@ class Router(_SplitMixin):
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.cfg.router.request_timeout_s)
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.router.upstream_connections)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        for d in self.discovery:                   # know the pools before the first health round
+            await d.refresh()
+            self._tasks.append(asyncio.create_task(d.run(self.cfg.router.dns_refresh_s)))
         self._health = asyncio.create_task(health_loop(self.session, (self.prefill, self.decode),
                                                        self.cfg.router.health_interval_s,
                                                        self.cfg.router.health_timeouts))
@@ -283,10 +305,11 @@ class Router(_SplitMixin):
     async def _stop(self, app: web.Application) -> None:
         if self.index is not None:
             await self.index.stop()
-        if self._health is not None:
-            self._health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health
+        for task in [*self._tasks, self._health]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.session is not None:
             await self.session.close()
 

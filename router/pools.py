@@ -31,8 +31,9 @@ class NoHealthyNode(KVRelayError):
 
 
 class Pool:
-    def __init__(self, name: str, nodes: list[Node], policy: RoutingPolicy) -> None:
-        if not nodes:
+    def __init__(self, name: str, nodes: list[Node], policy: RoutingPolicy, *, discovered: bool = False) -> None:
+        """``discovered``: DNS fills the pool (router/discovery.py), so it may start empty."""
+        if not nodes and not discovered:
             raise ValueError(f"the {name} pool is empty")
         self.name = name
         self.nodes = nodes
@@ -73,9 +74,13 @@ def parse_prefill(entry: str) -> Node:
 
 
 def pools_from_config(cfg: RouterConfig) -> tuple[Pool, Pool]:
-    prefill = Pool("prefill", [parse_prefill(u) for u in cfg.prefill], cfg.policy)
+    """The static entries of ``router.prefill`` / ``router.decode``; ``dns+`` entries are
+    left to :class:`router.discovery.Discovery` (the pool may then start empty)."""
+    pre = [e for e in cfg.prefill if not e.startswith("dns+")]
+    dec = [e for e in cfg.decode if not e.startswith("dns+")]
+    prefill = Pool("prefill", [parse_prefill(u) for u in pre], cfg.policy, discovered=len(pre) < len(cfg.prefill))
     decode_policy = RoutingPolicy.LEAST_OUTSTANDING if cfg.policy is RoutingPolicy.CACHE_AWARE else cfg.policy
-    decode = Pool("decode", [parse_decode(e) for e in cfg.decode], decode_policy)
+    decode = Pool("decode", [parse_decode(e) for e in dec], decode_policy, discovered=len(dec) < len(cfg.decode))
     return prefill, decode
 
 

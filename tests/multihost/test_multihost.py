@@ -35,7 +35,7 @@ import yaml
 from deploy import launch
 from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case, stop_active
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NET = "10.77.0"
 ADDR = {"prefill": f"{NET}.11", "decode": f"{NET}.12", "router": f"{NET}.13"}

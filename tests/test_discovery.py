@@ -1,0 +1,113 @@
+"""Pools from DNS (headless Services) and name-based push allowlists.
+
+The reconcile logic runs against an injected resolver (a unit test of a state machine);
+the router then runs for real with the system resolver: ``dns+http://localhost:PORT``
+entries in its config, scripted engines on loopback, a real request through them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from core import config as kcfg
+from core.params import PushAllowlist
+from router.app import Router
+from router.discovery import Discovery, parse_dns
+from router.pools import Node, Pool
+from tests.test_router import Fake, fake_node, run, serve
+
+
+def test_entries_parse_and_bad_ones_say_what_is_expected():
+    e = parse_dns("dns+http://kvrelay-decode.ns.svc:8000=tcp://kvrelay-decode.ns.svc:9100", decode=True)
+    assert (e.host, e.port, e.side_port) == ("kvrelay-decode.ns.svc", 8000, 9100)
+    n = e.node("10.1.2.3", decode=True)
+    assert (n.url, n.kv_endpoint) == ("http://10.1.2.3:8000", "tcp://10.1.2.3:9100")
+    assert e.node("fd00::7", decode=True).url == "http://[fd00::7]:8000"
+    for bad, decode in [("dns+http://d.svc:8000", True), ("dns+ftp://d.svc:8000", False),
+                        ("dns+http://d.svc:8000=tcp://other.svc:9100", True), ("dns+http://d.svc", False)]:
+        with pytest.raises(ValueError, match="entry"):
+            parse_dns(bad, decode)
+
+
+def test_discovery_adds_new_pods_out_of_rotation_drops_gone_ones_and_survives_a_dns_outage():
+    answers: dict[str, list[str] | OSError] = {"d.svc": ["10.0.0.1", "10.0.0.2"]}
+    changes = []
+
+    async def resolver(host: str, port: int) -> list[str]:
+        a = answers[host]
+        if isinstance(a, OSError):
+            raise a
+        return list(a)
+
+    async def go() -> None:
+        static = Node("http://static:1", "tcp://static:2", healthy=True)
+        pool = Pool("decode", [static], kcfg.RoutingPolicy.ROUND_ROBIN, discovered=True)
+        d = Discovery(pool, [parse_dns("dns+http://d.svc:8000=tcp://d.svc:9100", True)], decode=True,
+                      resolver=resolver, on_change=lambda: changes.append(len(pool.nodes)))
+        await d.refresh()
+        assert [n.url for n in pool.nodes] == ["http://static:1", "http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+        assert not pool.nodes[1].healthy                     # the health loop admits it
+        pool.nodes[1].healthy, pool.nodes[1].outstanding = True, 3
+        answers["d.svc"] = ["10.0.0.1", "10.0.0.3"]          # pod 2 went away, pod 3 came
+        await d.refresh()
+        urls = [n.url for n in pool.nodes]
+        assert urls == ["http://static:1", "http://10.0.0.1:8000", "http://10.0.0.3:8000"]
+        assert pool.nodes[1].outstanding == 3 and pool.nodes[1].healthy   # a node that stays keeps its state
+        answers["d.svc"] = OSError("Temporary failure in name resolution")
+        await d.refresh()
+        assert [n.url for n in pool.nodes] == urls                         # an outage empties nothing
+        await d.refresh()
+        assert changes == [3, 3]
+    run(go())
+
+
+def test_router_serves_through_dns_discovered_pools():
+    # The system resolver: "localhost" resolves to 127.0.0.1 (and perhaps ::1, where nothing
+    # listens: that node must stay out of rotation).
+    async def go() -> None:
+        pn, dn = Fake(), Fake()
+        async with fake_node(pn), fake_node(dn):
+            p_port, d_port = (int(f.url.rsplit(":", 1)[1]) for f in (pn, dn))
+            cfg = kcfg.from_dict({"router": {
+                "prefill": [f"dns+http://localhost:{p_port}"], "first_token": "decode", "health_interval_s": 0.1,
+                "decode": [f"dns+http://localhost:{d_port}=tcp://localhost:9100"], "dns_refresh_s": 0.2}})
+            router = Router(cfg, secret=b"k" * 32)
+            assert router.prefill.nodes == [] and router.decode.nodes == []
+            async with serve(router.app()) as url, aiohttp.ClientSession() as s:
+                for _ in range(100):
+                    async with s.get(f"{url}/health") as r:
+                        if r.status == 200:
+                            break
+                    await asyncio.sleep(0.05)
+                assert f"http://127.0.0.1:{d_port}" in [n.url for n in router.decode.nodes]
+                assert router.decode.nodes[0].kv_endpoint == "tcp://127.0.0.1:9100"
+                assert router.admission.capacity == cfg.router.max_inflight * len(router.decode.nodes)
+                async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True}) as r:
+                    assert r.status == 200 and b"[DONE]" in await r.read()
+                assert len(pn.requests) == 1 and len(dn.requests) == 1
+                pushed_to = pn.requests[0]["kv_transfer_params"]
+                assert "127.0.0.1:9100" in str(pushed_to)
+    run(go())
+
+
+def test_a_named_push_target_allows_every_address_of_the_name_and_nothing_else():
+    now = [0.0]
+    calls = []
+
+    def resolve(name: str) -> list[str]:
+        calls.append(name)
+        return ["10.0.0.1", "10.0.0.2"] if name == "d.svc" else []
+
+    allow = PushAllowlist(["tcp://d.svc:9100", "tcp://10.9.9.9:9100"], resolve=resolve, clock=lambda: now[0])
+    assert "tcp://10.9.9.9:9100" in allow and not calls            # exact entries need no lookup
+    assert "tcp://10.0.0.2:9100" in allow
+    assert "tcp://10.0.0.2:9200" not in allow                     # right address, wrong port
+    assert "tcp://10.0.0.7:9100" not in allow
+    assert calls == ["d.svc"]                                     # cached within the TTL
+    now[0] = 10.0
+    assert "tcp://10.0.0.1:9100" in allow and calls == ["d.svc", "d.svc"]
+    real = PushAllowlist(["tcp://localhost:9100"])                # the system resolver
+    assert "tcp://127.0.0.1:9100" in real and "tcp://127.0.0.2:9100" not in real
