@@ -143,6 +143,19 @@ def build_parser() -> argparse.ArgumentParser:
     kcfg.add_config_args(s)
     s.set_defaults(func=_cmd_serve)
 
+    from deploy import k8s, probe
+
+    pr = sub.add_parser("probe", help="exit 0 if a node is healthy: its engine's /health and (decode) its transfer "
+                        "endpoint", description=(probe.__doc__ or "").split("\n\n")[1])
+    probe.add_args(pr)
+    pr.set_defaults(func=probe.main)
+    dep = sub.add_parser("deploy", help="render deployment manifests from the config tree")
+    dsub = dep.add_subparsers(dest="target", metavar="TARGET", required=True)
+    k = dsub.add_parser("k8s", help="Kubernetes manifests (pools, router, Redis, Secret, ConfigMap, PDBs, PodMonitor)",
+                        description=(k8s.__doc__ or "").split("\n\n")[1])
+    k8s.add_args(k)
+    k.set_defaults(func=k8s.main)
+
     sec = sub.add_parser("secret", help="write a new shared secret to FILE (mode 0600) for transport.secret_file",
                          description="Every node and the router of one deployment share a secret: it "
                          "authenticates the transfer handshake, the router's signed kv_transfer_params and "

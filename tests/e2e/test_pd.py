@@ -144,6 +144,16 @@ def test_router_rejects_bad_input_cleanly(pd_stack):
         assert r.status == 200
 
 
+def test_probe_sees_a_real_decode_node_engine_and_transfer_endpoint(pd_stack):
+    # What the Kubernetes probes run (deploy/k8s.py): healthy while both answer, not when the
+    # transfer port is not the node's.
+    from deploy import probe
+
+    d = next(s for s in pd_stack.stack.specs if s.role is Role.DECODE)
+    assert probe.check("127.0.0.1", d.port, d.kv_port) == ""
+    assert "transfer endpoint" in probe.check("127.0.0.1", d.port, d.kv_port + 7)
+
+
 def test_no_leaked_slots_or_stuck_requests(pd_stack):
     """Runs after the stack served every case: pool empty, nothing in flight, engines idle."""
     import time
