@@ -91,6 +91,7 @@ class Metrics:
                                            "Prompt tokens loaded from the store instead of computed")
         self.inflight = Gauge("kvrelay_transfers_inflight", "Transfers in flight", ["side"])
         self.pool_leased = Gauge("kvrelay_pool_slots_busy", "Receive pool slots leased, filled or held")
+        self.pool_slots = Gauge("kvrelay_pool_slots", "Receive pool slots in all (the busy gauge's ceiling)")
         self.receiver_entries = Gauge("kvrelay_receiver_entries",
                                       "Per-transfer entries the decode node's receiver tracks (0 when idle)")
         self.events_dropped = Gauge("kvrelay_events_dropped", "Event-log lines lost (disk full, unwritable path)")

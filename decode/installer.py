@@ -112,6 +112,7 @@ class InstallWorker(WorkerBase):
             self.saver.bind(self.layout, self.fingerprint)
         pool, receiver = self.receiver.pool, self.receiver
         self.metrics.pool_leased.set_function(lambda: _busy_slots(pool))
+        self.metrics.pool_slots.set(pool.stats().slots)
         self.metrics.receiver_entries.set_function(lambda: sum(receiver.tracked().values()))
         for cause in Refusal:
             self.metrics.refusals.labels(cause.value).set_function(functools.partial(

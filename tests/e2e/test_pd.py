@@ -8,6 +8,8 @@ or missing KV chunk changes the answer - the negative control below proves it.
 from __future__ import annotations
 
 import json
+import re
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -195,6 +197,38 @@ def test_corrupted_chunks_are_rejected_and_recomputed(corrupt_stack, reference, 
     assert text == reference[case.name], "recompute fallback must still give the exact answer"
     after = corrupt_stack.worker_metrics(Role.DECODE)["kvrelay_tokens_recomputed_total"]
     assert after - before == d["recomputed_tokens"]
+
+
+def test_prometheus_scrapes_the_stack_and_the_recompute_alert_fires(corrupt_stack, reference, tmp_path):
+    """A real Prometheus scrapes the stack (worker exporters, router) with the shipped alert
+    rules (windows shortened): corrupted pushes make the recompute-ratio and checksum alerts
+    fire, no other alert does, every series the dashboard uses exists, and the dashboard
+    renders from the scrape."""
+    from deploy import dashboard
+    from tests.e2e.prom import api, firing, prometheus
+
+    cfg = corrupt_stack.cfg
+    targets = [f"127.0.0.1:{cfg.connector.metrics_port + s.port - cfg.deploy.base_port}"
+               for s in corrupt_stack.stack.specs] + [f"127.0.0.1:{cfg.router.port}"]
+    want = {"KVRelayRecomputeRatioHigh", "KVRelayChecksumRejections"}
+    with prometheus(tmp_path, targets, 19990) as prom:
+        client, case = openai_client(corrupt_stack.router_url), CASES[7]
+        deadline = time.monotonic() + 120
+        while not want <= firing(prom):
+            assert time.monotonic() < deadline, f"alerts firing: {firing(prom)}"
+            text, _ = run_case(client, case, _rid(corrupt_stack, case))
+            assert text == reference[case.name]
+            time.sleep(1.0)
+        assert firing(prom) == want
+        up = api(prom, "query", query="up")["result"]
+        assert len(up) == len(targets) and all(r["value"][1] == "1" for r in up), up
+        names = set(api(prom, "label/__name__/values")["result"])
+        panels = json.loads(dashboard.DASHBOARD.read_text())["panels"]
+        used = {m for p in panels for t in p["targets"] for m in re.findall(r"kvrelay_\w+", t["expr"])}
+        assert used <= names, f"dashboard series missing from the scrape: {sorted(used - names)}"
+        png = tmp_path / "dashboard.png"
+        found = dashboard.render(prom, dashboard.DASHBOARD, 3, png)
+        assert found["Prompt tokens loaded vs recomputed (per s)"] == 2 and png.stat().st_size > 20_000, found
 
 
 def _events(raw: str) -> list:
