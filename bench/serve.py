@@ -150,7 +150,7 @@ def client_command(args: argparse.Namespace, url: str, rate: float, num_prompts:
             "--metric-percentiles", "50,90,99",
             "--goodput", f"ttft:{args.slo_ttft_ms}", f"tpot:{args.slo_tpot_ms}",
             "--save-result", "--result-dir", str(result.parent), "--result-filename", result.name,
-            "--disable-tqdm", "--ready-check-timeout-sec", "0"]
+            "--disable-tqdm", "--ready-check-timeout-sec", "0", "--save-detailed"]
 
 
 def run_rate(args: argparse.Namespace, url: str, rate: float, num_prompts: int, result: Path) -> dict:
