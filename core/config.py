@@ -95,6 +95,7 @@ class RouterConfig(Section, frozen=True):
     dns_refresh_s: Seconds = 5.0           # dns+http:// pool entries are re-resolved this often
     request_timeout_s: Seconds = 600.0     # an upstream silent this long fails (a long stream is fine)
     upstream_connections: Positive = 512  # at most this many connections to one engine; more requests queue
+    upstream_keepalive_s: Seconds = 3.0   # idle upstream connections close after this (below uvicorn's 5 s)
     api_keys: list[str] = msgspec.field(default_factory=list)   # bearer tokens clients must present ([] = open)
     api_keys_file: str = ""          # one key per line (0600), e.g. a mounted Secret; adds to api_keys / env
     tls_cert: str = ""               # PEM certificate: serve HTTPS (with tls_key)
@@ -226,6 +227,9 @@ FIELD_HELP: dict[str, str] = {
     'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]', or 'http://h1:8100=tcp://h1:9300' with the node's store event port (kvrelay up fills this in); 'dns+http://name:port' stands for every address the name resolves to",
     'router.decode': "decode nodes as 'http://host:port=tcp://host:kvport' (kvrelay up fills this in), or 'dns+http://name:port=tcp://name:kvport' for every address of a headless Service",
     'router.health_interval_s': 'health-check period; failed nodes leave rotation until healthy',
+    'router.upstream_keepalive_s': ("idle connections to engines are closed after this; keep it below the engines' "
+                                    "own keep-alive (vLLM/uvicorn: 5 s) so a request never rides a connection the "
+                                    "engine is closing"),
     'router.dns_refresh_s': "how often 'dns+http://name:port' pool entries (headless Services) are re-resolved",
     'router.health_timeouts': ('consecutive /health timeouts (a busy node) before a node leaves rotation; a refused '
                                'connection or an error status takes it out at once'),

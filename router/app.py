@@ -39,7 +39,8 @@ import logging
 import ssl
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -56,6 +57,7 @@ from transport.errors import ConfigError
 from transport.secrets import load_secret
 
 log = logging.getLogger("kvrelay.router")
+_T = TypeVar("_T")
 
 
 def error_response(status: int, message: str, etype: str = "invalid_request_error",
@@ -63,6 +65,12 @@ def error_response(status: int, message: str, etype: str = "invalid_request_erro
     body = {"error": {"message": message, "type": etype, "param": None, "code": code or status}}
     hdrs = {"X-Request-Id": rid} if rid else {}
     return web.json_response(body, status=status, headers={**hdrs, **(headers or {})})
+
+
+def _never_sent(exc: Exception) -> bool:
+    """The request never reached the engine: a pooled keep-alive connection the engine had just
+    closed (aiohttp could not write the body, or the peer hung up before any answer)."""
+    return isinstance(exc, aiohttp.ServerDisconnectedError) or "write request body" in str(exc)
 
 
 def too_many(message: str, retry_after_s: float) -> web.Response:
@@ -163,15 +171,32 @@ class _SplitMixin:
         """POST and read a JSON answer: (status, body); (None, None) when the node failed."""
         assert self.session is not None
         node.outstanding += 1
+
+        async def read(r: aiohttp.ClientResponse) -> tuple[int | None, Any]:
+            return r.status, await r.json(content_type=None)
         try:
-            async with self.session.post(f"{node.url}{endpoint}", json=body, headers={"X-Request-Id": rid}) as r:
-                return r.status, await r.json(content_type=None)
+            return await self._send(f"{node.url}{endpoint}", body, rid, read)
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
             node.failures += 1
             log.warning("prefill on %s failed for %s: %r", node.url, rid, exc)
             return None, None
         finally:
             node.outstanding -= 1
+
+    async def _send(self, url: str, body: dict[str, Any], rid: str,
+                    read: Callable[[aiohttp.ClientResponse], Awaitable[_T]]) -> _T:
+        """POST ``body`` and ``read`` the answer; once more if a pooled connection turned out to be
+        closed before the engine saw the request (keep-alive race). Other errors propagate."""
+        assert self.session is not None
+        for attempt in (1, 2):
+            try:
+                async with self.session.post(url, json=body, headers={"X-Request-Id": rid}) as r:
+                    return await read(r)
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                if attempt == 2 or not _never_sent(exc):
+                    raise
+                log.info("%s: a pooled connection was closed under %s (%r); retrying", url, rid, exc)
+        raise AssertionError("unreachable")
 
     async def _continue(self, request: web.Request, endpoint: str, body: dict[str, Any], first: split.FirstToken,
                         writer: split.StreamWriter, node: Node, dbody: dict[str, Any], rid: str, t0: float,
@@ -306,7 +331,8 @@ class Router(_SplitMixin):
     async def _start(self, app: web.Application) -> None:
         # sock_read: silence, not total length - a long generation streams for as long as it needs
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.cfg.router.request_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.router.upstream_connections)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.router.upstream_connections,
+                                         keepalive_timeout=self.cfg.router.upstream_keepalive_s)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         for d in self.discovery:                   # know the pools before the first health round
             await d.refresh()
@@ -473,13 +499,13 @@ class Router(_SplitMixin):
     async def _post_prefill(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[bool, str]:
         assert self.session is not None
         node.outstanding += 1
+        async def read(r: aiohttp.ClientResponse) -> tuple[bool, str]:
+            await r.read()
+            if r.status >= 500:
+                return False, f"HTTP {r.status}"
+            return r.status == 200, "ok" if r.status == 200 else "client_error"
         try:
-            async with self.session.post(f"{node.url}{endpoint}", json=body,
-                                         headers={"X-Request-Id": f"{rid}-p"}) as r:
-                await r.read()
-                if r.status >= 500:
-                    return False, f"HTTP {r.status}"
-                return r.status == 200, "ok" if r.status == 200 else "client_error"
+            return await self._send(f"{node.url}{endpoint}", body, f"{rid}-p", read)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             node.failures += 1
             return False, type(exc).__name__
