@@ -143,23 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     kcfg.add_config_args(s)
     s.set_defaults(func=_cmd_serve)
 
-    from deploy import dashboard, k8s, probe
-
-    db = sub.add_parser("dashboard", help="render the Grafana dashboard's panels as a PNG from a live Prometheus",
-                        description=(dashboard.__doc__ or "").split("\n\n")[1])
-    dashboard.add_args(db)
-    db.set_defaults(func=dashboard.main)
-
-    pr = sub.add_parser("probe", help="exit 0 if a node is healthy: its engine's /health and (decode) its transfer "
-                        "endpoint", description=(probe.__doc__ or "").split("\n\n")[1])
-    probe.add_args(pr)
-    pr.set_defaults(func=probe.main)
-    dep = sub.add_parser("deploy", help="render deployment manifests from the config tree")
-    dsub = dep.add_subparsers(dest="target", metavar="TARGET", required=True)
-    k = dsub.add_parser("k8s", help="Kubernetes manifests (pools, router, Redis, Secret, ConfigMap, PDBs, PodMonitor)",
-                        description=(k8s.__doc__ or "").split("\n\n")[1])
-    k8s.add_args(k)
-    k.set_defaults(func=k8s.main)
+    _add_ops_commands(sub)
 
     sec = sub.add_parser("secret", help="write a new shared secret to FILE (mode 0600) for transport.secret_file",
                          description="Every node and the router of one deployment share a secret: it "
@@ -177,6 +161,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tool_commands(sub)
     _add_bench_commands(sub.add_parser("bench", help="benchmarks"))
     return p
+
+
+def _add_ops_commands(sub: argparse._SubParsersAction) -> None:
+    """probe, deploy k8s, dashboard: what operators run around a deployment."""
+    from deploy import dashboard, k8s, probe
+
+    db = sub.add_parser("dashboard", help="render the Grafana dashboard's panels as a PNG from a live Prometheus",
+                        description=(dashboard.__doc__ or "").split("\n\n")[1])
+    dashboard.add_args(db)
+    db.set_defaults(func=dashboard.main)
+
+    pr = sub.add_parser("probe", help="exit 0 if a node is healthy: its engine's /health and (decode) its transfer "
+                        "endpoint", description=(probe.__doc__ or "").split("\n\n")[1])
+    probe.add_args(pr)
+    pr.set_defaults(func=probe.main)
+    dep = sub.add_parser("deploy", help="render deployment manifests from the config tree")
+    dsub = dep.add_subparsers(dest="target", metavar="TARGET", required=True)
+    k = dsub.add_parser("k8s", help="Kubernetes manifests (pools, router, Redis, Secret, ConfigMap, PDBs, PodMonitor)",
+                        description=(k8s.__doc__ or "").split("\n\n")[1])
+    k8s.add_args(k)
+    k.set_defaults(func=k8s.main)
 
 
 def _add_tool_commands(sub: argparse._SubParsersAction) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import ssl
@@ -44,7 +43,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 
 from core.config import FirstToken, KVRelayConfig, RoutingPolicy
 from core.params import ParamsSigner, PullParams, PushParams, params_dict
@@ -52,6 +51,7 @@ from router import split, validate
 from router.cache_index import ChunkIndex, PromptTokenizer
 from router.discovery import Discovery, is_dns, parse_dns
 from router.limits import Admission, ApiKeys, Overloaded, RateLimits
+from router.metrics import RouterMetrics
 from router.pools import Node, NoHealthyNode, Pool, health_loop, pools_from_config
 from transport.errors import ConfigError
 from transport.secrets import load_secret
@@ -76,31 +76,6 @@ def _never_sent(exc: Exception) -> bool:
 def too_many(message: str, retry_after_s: float) -> web.Response:
     return error_response(429, message, "rate_limit_exceeded",
                           headers={"Retry-After": str(max(1, round(retry_after_s)))})
-
-
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-
-
-class RouterMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.nodes = Gauge("kvrelay_router_nodes", "Nodes per pool: in rotation (healthy) or out",
-                           ["pool", "state"], registry=self.registry)
-        self.requests = Counter("kvrelay_router_requests", "Requests by endpoint and outcome",
-                                ["endpoint", "outcome"], registry=self.registry)
-        self.errors = Counter("kvrelay_router_errors", "Errors by cause", ["cause"], registry=self.registry)
-        self.latency = Histogram("kvrelay_router_request_latency_seconds", "Request latency",
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.ttft = Histogram("kvrelay_router_ttft_seconds", "Time to the first byte from D",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
-
-    def follow(self, pools: tuple[Pool, ...]) -> None:
-        """Node gauges read the pools at scrape time (membership may change: router/discovery.py)."""
-        def count(pool: Pool, healthy: bool) -> float:
-            return float(sum(n.healthy is healthy for n in pool.nodes))
-        for pool in pools:
-            self.nodes.labels(pool.name, "healthy").set_function(functools.partial(count, pool, True))
-            self.nodes.labels(pool.name, "out").set_function(functools.partial(count, pool, False))
 
 
 class _SplitMixin:

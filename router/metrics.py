@@ -1,0 +1,33 @@
+"""The router's Prometheus series (its own registry, served on the router's ``/metrics``)."""
+
+from __future__ import annotations
+
+import functools
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from router.pools import Pool
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.nodes = Gauge("kvrelay_router_nodes", "Nodes per pool: in rotation (healthy) or out",
+                           ["pool", "state"], registry=self.registry)
+        self.requests = Counter("kvrelay_router_requests", "Requests by endpoint and outcome",
+                                ["endpoint", "outcome"], registry=self.registry)
+        self.errors = Counter("kvrelay_router_errors", "Errors by cause", ["cause"], registry=self.registry)
+        self.latency = Histogram("kvrelay_router_request_latency_seconds", "Request latency",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("kvrelay_router_ttft_seconds", "Time to the first byte from D",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def follow(self, pools: tuple[Pool, ...]) -> None:
+        """Node gauges read the pools at scrape time (membership may change: router/discovery.py)."""
+        def count(pool: Pool, healthy: bool) -> float:
+            return float(sum(n.healthy is healthy for n in pool.nodes))
+        for pool in pools:
+            self.nodes.labels(pool.name, "healthy").set_function(functools.partial(count, pool, True))
+            self.nodes.labels(pool.name, "out").set_function(functools.partial(count, pool, False))
