@@ -60,8 +60,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--realistic", action="store_true",
                    help="prefix caches on, engines' KV capped (--kv-blocks), 2 prefill nodes; prefix cache + "
                         "round-robin vs store + cache-aware routing")
-    p.add_argument("--kv-blocks", type=int, default=64,
-                   help="--realistic: each engine's KV cache in blocks (vLLM's --num-gpu-blocks-override)")
+    p.add_argument("--kv-blocks", type=int, default=72,
+                   help="--realistic: each engine's KV cache in blocks (vLLM's --num-gpu-blocks-override; 72 x 128 tokens: one 8192-token prompt and a little)")
     p.add_argument("--base-port", type=int, default=19300)
     p.add_argument("--out", default="bench_results")
 

@@ -149,12 +149,17 @@ class PushAllowlist:
         return addrs
 
 
-def _is_ip(host: str) -> bool:
+def _parses(parse: Callable[[str], object], text: str) -> bool:
+    """Whether ``parse(text)`` accepts ``text`` (ValueError = no)."""
     try:
-        ipaddress.ip_address(host)
+        parse(text)
     except ValueError:
         return False
     return True
+
+
+def _is_ip(host: str) -> bool:
+    return _parses(ipaddress.ip_address, host)
 
 
 def _resolve_host(name: str) -> frozenset[str]:
@@ -196,8 +201,4 @@ class ParamsVerifier:
 
 
 def _is_hex(text: str) -> bool:
-    try:
-        bytes.fromhex(text)
-    except ValueError:
-        return False
-    return True
+    return _parses(bytes.fromhex, text)
