@@ -148,6 +148,15 @@ def _measure(label: str, lengths: list[int], reps: int, fn: Callable[[str, str],
                      "ttft_all_ms": [round(1e3 * t, 2) for t in ttfts]})
 
 
+def start_single(cfg: kcfg.KVRelayConfig, servers: Servers, base_port: int) -> str:
+    """Start one plain vLLM server (the cores ``cfg.engine.cpu_bind`` gives it); return its URL."""
+    spec = launch.NodeSpec(launch.Role.SINGLE, 0, base_port + 90)
+    servers.start("single", launch.server_command(cfg, spec), launch.server_env(cfg, 0, 1))
+    url = f"http://127.0.0.1:{spec.port}"
+    launch.wait_healthy(url, servers.procs[-1], 900)
+    return url
+
+
 def _run_single(args: argparse.Namespace, out: Path, lengths: list[int], rows: list[dict], bar: Any,
                 label: str = "single") -> None:
     over = {}
@@ -155,11 +164,8 @@ def _run_single(args: argparse.Namespace, out: Path, lengths: list[int], rows: l
         over["engine__cpu_bind"] = ",".join(map(str, launch.split_cores(0, 2)))
     cfg = base_cfg(args, out / label, **over)
     servers = Servers(out / label / "logs")
-    spec = launch.NodeSpec(launch.Role.SINGLE, 0, args.base_port + 90)
     try:
-        servers.start("single", launch.server_command(cfg, spec), launch.server_env(cfg, 0, 1))
-        url = f"http://127.0.0.1:{spec.port}"
-        launch.wait_healthy(url, servers.procs[0], 900)
+        url = start_single(cfg, servers, args.base_port)
         _measure(label, lengths, args.reps,
                  lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens), rows, bar)
     finally:

@@ -107,12 +107,7 @@ class System:
 
     def start(self) -> str:
         if self.name == "single":
-            cfg = e2e.base_cfg(self.args, self.out)
-            spec = launch.NodeSpec(launch.Role.SINGLE, 0, self.args.base_port + 90)
-            self.servers.start("single", launch.server_command(cfg, spec), launch.server_env(cfg, 0, 1))
-            url = f"http://127.0.0.1:{spec.port}"
-            launch.wait_healthy(url, self.servers.procs[0], 900)
-            return url
+            return e2e.start_single(e2e.base_cfg(self.args, self.out), self.servers, self.args.base_port)
         if self.name.startswith("kvrelay-"):
             cfg = e2e.base_cfg(self.args, self.out, transport__backend=self.name.split("-", 1)[1],
                                router__max_inflight=1024)

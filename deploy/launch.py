@@ -128,14 +128,16 @@ def server_env(cfg: KVRelayConfig, k: int, n: int) -> dict[str, str]:
     return env
 
 
-def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log_path: str = "") -> None:
+def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log_path: str = "",
+                 path: str = "/health") -> None:
+    """Poll ``url + path`` until it answers 200; RuntimeError (with the log's tail) if ``proc`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = Path(log_path).read_text()[-3000:] if log_path else ""
             raise RuntimeError(f"{url}: server exited with {proc.returncode}\n{tail}")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{url}{path}", timeout=2) as r:
                 if r.status == 200:
                     return
         except (urllib.error.URLError, OSError):

@@ -49,10 +49,10 @@ from core.config import FirstToken, KVRelayConfig, RoutingPolicy
 from core.params import ParamsSigner, PullParams, PushParams, params_dict
 from router import split, validate
 from router.cache_index import ChunkIndex, PromptTokenizer
-from router.discovery import Discovery, is_dns, parse_dns
+from router.discovery import Discovery, parse_dns
 from router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from router.metrics import RouterMetrics
-from router.pools import Node, NoHealthyNode, Pool, health_loop, pools_from_config
+from router.pools import Node, NoHealthyNode, Pool, health_loop, is_dns, pools_from_config
 from transport.errors import ConfigError
 from transport.secrets import load_secret
 

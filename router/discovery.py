@@ -27,12 +27,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from router.pools import Node, Pool
+from router.pools import DNS_PREFIX, Node, Pool
 
 log = logging.getLogger("kvrelay.router")
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-DNS_PREFIX = "dns+"
 
 
 @dataclass(frozen=True)
@@ -50,10 +49,6 @@ class DnsEntry:
         side = f"{self.side_scheme}://{host}:{self.side_port}" if self.side_port else ""
         url = f"{self.scheme}://{host}:{self.port}"
         return Node(url, kv_endpoint=side) if decode else Node(url, events_endpoint=side)
-
-
-def is_dns(entry: str) -> bool:
-    return entry.startswith(DNS_PREFIX)
 
 
 def parse_dns(entry: str, decode: bool) -> DnsEntry:

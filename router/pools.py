@@ -73,11 +73,18 @@ def parse_prefill(entry: str) -> Node:
     return Node(url.rstrip("/"), events_endpoint=events)
 
 
+DNS_PREFIX = "dns+"      # a pool entry DNS expands into nodes (router/discovery.py)
+
+
+def is_dns(entry: str) -> bool:
+    return entry.startswith(DNS_PREFIX)
+
+
 def pools_from_config(cfg: RouterConfig) -> tuple[Pool, Pool]:
     """The static entries of ``router.prefill`` / ``router.decode``; ``dns+`` entries are
     left to :class:`router.discovery.Discovery` (the pool may then start empty)."""
-    pre = [e for e in cfg.prefill if not e.startswith("dns+")]
-    dec = [e for e in cfg.decode if not e.startswith("dns+")]
+    pre = [e for e in cfg.prefill if not is_dns(e)]
+    dec = [e for e in cfg.decode if not is_dns(e)]
     prefill = Pool("prefill", [parse_prefill(u) for u in pre], cfg.policy, discovered=len(pre) < len(cfg.prefill))
     decode_policy = RoutingPolicy.LEAST_OUTSTANDING if cfg.policy is RoutingPolicy.CACHE_AWARE else cfg.policy
     decode = Pool("decode", [parse_decode(e) for e in dec], decode_policy, discovered=len(dec) < len(cfg.decode))

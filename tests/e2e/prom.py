@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -44,13 +43,7 @@ def prometheus(tmp: Path, targets: list[str], port: int) -> Iterator[str]:
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
-                if r.status == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp / "prometheus.log").read_text()[-2000:]
-            time.sleep(0.3)
+        launch.wait_healthy(url, proc, 60, str(tmp / "prometheus.log"), path="/-/ready")
         yield url
     finally:
         launch.stop_group(proc)
