@@ -25,6 +25,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from core.logs import LogFormat
 from transport import config as tcfg
 from transport.config import MiB, Port, Positive, Seconds, Section, Size, TimeoutConfig, TransportConfig
 from transport.errors import ConfigError
@@ -61,6 +62,7 @@ class ConnectorConfig(Section, frozen=True):
     metrics_host: str = "127.0.0.1"  # address the exporter binds
     push_hook: str = ""              # "module:function" called on each chunk before it is written (tests' faults)
     helper_cpus: str = "all"         # push/install threads: "all" allowed CPUs, "inherit" the engine pin, or "2-3"
+    drain_file: str = ""             # the node's drain state (core/drain.py); kvrelay serve sets one per node
 
 
 class EngineConfig(Section, frozen=True):
@@ -78,6 +80,8 @@ class EngineConfig(Section, frozen=True):
                                      # default, or a VLLM_CPU_OMP_THREADS_BIND value used for every server
     extra_args: list[str] = msgspec.field(default_factory=list)   # appended to every vLLM command line
     load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE   # vLLM's kv_load_failure_policy (decode)
+    drain_timeout_s: Seconds = 120.0  # SIGTERM: the longest a node drains before it stops anyway
+    drain_quiet_s: Seconds = 5.0      # SIGTERM: a node stops once it has been idle this long
 
 
 class RouterConfig(Section, frozen=True):
@@ -126,6 +130,7 @@ class KVRelayConfig(Section, frozen=True):
     """The root of the tree."""
 
     chunk_tokens: Positive = 256
+    log_format: LogFormat = LogFormat.TEXT
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     timeouts: TimeoutConfig = msgspec.field(default_factory=TimeoutConfig)
     store: StoreConfig = msgspec.field(default_factory=StoreConfig)
@@ -250,6 +255,14 @@ FIELD_HELP: dict[str, str] = {
     'router.first_token': ("prefill: stream token 1 from the prefill node at once, D continues from prompt + token 1 "
                            "(requests with features that cannot be split fall back per request); decode: D emits "
                            "every token"),
+    'connector.drain_file': ("file holding the node's drain state; kvrelay serve sets one per node (override to "
+                             "choose where). 'echo draining > FILE' takes a running node out of rotation, removing "
+                             "it puts the node back"),
+    'engine.drain_timeout_s': ("on SIGTERM a node drains (not ready, no new work, in-flight requests, loads and pushes "
+                               "finish) for at most this long, then stops; also vLLM's --shutdown-timeout"),
+    'engine.drain_quiet_s': 'on SIGTERM a node stops once it has had no request and no KV in use for this long',
+    'log_format': ("text, or json: one JSON object per line with request_id and transfer_id, in the router, "
+                   "kvrelay serve and the engines it starts (vLLM's own lines too)"),
     'deploy.prefill': 'kvrelay up: number of prefill servers',
     'deploy.decode': 'kvrelay up: number of decode servers',
     'deploy.host': 'kvrelay up: address every server binds to',

@@ -29,8 +29,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from core.config import KVRelayConfig, from_connector_extra
+from core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
 from core.fingerprint import engine_fingerprint
 from core.params import ParamsError
 from core.telemetry import EventLog, metrics
@@ -112,6 +114,7 @@ class WorkerBase:
         self.events = EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
         self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         self.metrics.events_dropped.set_function(lambda: self.events.dropped)
+        self.stats = StatsTracker(self.metrics)      # the same numbers on the engine's /metrics
         self._lock = threading.Condition()
         self._finished: set[str] = set()
         self._errors: set[int] = set()
@@ -170,6 +173,7 @@ class RelayConnector(KVConnectorBase_V1, Generic[W]):
         self.cfg = from_connector_extra(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
         self._sched = self.make_scheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None
         self._worker = self.make_worker(vllm_config) if role == KVConnectorRole.WORKER else None
+        self._ship_stats = False
 
     def make_scheduler(self, vllm_config: Any) -> SchedulerHalf:
         """Build the scheduler half (called once, in the EngineCore process)."""
@@ -227,7 +231,25 @@ class RelayConnector(KVConnectorBase_V1, Generic[W]):
         if isinstance(meta, RelayMeta) and meta.idle:
             self._worker.wait_for_progress(IDLE_WAIT_S)
         done: set[str] = self._worker.take_finished()
+        self._ship_stats = self._ship_stats or bool(done)    # a transfer settled: its numbers go out this step
         return done or None
+
+    # ---------------------------------------------------------------- stats (core/engine_stats.py)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Worker: what changed in this process's metrics since the last step (None: nothing)."""
+        if not isinstance(self._worker, WorkerBase):
+            return None
+        force, self._ship_stats = self._ship_stats, False
+        return self._worker.stats.delta(force)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return RelayStats(data=data) if data is not None else RelayStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return RelayPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_errors() if self._worker is not None else set()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -66,6 +67,28 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return events
 
 
+class Recorded:
+    """A histogram that also keeps its recent observations, so they can be replayed on the
+    engine's ``/metrics`` (:mod:`core.engine_stats`); at most ``keep`` between two drains."""
+
+    def __init__(self, histogram: Any, keep: int = 4096) -> None:
+        self.histogram = histogram
+        self._recent: collections.deque[float] = collections.deque(maxlen=keep)
+
+    def observe(self, value: float) -> None:
+        self.histogram.observe(value)
+        self._recent.append(value)
+
+    def drain(self) -> list[float]:
+        out = []
+        while self._recent:
+            out.append(self._recent.popleft())
+        return out
+
+    def collect(self) -> Any:
+        return self.histogram.collect()
+
+
 class Metrics:
     """The connectors' Prometheus metrics (one set per process)."""
 
@@ -80,12 +103,13 @@ class Metrics:
         self.bytes = Counter("kvrelay_bytes", "Payload bytes moved", ["side"])
         self.forced_frees = Counter("kvrelay_push_forced_frees",
                                     "Prefill requests whose blocks were freed at the deadline")
-        self.load_latency = Histogram("kvrelay_chunk_load_latency_seconds",
-                                      "Chunk arrival to installed in the engine's KV cache", buckets=buckets)
-        self.store_latency = Histogram("kvrelay_chunk_store_latency_seconds",
-                                       "Chunk ready on prefill to push complete", buckets=buckets)
-        self.transfer_latency = Histogram("kvrelay_transfer_latency_seconds",
-                                          "Decode: request scheduled to last chunk installed", buckets=buckets)
+        self.load_latency = Recorded(Histogram("kvrelay_chunk_load_latency_seconds",
+                                               "Chunk arrival to installed in the engine's KV cache", buckets=buckets))
+        self.store_latency = Recorded(Histogram("kvrelay_chunk_store_latency_seconds",
+                                                "Chunk ready on prefill to push complete", buckets=buckets))
+        self.transfer_latency = Recorded(Histogram("kvrelay_transfer_latency_seconds",
+                                                   "Decode: request scheduled to last chunk installed",
+                                                   buckets=buckets))
         self.store_stored = Counter("kvrelay_store_chunks_stored", "Chunks put into the store")
         self.store_loaded_tokens = Counter("kvrelay_store_tokens_loaded",
                                            "Prompt tokens loaded from the store instead of computed")
@@ -97,6 +121,11 @@ class Metrics:
         self.events_dropped = Gauge("kvrelay_events_dropped", "Event-log lines lost (disk full, unwritable path)")
         self.store_forged = Gauge("kvrelay_store_records_forged", "Shared-tier records refused for a bad MAC "
                                   "(written without the deployment's secret), by tier (cumulative)", ["tier"])
+        self.store_hits = Gauge("kvrelay_store_hits", "Chunks the store served, by tier (cumulative)", ["tier"])
+        self.store_bytes = Gauge("kvrelay_store_bytes_loaded", "Bytes the store served, by tier (cumulative)",
+                                 ["tier"])
+        self.store_misses = Gauge("kvrelay_store_misses", "Chunk reads no store tier could serve (cumulative)")
+        self.store_evictions = Gauge("kvrelay_store_evictions", "Chunks evicted from the CPU tier (cumulative)")
         self.refusals = Gauge("kvrelay_receiver_refusals", "Writes and messages the decode node's receiver "
                               "refused, by cause (cumulative)", ["cause"])
 

@@ -21,6 +21,7 @@ import torch
 
 from core.config import KVRelayConfig
 from core.connector_base import WorkerBase
+from core.logs import bind
 from core.placement import place_helper_thread
 from decode.saver import DecodeSaver
 from kernels.blocks import scatter
@@ -173,13 +174,14 @@ class InstallWorker(WorkerBase):
 
     def _run(self, load: _Load) -> None:
         place_helper_thread(self.cfg.connector.helper_cpus)
-        try:
-            self._receive(load)
-        except Exception as exc:  # noqa: BLE001 - never leave the request waiting forever
-            log.exception("install of %s crashed", load.spec.req_id)
-            self._fail_rest(load, f"internal error: {exc!r}")
-        finally:
-            self._complete(load)
+        with bind(load.spec.req_id, load.spec.transfer_id):      # on every log line (log_format: json)
+            try:
+                self._receive(load)
+            except Exception as exc:  # noqa: BLE001 - never leave the request waiting forever
+                log.exception("install of %s crashed", load.spec.req_id)
+                self._fail_rest(load, f"internal error: {exc!r}")
+            finally:
+                self._complete(load)
 
     def _receive(self, load: _Load) -> None:
         assert self.receiver is not None

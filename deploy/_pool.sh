@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Shared body of launch_prefill_pool.sh / launch_decode_pool.sh: start N `kvrelay serve` nodes of
-# one role on this host, forward Ctrl-C / SIGTERM to all of them, exit when any of them exits.
+# one role on this host, forward Ctrl-C (stop now) / SIGTERM (graceful drain) to all of them, exit
+# when any of them exits.
 set -euo pipefail
 role=$1; shift
 n=1
@@ -8,14 +9,15 @@ args=()
 while [ $# -gt 0 ]; do
     case $1 in
         -n) n=$2; shift 2 ;;
-        -h|--help) sed -n '2,12p' "$(dirname "$0")/launch_${role}_pool.sh"; exit 0 ;;
+        -h|--help) grep '^# ' "$(dirname "$0")/launch_${role}_pool.sh" | cut -c3-; exit 0 ;;
         *) args+=("$1"); shift ;;
     esac
 done
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
 pids=()
-trap 'kill -INT "${pids[@]}" 2>/dev/null; wait' INT TERM
+trap 'kill -INT "${pids[@]}" 2>/dev/null; wait' INT
+trap 'kill -TERM "${pids[@]}" 2>/dev/null; wait' TERM
 for ((i = 0; i < n; i++)); do
     .venv/bin/kvrelay serve --role "$role" --index "$i" "${args[@]}" &
     pids+=($!)

@@ -23,6 +23,7 @@ The manifests do not start anything; ``tests/test_k8s.py`` validates them offlin
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ def cluster_config(cfg: kcfg.KVRelayConfig, ns: str, gpus: int, redis: bool) -> 
 
 def _probe(role: str, kind: str) -> dict[str, Any]:
     cmd = ["kvrelay", "probe", "--port", str(HTTP_PORT)] + (["--kv-port", str(KV_PORT)] if role == "decode" else [])
+    cmd += ["--liveness"] if kind == "liveness" else []     # a draining node is alive (deploy/drain.py)
     timing = {"startup": {"periodSeconds": 10, "failureThreshold": 90},      # model load: up to 15 min
               "readiness": {"periodSeconds": 5, "failureThreshold": 2},
               "liveness": {"periodSeconds": 15, "failureThreshold": 4}}[kind]
@@ -95,7 +97,8 @@ def _volumes() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return vols, mounts
 
 
-def engine_deployment(role: str, replicas: int, ns: str, image: str, gpus: int) -> dict[str, Any]:
+def engine_deployment(role: str, replicas: int, ns: str, image: str, gpus: int,
+                      drain_timeout_s: float = 120.0) -> dict[str, Any]:
     args = ["serve", "--role", role, "--config", f"{CONFIG_DIR}/kvrelay.yaml", "--port", str(HTTP_PORT)]
     ports = [{"name": "http", "containerPort": HTTP_PORT}]
     if role == "decode":
@@ -112,7 +115,9 @@ def engine_deployment(role: str, replicas: int, ns: str, image: str, gpus: int) 
             "spec": {"replicas": replicas, "selector": {"matchLabels": _labels(role)},
                      "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
                      "template": {"metadata": {"labels": _labels(role)},
-                                  "spec": {"terminationGracePeriodSeconds": 120, "containers": [container],
+                                  # SIGTERM drains for up to drain_timeout_s, then vLLM stops (deploy/drain.py)
+                                  "spec": {"terminationGracePeriodSeconds": math.ceil(drain_timeout_s) + 45,
+                                           "containers": [container],
                                            "volumes": vols}}}}
 
 
@@ -166,7 +171,7 @@ def render(cfg: kcfg.KVRelayConfig, ns: str, image: str, gpus: int, secret: str,
          "type": "Opaque", "stringData": {"secret": secret}},
     ]
     for role, n in (("prefill", cfg.deploy.prefill), ("decode", cfg.deploy.decode)):
-        objs += [headless_service(role, ns), engine_deployment(role, n, ns, image, gpus),
+        objs += [headless_service(role, ns), engine_deployment(role, n, ns, image, gpus, cfg.engine.drain_timeout_s),
                  {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _meta(f"kvrelay-{role}", ns, role),
                   "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(role)}}}]
     objs += router_objects(tree, ns, image)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -71,8 +73,14 @@ def node_specs(cfg: KVRelayConfig) -> list[NodeSpec]:
     return specs
 
 
+def drain_path(cfg: KVRelayConfig, spec: NodeSpec) -> str:
+    """Node ``spec``'s drain file (:mod:`core.drain`): ``connector.drain_file``, else one per node and port."""
+    return cfg.connector.drain_file or str(Path(tempfile.gettempdir()) / f"kvrelay-{spec.name}-{spec.port}.drain")
+
+
 def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
     data = kcfg.to_dict(cfg)
+    data["connector"]["drain_file"] = drain_path(cfg, spec)
     if spec.role is Role.DECODE:
         data["transport"].update(host=cfg.deploy.host, control_port=spec.kv_port,
                                  data_port=spec.kv_port + 100 if cfg.transport.data_port == 0
@@ -101,7 +109,8 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
     cmd += ["--dtype", dtype]
     if spec.role is not Role.SINGLE:
         cmd += ["--kv-transfer-config", json.dumps(connector_config(cfg, spec)),
-                "--middleware", "core.guard.kvrelay_guard"]    # 400 for forged kv_transfer_params
+                "--middleware", "core.guard.kvrelay_guard",    # 400 for forged params, 503 while draining
+                "--shutdown-timeout", str(math.ceil(cfg.engine.drain_timeout_s))]   # SIGTERM finishes in-flight work
     role_args = {Role.PREFILL: cfg.engine.prefill_args, Role.DECODE: cfg.engine.decode_args}.get(spec.role, [])
     return cmd + list(cfg.engine.extra_args) + list(role_args)
 
@@ -213,12 +222,22 @@ class Stack:
         self.procs[name] = p
         return p
 
+    def node_command(self, spec: NodeSpec) -> list[str]:
+        """How an operator starts node ``spec``: ``kvrelay serve`` (vLLM under the drain supervisor)."""
+        return [sys.executable, "-m", "kvrelay.cli", "serve", "--config", str(self.log_dir / "nodes.yaml"),
+                "--role", spec.role.value, "--index", str(spec.index), "--port", str(spec.port)]
+
+    def _spawn_node(self, k: int, mode: str = "w") -> subprocess.Popen:
+        spec = self.specs[k]
+        return self._spawn(spec.name, self.node_command(spec), server_env(self.cfg, k, len(self.specs)), mode)
+
     def start(self, progress: bool = True) -> None:
         model_path(self.cfg)                                  # create the tiny model once, up front
         self.ensure_secret()
-        for k, s in enumerate(self.specs):
-            self._spawn(s.name, server_command(self.cfg, s), server_env(self.cfg, k, len(self.specs)))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        (self.log_dir / "nodes.yaml").write_text(yaml.safe_dump(kcfg.to_dict(self.cfg), sort_keys=False))
+        for k in range(len(self.specs)):
+            self._spawn_node(k)
         router_yaml = self.log_dir / "router.yaml"
         router_yaml.write_text(yaml.safe_dump(kcfg.to_dict(self.router_config()), sort_keys=False))
         self._spawn("router", [sys.executable, "-m", "kvrelay.cli", "router", "--config", str(router_yaml)],
@@ -246,12 +265,22 @@ class Stack:
             os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
+    def drain(self, name: str) -> int:
+        """SIGTERM node ``name``'s ``kvrelay serve`` only (as Kubernetes does) and wait until it has
+        drained and exited; its exit status."""
+        p = self.procs.pop(name)
+        p.send_signal(signal.SIGTERM)
+        try:
+            return p.wait(self.cfg.engine.drain_timeout_s + 60)
+        finally:
+            reap_group(p, 0)
+
     def restart(self, name: str) -> None:
         """Start node ``name`` again (same ports and settings) and wait until it is healthy."""
         k, spec = next((k, s) for k, s in enumerate(self.specs) if s.name == name)
         if name in self.procs:
             stop_group(self.procs.pop(name))
-        p = self._spawn(name, server_command(self.cfg, spec), server_env(self.cfg, k, len(self.specs)), "a")
+        p = self._spawn_node(k, "a")
         wait_healthy(self.url(spec), p, self.cfg.deploy.startup_timeout_s, str(self.log_dir / f"{name}.log"))
 
     def stop(self) -> None:

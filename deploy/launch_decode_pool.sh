@@ -8,4 +8,5 @@
 # "http://host:port=tcp://host:kvport". Every kvrelay config key is a flag.
 # Every node and the router need the deployment's shared secret: KVRELAY_SECRET in the
 # environment, or --transport.secret_file FILE (0600; `kvrelay secret FILE` makes one).
+# SIGTERM drains every node gracefully (README: Graceful drain); Ctrl-C stops them at once.
 exec bash "$(dirname "$0")/_pool.sh" decode "$@"

@@ -33,12 +33,11 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    import logging
-
+    from core.logs import setup
     from router.app import run
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg = kcfg.config_from_args(args)
+    setup(cfg.log_format)
     if not cfg.router.prefill or not cfg.router.decode:
         raise kcfg.ConfigError("router: router.prefill and router.decode must list at least one node each")
     load_secret(cfg.transport)                # refuse to start without one, saying how to set it
@@ -49,6 +48,7 @@ def _cmd_router(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
+    from core.logs import LogFormat, setup, vllm_logging_config
     from deploy import launch
 
     cfg = kcfg.config_from_args(args)
@@ -63,8 +63,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(" ".join(cmd))
         return 0
-    os.execvpe(cmd[0], cmd, env)
-    return 0
+    if cfg.log_format is LogFormat.JSON:     # vLLM's lines and the connectors' as JSON (core/logs.py)
+        env["VLLM_LOGGING_CONFIG_PATH"] = vllm_logging_config(launch.drain_path(cfg, spec) + ".logging.json")
+    if role is launch.Role.SINGLE:
+        os.execvpe(cmd[0], cmd, env)
+    from deploy.drain import DrainPlan, supervise
+
+    setup(cfg.log_format)
+    url = f"http://{'127.0.0.1' if cfg.deploy.host in ('0.0.0.0', '::') else cfg.deploy.host}:{port}"
+    e = cfg.engine
+    return supervise(cmd, env, url, DrainPlan(launch.drain_path(cfg, spec), e.drain_timeout_s, e.drain_quiet_s))
 
 
 def _cmd_secret(args: argparse.Namespace) -> int:
@@ -135,7 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     kcfg.add_config_args(r)
     r.set_defaults(func=_cmd_router)
 
-    s = sub.add_parser("serve", help="start one vLLM server with a kvrelay connector (pool launchers use this)")
+    s = sub.add_parser("serve", help="start one vLLM server with a kvrelay connector (pool launchers use this)",
+                       description="Starts one vLLM server. Prefill and decode nodes run under a supervisor: "
+                       "SIGTERM drains the node (not ready at once, no new work, in-flight requests, loads and "
+                       "pushes finish; engine.drain_quiet_s, engine.drain_timeout_s), then vLLM stops.")
     s.add_argument("--role", choices=["prefill", "decode", "single"], required=True)
     s.add_argument("--index", type=int, default=0, help="node index: default ports are base + index")
     s.add_argument("--port", type=int, default=0, help="HTTP port (default deploy.base_port + index)")

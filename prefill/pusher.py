@@ -37,6 +37,7 @@ import torch
 
 from core.config import KVRelayConfig
 from core.connector_base import WorkerBase
+from core.logs import bind
 from core.placement import place_helper_thread
 from kernels.blocks import KVLayout, gather_to_host
 from prefill.store_service import StoreService
@@ -220,14 +221,15 @@ class PushWorker(WorkerBase):
                     self._lock.wait(0.05)
                     continue
             for p in work:
-                try:
-                    self._advance(p)
-                except KVRelayError as exc:
-                    self._fail(p, exc)
-                except Exception as exc:  # noqa: BLE001 - a push bug must not kill the engine
-                    log.exception("push of %s crashed", p.spec.req_id)
-                    self._fail(p, exc)
-                self._maybe_settle(p)
+                with bind(p.spec.req_id, p.spec.transfer_id):     # on every log line (log_format: json)
+                    try:
+                        self._advance(p)
+                    except KVRelayError as exc:
+                        self._fail(p, exc)
+                    except Exception as exc:  # noqa: BLE001 - a push bug must not kill the engine
+                        log.exception("push of %s crashed", p.spec.req_id)
+                        self._fail(p, exc)
+                    self._maybe_settle(p)
             if any(p.inflight for p in work):
                 time.sleep(POLL_S)                     # writes in flight: poll them again shortly
 

@@ -51,8 +51,7 @@ class StoreService:
                                     deferred_bytes=int(s.deferred_bytes), prefetch_ahead=s.prefetch_ahead,
                                     on_event=self.publisher, seal=seal_for(load_secret(cfg.transport)),
                                     redis_password=s.redis_password(), redis_ca_file=s.redis_ca_file)
-        for tier in self.store.lower:
-            self.metrics.store_forged.labels(tier.name).set_function(functools.partial(getattr, tier, "forged"))
+        self._export_stats()
         self.endpoint = lookup_endpoint(vllm_config)
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None
@@ -60,6 +59,17 @@ class StoreService:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvrelay-store-lookup", daemon=True)
         self._thread.start()
+
+    def _export_stats(self) -> None:
+        """The store's counters as gauges read at scrape time (and at each engine step)."""
+        m, stats = self.metrics, self.store.stats
+        for tier in self.store.lower:
+            m.store_forged.labels(tier.name).set_function(functools.partial(getattr, tier, "forged"))
+        for name in ["cpu", *(t.name for t in self.store.lower)]:
+            m.store_hits.labels(name).set_function(functools.partial(lambda n: stats.hits.get(n, 0), name))
+            m.store_bytes.labels(name).set_function(functools.partial(lambda n: stats.bytes_loaded.get(n, 0), name))
+        m.store_misses.set_function(lambda: stats.misses)
+        m.store_evictions.set_function(lambda: stats.evicted)
 
     def bind(self, layout: KVLayout, fingerprint: Any) -> None:
         self.layout, self.fingerprint = layout, fingerprint

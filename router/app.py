@@ -38,14 +38,14 @@ import logging
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import generate_latest
 
 from core.config import FirstToken, KVRelayConfig, RoutingPolicy
+from core.logs import set_ids
 from core.params import ParamsSigner, PullParams, PushParams, params_dict
 from router import split, validate
 from router.cache_index import ChunkIndex, PromptTokenizer
@@ -53,11 +53,11 @@ from router.discovery import Discovery, parse_dns
 from router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from router.metrics import RouterMetrics
 from router.pools import Node, NoHealthyNode, Pool, health_loop, is_dns, pools_from_config
+from router.upstream import Upstream, note_draining
 from transport.errors import ConfigError
 from transport.secrets import load_secret
 
 log = logging.getLogger("kvrelay.router")
-_T = TypeVar("_T")
 
 
 def error_response(status: int, message: str, etype: str = "invalid_request_error",
@@ -67,25 +67,15 @@ def error_response(status: int, message: str, etype: str = "invalid_request_erro
     return web.json_response(body, status=status, headers={**hdrs, **(headers or {})})
 
 
-def _never_sent(exc: Exception) -> bool:
-    """The request never reached the engine: a pooled keep-alive connection the engine had just
-    closed (aiohttp could not write the body, or the peer hung up before any answer)."""
-    return isinstance(exc, aiohttp.ServerDisconnectedError) or "write request body" in str(exc)
-
-
 def too_many(message: str, retry_after_s: float) -> web.Response:
     return error_response(429, message, "rate_limit_exceeded",
                           headers={"Retry-After": str(max(1, round(retry_after_s)))})
 
 
-class _SplitMixin:
+class _SplitMixin(Upstream):
     """``router.first_token: prefill`` (see :mod:`router.split`)."""
 
-    cfg: KVRelayConfig
-    session: aiohttp.ClientSession | None
-    metrics: RouterMetrics
     signer: ParamsSigner
-    context_limits: dict[str, int]       # decode node URL -> its max_model_len
 
     async def _split(self, request: web.Request, endpoint: str, body: dict[str, Any], p_node: Node,
                      d_node: Node, tid: str, rid: str, t0: float) -> web.StreamResponse:
@@ -95,6 +85,10 @@ class _SplitMixin:
             pbody["kv_transfer_params"] = params_dict(self.signer.sign(
                 PushParams(transfer_id=tid, push_to=d_node.kv_endpoint, early=True)))
         status, answer = await self._ask(p_node, endpoint, pbody, f"{rid}-p")
+        if status == 503 and not p_node.healthy:      # P is draining: another prefill node, if any
+            with contextlib.suppress(NoHealthyNode):
+                p_node = self.prefill.pick(exclude=(p_node,))
+                status, answer = await self._ask(p_node, endpoint, pbody, f"{rid}-p")
         if status != 200 or not isinstance(answer, dict):
             if status is not None and status < 500:   # P refused the request: the client's error, as vLLM says it
                 return web.json_response(answer, status=status, headers={"X-Request-Id": rid})
@@ -130,49 +124,6 @@ class _SplitMixin:
             first.token_ids))))
         return await self._continue(request, endpoint, body, first, writer, d_node, dbody, rid, t0, headers)
 
-    async def _context_limit(self, node: Node) -> int | None:
-        """The decode node's ``max_model_len`` (from its ``/v1/models``, asked once; None if unknown)."""
-        limits = self.context_limits
-        if node.url not in limits:
-            assert self.session is not None
-            try:
-                async with self.session.get(f"{node.url}/v1/models") as r:
-                    limits[node.url] = int((await r.json())["data"][0]["max_model_len"])
-            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError):
-                return None                   # asked again next time
-        return limits[node.url]
-
-    async def _ask(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[int | None, Any]:
-        """POST and read a JSON answer: (status, body); (None, None) when the node failed."""
-        assert self.session is not None
-        node.outstanding += 1
-
-        async def read(r: aiohttp.ClientResponse) -> tuple[int | None, Any]:
-            return r.status, await r.json(content_type=None)
-        try:
-            return await self._send(f"{node.url}{endpoint}", body, rid, read)
-        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
-            node.failures += 1
-            log.warning("prefill on %s failed for %s: %r", node.url, rid, exc)
-            return None, None
-        finally:
-            node.outstanding -= 1
-
-    async def _send(self, url: str, body: dict[str, Any], rid: str,
-                    read: Callable[[aiohttp.ClientResponse], Awaitable[_T]]) -> _T:
-        """POST ``body`` and ``read`` the answer; once more if a pooled connection turned out to be
-        closed before the engine saw the request (keep-alive race). Other errors propagate."""
-        assert self.session is not None
-        for attempt in (1, 2):
-            try:
-                async with self.session.post(url, json=body, headers={"X-Request-Id": rid}) as r:
-                    return await read(r)
-            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
-                if attempt == 2 or not _never_sent(exc):
-                    raise
-                log.info("%s: a pooled connection was closed under %s (%r); retrying", url, rid, exc)
-        raise AssertionError("unreachable")
-
     async def _continue(self, request: web.Request, endpoint: str, body: dict[str, Any], first: split.FirstToken,
                         writer: split.StreamWriter, node: Node, dbody: dict[str, Any], rid: str, t0: float,
                         headers: dict[str, str]) -> web.StreamResponse:
@@ -184,11 +135,12 @@ class _SplitMixin:
             out = await _open_stream(request, headers)
             await out.write(writer.opening() + writer.token(first.text))
             self.metrics.ttft.observe(time.monotonic() - t0)
+        last = time.monotonic()
         text, finish, stop, decoded, failure = [], None, None, 0, ""
         node.outstanding += 1
         try:
-            async with self.session.post(f"{node.url}/v1/completions", json=dbody,
-                                         headers={"X-Request-Id": rid}) as r:
+            node, r = await self._open_decode(node, "/v1/completions", dbody, rid)
+            async with r:
                 if r.status != 200:
                     data = await r.read()
                     if out is None:
@@ -207,6 +159,9 @@ class _SplitMixin:
                                 text.append(c["text"])
                                 finish, stop = c.get("finish_reason"), c.get("stop_reason")
                                 if out is not None:
+                                    now = time.monotonic()
+                                    self.metrics.itl.observe(now - last)
+                                    last = now
                                     await out.write(writer.token(c["text"], finish, stop))
                     if finish is None:
                         failure = "the decode node ended the stream early"
@@ -390,6 +345,7 @@ class Router(_SplitMixin):
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         rid = request.headers.get("X-Request-Id") or f"kvr-{uuid.uuid4().hex}"
+        set_ids(request_id=rid)                 # on every log line of this request (log_format: json)
         endpoint = request.path
         try:
             body = await request.json(loads=json.loads)
@@ -416,6 +372,7 @@ class Router(_SplitMixin):
             self.metrics.latency.observe(time.monotonic() - t0)
             return resp
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        set_ids(transfer_id=tid)
         if self.cfg.router.first_token is FirstToken.PREFILL:
             why = split.fallback_reason(endpoint, body)
             if why is None:
@@ -476,6 +433,7 @@ class Router(_SplitMixin):
         node.outstanding += 1
         async def read(r: aiohttp.ClientResponse) -> tuple[bool, str]:
             await r.read()
+            note_draining(node, r)
             if r.status >= 500:
                 return False, f"HTTP {r.status}"
             return r.status == 200, "ok" if r.status == 200 else "client_error"
@@ -495,8 +453,8 @@ class Router(_SplitMixin):
             dbody["kv_transfer_params"] = params_dict(self.signer.sign(PullParams(transfer_id=tid)))
         node.outstanding += 1
         try:
-            async with self.session.post(f"{node.url}{endpoint}", json=dbody,
-                                         headers={"X-Request-Id": rid}) as r:
+            node, r = await self._open_decode(node, endpoint, dbody, rid)
+            async with r:
                 if r.status != 200 or "text/event-stream" not in r.headers.get("Content-Type", ""):
                     data = await r.read()
                     self.metrics.ttft.observe(time.monotonic() - t0)
@@ -522,12 +480,16 @@ class Router(_SplitMixin):
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                        "X-Request-Id": rid, "X-Kvrelay-Prefill": p_url})
         await out.prepare(request)
-        first, tail = True, b""
+        first, tail, last = True, b"", 0.0
         try:
             async for piece in upstream.content.iter_any():
+                now = time.monotonic()
                 if first:
-                    self.metrics.ttft.observe(time.monotonic() - t0)
+                    self.metrics.ttft.observe(now - t0)
                     first = False
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
                 await out.write(piece)
                 tail = (tail + piece)[-64:]
             failure = "" if tail.rstrip().endswith(b"data: [DONE]") else "the decode node ended the stream early"

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from router.pools import Pool
 
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
@@ -21,8 +22,10 @@ class RouterMetrics:
         self.errors = Counter("kvrelay_router_errors", "Errors by cause", ["cause"], registry=self.registry)
         self.latency = Histogram("kvrelay_router_request_latency_seconds", "Request latency",
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.ttft = Histogram("kvrelay_router_ttft_seconds", "Time to the first byte from D",
+        self.ttft = Histogram("kvrelay_router_ttft_seconds", "Time to the first token the client gets",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("kvrelay_router_itl_seconds", "Time between streamed pieces the client gets",
+                             buckets=ITL_BUCKETS, registry=self.registry)
 
     def follow(self, pools: tuple[Pool, ...]) -> None:
         """Node gauges read the pools at scrape time (membership may change: router/discovery.py)."""

@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from core import config as kcfg
+from core.drain import DRAINING_HEADER
 from router.app import Router
 from router.pools import Node, Pool, check_once
 
@@ -27,7 +28,7 @@ SSE = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}
 
 @dataclass
 class Fake:
-    mode: str = "ok"                       # ok | http500 | http400 | hang | die | slow | trickle
+    mode: str = "ok"                       # ok | http500 | http400 | hang | die | slow | trickle | draining
     requests: list[dict] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -42,6 +43,9 @@ class Fake:
         self.headers.append(request.headers.copy())
         if self.mode == "http500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
+        if self.mode == "draining":            # core.guard's answer while the node drains
+            return web.json_response({"error": {"message": "draining"}}, status=503,
+                                     headers={DRAINING_HEADER: "draining"})
         if self.mode == "http400":
             return web.json_response({"error": {"message": "bad max_tokens"}}, status=400)
         if self.mode == "slow":                # a prefill that takes a while; is it cancelled?
@@ -349,3 +353,61 @@ def test_with_no_healthy_prefill_node_the_decode_node_serves_alone():
             async with s.get(f"{url}/metrics") as r:
                 assert 'kvrelay_router_errors_total{cause="no_prefill_decode_only"} 1.0' in await r.text()
     run(go())
+
+
+def test_a_draining_or_vanished_decode_node_hands_the_request_to_another_without_pull_params():
+    """The window before the health loop notices: D0 answers 503 + X-Kvrelay-Draining (or is
+    gone); the client still gets its answer, from D1, which computes the prompt itself."""
+    async def go(first_mode: str) -> None:
+        ps, ds = await _stack(n_d=2)
+        async with fake_node(ps[0]), fake_node(ds[0]), fake_node(ds[1]), \
+                router_for(ps, ds, health_interval_s=60) as (url, router), aiohttp.ClientSession() as s:
+            router.decode._rr = iter(range(10**6))  # type: ignore[assignment]  # start at node 0
+            d0 = router.decode.nodes[0]
+            if first_mode == "gone":
+                d0.url = "http://127.0.0.1:9"                 # nothing listens there
+            ds[0].mode = first_mode
+            body = {"model": "m", "prompt": "x", "max_tokens": 5, "stream": True}
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                raw = await r.read()
+            assert r.status == 200 and raw == b"".join(SSE)
+            assert len(ds[1].requests) == 1 and "kv_transfer_params" not in ds[1].requests[0]
+            assert not d0.healthy and all(n.outstanding == 0 for n in router.decode.nodes)
+            async with s.get(f"{url}/metrics") as m:
+                assert 'kvrelay_router_errors_total{cause="decode_redirected"} 1.0' in await m.text()
+    run(go("draining"))
+    run(go("gone"))
+
+
+def test_json_logs_carry_the_request_and_transfer_id():
+    """log_format: json - the router's line about a redirected request names both ids."""
+    import io
+    import logging
+
+    from core.logs import ContextFilter, JsonFormatter
+
+    buf = io.StringIO()
+    handler = logging.StreamHandler(buf)
+    handler.addFilter(ContextFilter())
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("kvrelay.router")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        async def go() -> None:
+            ps, ds = await _stack(n_d=2, d_modes=("draining", "ok"))
+            async with fake_node(ps[0]), fake_node(ds[0]), fake_node(ds[1]), \
+                    router_for(ps, ds, health_interval_s=60) as (url, router), aiohttp.ClientSession() as s:
+                router.decode._rr = iter(range(10**6))  # type: ignore[assignment]  # start at node 0
+                async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"},
+                                  headers={"X-Request-Id": "rid-json"}) as r:
+                    assert r.status == 200
+        run(go())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    lines = [json.loads(line) for line in buf.getvalue().splitlines()]
+    moved = [rec for rec in lines if "goes to" in rec["msg"]]
+    assert moved and moved[0]["request_id"] == "rid-json" and moved[0]["transfer_id"].startswith("rid-json-")
+    assert {"ts", "level", "logger", "pid", "msg"} <= set(moved[0])

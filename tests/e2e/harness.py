@@ -226,6 +226,9 @@ def _cfg(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> kcfg.KVRelayCo
                       "first_chunk_s": 20},
     }
     for key, value in over.items():
+        if "__" not in key:                      # a top-level key (log_format)
+            data[key] = value
+            continue
         section, field = key.split("__")
         data.setdefault(section, {})[field] = value
     return kcfg.from_dict(data)
@@ -238,7 +241,9 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     cfg = _cfg(tiny_model, tmp, 18700)
     spec = launch.NodeSpec(launch.Role.SINGLE, 0, 18700)
     log = open(tmp / "single.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 1),
+    # the same OpenMP binding as each engine of a PD stack (CPU numerics change with the thread
+    # count): server 0 of 2 gets the share of cores each engine of a 1P1D stack gets
+    proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 2),
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = "http://127.0.0.1:18700"

@@ -35,7 +35,8 @@ LONG = [Case(f"kill{i}", "completion", True, 1900 + 7 * i, 300 + i) for i in ran
 @pytest.fixture(scope="module")
 def fault_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-faults"), 19100, transport__backend="nixl",
-                         timeouts__peer_s=2, timeouts__heartbeat_s=0.25, connector__free_deadline_s=15)
+                         timeouts__peer_s=2, timeouts__heartbeat_s=0.25, connector__free_deadline_s=15,
+                         log_format="json")
     yield handle
     handle.stack.stop()
 
@@ -223,6 +224,7 @@ def _decode_killed_then_restarted(fault_stack, reference):
     _wait_for(prefill_idle, 30, "prefill engine idle with zero KV usage")
     cpu, busiest = _idle_cpu(stack.procs["prefill0"].pid)
     assert cpu < 0.5, f"the idle prefill node burns {cpu:.0%} of a core in every window (spinning?): {busiest}"
+    _json_logs_name_the_failed_pushes(stack.log_dir / "prefill0.log")
 
     stack.restart("decode0")
     _wait_for(lambda: _healthy(fault_stack.router_url, "decode"), 30, "decode node back in rotation")
@@ -234,6 +236,19 @@ def _decode_killed_then_restarted(fault_stack, reference):
         done = fault_stack.wait_events(rid, {"load_done"})
         load = next(e for e in done if e["event"] == "load_done")
         assert load["recomputed_tokens"] == 0 and load["loaded_tokens"] > 0, load
+
+
+def _json_logs_name_the_failed_pushes(path: Path) -> None:
+    """log_format: json - every log record of the prefill node (vLLM's and kvrelay's) is one JSON
+    object, and the push failures the kill caused carry their request and transfer ids."""
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            records.append(json.loads(line))             # a torn or non-JSON record fails here
+    assert any(r["logger"].startswith("vllm.") for r in records), "no JSON log record from vLLM"
+    failed = [r for r in records if r["logger"].startswith("vllm.kvrelay") and "push of" in r["msg"]]
+    assert failed, "no push failure logged after the decode node was killed"
+    assert all(r["request_id"] and r["transfer_id"] and r["transfer_id"] in r["msg"] for r in failed), failed[:3]
 
 
 def _healthy(router_url: str, pool: str) -> bool:

@@ -47,6 +47,7 @@ class StoreStats:
     bytes_loaded: dict[str, int] = field(default_factory=dict)
     stored: int = 0
     evicted: int = 0
+    misses: int = 0                                              # chunk reads no tier could serve
     demoted: int = 0
     flushed: int = 0
 
@@ -266,6 +267,7 @@ class MultiTierStore:
                 self._count(tier.name, len(record))
                 held = self.cpu.put_acquire(key, record)
                 return (held, True) if held is not None else (memoryview(record), False)
+        self.stats.misses += 1
         return None, False
 
     def _count(self, tier: str, n: int) -> None:

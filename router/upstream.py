@@ -1,0 +1,142 @@
+"""Talking to engines: one POST with the keep-alive retry, and decode nodes that drain or vanish.
+
+The router's request paths (:mod:`router.app`) use these helpers; they own no request state.
+
+* :meth:`Upstream._send` - POST and read, once more if a pooled connection turned out to be
+  closed before the engine saw the request (keep-alive race).
+* :meth:`Upstream._open_decode` - POST to a decode node and return the open response. A node
+  that is draining (503 with ``X-Kvrelay-Draining``, :mod:`core.drain`) or refuses the
+  connection has not seen the request, so it goes to the next healthy decode node - without
+  pull params: the KV was pushed to the first one, the new node computes the prompt itself.
+  Clients see no error for a node that leaves.
+* Any answer carrying ``X-Kvrelay-Draining`` takes its node out of rotation at once (the
+  health loop puts it back when ``/health`` says 200 again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+
+from core.config import KVRelayConfig
+from core.drain import DRAINING_HEADER
+from router.metrics import RouterMetrics
+from router.pools import Node, NoHealthyNode, Pool
+
+log = logging.getLogger("kvrelay.router")
+_T = TypeVar("_T")
+
+
+def never_sent(exc: Exception) -> bool:
+    """The request never reached the engine: a pooled keep-alive connection the engine had just
+    closed (aiohttp could not write the body, or the peer hung up before any answer)."""
+    return isinstance(exc, aiohttp.ServerDisconnectedError) or "write request body" in str(exc)
+
+
+def note_draining(node: Node, r: aiohttp.ClientResponse) -> bool:
+    """Take ``node`` out of rotation if its answer says it drains; True if it refused the request."""
+    if DRAINING_HEADER not in r.headers:
+        return False
+    if node.healthy:
+        log.info("%s is %s: out of rotation", node.url, r.headers[DRAINING_HEADER])
+    node.healthy = False
+    return r.status == 503
+
+
+class Upstream:
+    cfg: KVRelayConfig
+    session: aiohttp.ClientSession | None
+    metrics: RouterMetrics
+    prefill: Pool
+    decode: Pool
+    context_limits: dict[str, int]       # decode node URL -> its max_model_len
+
+    async def _context_limit(self, node: Node) -> int | None:
+        """The decode node's ``max_model_len`` (from its ``/v1/models``, asked once; None if unknown)."""
+        limits = self.context_limits
+        if node.url not in limits:
+            assert self.session is not None
+            try:
+                async with self.session.get(f"{node.url}/v1/models") as r:
+                    limits[node.url] = int((await r.json())["data"][0]["max_model_len"])
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError):
+                return None                   # asked again next time
+        return limits[node.url]
+
+    async def _ask(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[int | None, Any]:
+        """POST and read a JSON answer: (status, body); (None, None) when the node failed."""
+        node.outstanding += 1
+
+        async def read(r: aiohttp.ClientResponse) -> tuple[int | None, Any]:
+            note_draining(node, r)
+            return r.status, await r.json(content_type=None)
+        try:
+            return await self._send(f"{node.url}{endpoint}", body, rid, read)
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+            node.failures += 1
+            log.warning("prefill on %s failed for %s: %r", node.url, rid, exc)
+            return None, None
+        finally:
+            node.outstanding -= 1
+
+    async def _send(self, url: str, body: dict[str, Any], rid: str,
+                    read: Callable[[aiohttp.ClientResponse], Awaitable[_T]]) -> _T:
+        """POST ``body`` and ``read`` the answer; once more if a pooled connection turned out to be
+        closed before the engine saw the request (keep-alive race). Other errors propagate."""
+        assert self.session is not None
+        for attempt in (1, 2):
+            try:
+                async with self.session.post(url, json=body, headers={"X-Request-Id": rid}) as r:
+                    return await read(r)
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                if attempt == 2 or not never_sent(exc):
+                    raise
+                log.info("%s: a pooled connection was closed under %s (%r); retrying", url, rid, exc)
+        raise AssertionError("unreachable")
+
+    async def _post(self, node: Node, path: str, body: dict[str, Any], rid: str) -> aiohttp.ClientResponse:
+        """POST, once more on a keep-alive race; the open response (the caller releases it)."""
+        assert self.session is not None
+        for attempt in (1, 2):
+            try:
+                return await self.session.post(f"{node.url}{path}", json=body, headers={"X-Request-Id": rid})
+            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+                if attempt == 2 or not never_sent(exc):
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _open_decode(self, node: Node, path: str, body: dict[str, Any],
+                           rid: str) -> tuple[Node, aiohttp.ClientResponse]:
+        """POST to decode ``node`` (its ``outstanding`` already counted); a draining or vanished node
+        hands the request to the next healthy one (see the module docstring). Returns the node that
+        answered - ``outstanding`` moved to it - and its open response."""
+        first, tried = node, list[Node]()
+        while True:
+            tried.append(node)
+            refused: Exception | None = None
+            try:
+                r = await self._post(node, path, body, rid)
+            except aiohttp.ClientConnectorError as exc:
+                node.healthy, refused = False, exc            # nothing listens: the health loop brings it back
+            else:
+                if not note_draining(node, r):
+                    return node, r
+                r.release()
+            try:
+                nxt = self.decode.pick(exclude=tuple(tried))
+            except NoHealthyNode:
+                if refused is not None:
+                    node.outstanding, first.outstanding = node.outstanding - 1, first.outstanding + 1
+                    raise refused from None
+                return node, r                                # the 503 itself: no node left to take it
+            log.info("decode node %s %s; %s goes to %s", node.url, "is gone" if refused else "is draining", rid,
+                     nxt.url)
+            self.metrics.errors.labels("decode_redirected").inc()
+            node.outstanding -= 1
+            nxt.outstanding += 1
+            node, body = nxt, {k: v for k, v in body.items() if k != "kv_transfer_params"}
