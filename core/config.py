@@ -26,6 +26,7 @@ import msgspec
 import yaml
 
 from core.logs import LogFormat
+from core.tracing import TraceProtocol
 from transport import config as tcfg
 from transport.config import MiB, Port, Positive, Seconds, Section, Size, TimeoutConfig, TransportConfig
 from transport.errors import ConfigError
@@ -126,6 +127,13 @@ class DeployConfig(Section, frozen=True):
     startup_timeout_s: Seconds = 600.0
 
 
+class TracingConfig(Section, frozen=True):
+    """OpenTelemetry tracing (core/tracing.py): off while ``endpoint`` is empty."""
+
+    endpoint: str = ""               # OTLP traces endpoint, e.g. http://otel-collector:4318/v1/traces
+    protocol: TraceProtocol = TraceProtocol.HTTP
+
+
 class KVRelayConfig(Section, frozen=True):
     """The root of the tree."""
 
@@ -138,6 +146,7 @@ class KVRelayConfig(Section, frozen=True):
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     deploy: DeployConfig = msgspec.field(default_factory=DeployConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
 def _convert(data: Mapping[str, Any]) -> KVRelayConfig:
@@ -263,6 +272,10 @@ FIELD_HELP: dict[str, str] = {
     'engine.drain_quiet_s': 'on SIGTERM a node stops once it has had no request and no KV in use for this long',
     'log_format': ("text, or json: one JSON object per line with request_id and transfer_id, in the router, "
                    "kvrelay serve and the engines it starts (vLLM's own lines too)"),
+    'tracing.endpoint': ("OTLP traces endpoint (e.g. http://otel-collector:4318/v1/traces): one trace per request, "
+                         "router -> prefill -> decode, with transfer spans; the engines get --otlp-traces-endpoint. "
+                         "'' = off"),
+    'tracing.protocol': 'OTLP protocol: http/protobuf or grpc (then the endpoint is host:port)',
     'deploy.prefill': 'kvrelay up: number of prefill servers',
     'deploy.decode': 'kvrelay up: number of decode servers',
     'deploy.host': 'kvrelay up: address every server binds to',

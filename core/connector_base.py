@@ -36,6 +36,7 @@ from core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
 from core.fingerprint import engine_fingerprint
 from core.params import ParamsError
 from core.telemetry import EventLog, metrics
+from core.tracing import TransferSpans
 from kernels.blocks import KVLayout
 
 # While every request only waits on transfers, vLLM steps the engine back to back with
@@ -115,6 +116,7 @@ class WorkerBase:
         self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         self.metrics.events_dropped.set_function(lambda: self.events.dropped)
         self.stats = StatsTracker(self.metrics)      # the same numbers on the engine's /metrics
+        self.spans = TransferSpans(cfg.tracing.endpoint, cfg.tracing.protocol, f"kvrelay-{self.role}")
         self._lock = threading.Condition()
         self._finished: set[str] = set()
         self._errors: set[int] = set()

@@ -42,6 +42,7 @@ from core.config import KVRelayConfig
 from core.connector_base import RelayConnector, RelayMeta
 from core.guard import count_refusal, verifier_for
 from core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams
+from core.tracing import traceparent_of
 from decode.saver import SaveSpec, save_spec
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class LoadSpec:
     block_ids: list[int]
     local_tokens: int          # D's own prefix-cache hit (block aligned): those blocks are not written
     num_tokens: int            # tokens to load = prompt_len - local_tokens
+    traceparent: str = ""      # the router's trace (core/tracing.py): the install span's parent
 
 
 @dataclass
@@ -117,7 +119,7 @@ class DecodeScheduler:
         self._done.add(rid)
         transferred = list(request.prompt_token_ids)[:len(request.prompt_token_ids) - params.tail]
         self._loads.append(LoadSpec(rid, params.transfer_id, transferred, list(blocks.get_block_ids()[0]), local,
-                                    num_external))
+                                    num_external, traceparent_of(request.kv_transfer_params)))
 
     def build_meta(self, so: Any = None) -> DecodeMeta:
         idle = so is not None and so.total_num_scheduled_tokens == 0

@@ -70,6 +70,7 @@ class _Load:
     failed: dict[int, str] = field(default_factory=dict)
     cancelled: threading.Event = field(default_factory=threading.Event)
     t_start: float = 0.0
+    span: Any = None           # kvrelay.install (tracing on)
 
 
 def _busy_slots(pool: Any) -> int:
@@ -151,7 +152,9 @@ class InstallWorker(WorkerBase):
             self.saver.submit(saves)
         for spec in loads:
             keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
-            load = _Load(spec, keys, t_start=time.monotonic())
+            load = _Load(spec, keys, t_start=time.monotonic(),
+                         span=self.spans.start("kvrelay.install", spec.traceparent, request_id=spec.req_id,
+                                               transfer_id=spec.transfer_id, tokens=spec.num_tokens))
             with self._lock:
                 self._loads[spec.req_id] = load
             assert self.receiver is not None
@@ -282,6 +285,8 @@ class InstallWorker(WorkerBase):
                           local_tokens=spec.local_tokens, loaded_tokens=loaded,
                           recomputed_tokens=spec.num_tokens - loaded, chunks=len(load.keys),
                           failed={str(k): v for k, v in sorted(load.failed.items())})
+        self.spans.end(load.span, f"{len(load.failed)} chunks failed" if load.failed else "",
+                       loaded_tokens=loaded, recomputed_tokens=spec.num_tokens - loaded, chunks=len(load.keys))
         with self._lock:
             self._loads.pop(spec.req_id, None)
         self.settled(spec.req_id, errors)

@@ -111,6 +111,8 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
         cmd += ["--kv-transfer-config", json.dumps(connector_config(cfg, spec)),
                 "--middleware", "core.guard.kvrelay_guard",    # 400 for forged params, 503 while draining
                 "--shutdown-timeout", str(math.ceil(cfg.engine.drain_timeout_s))]   # SIGTERM finishes in-flight work
+    if cfg.tracing.endpoint:                  # vLLM's request spans join the router's trace
+        cmd += ["--otlp-traces-endpoint", cfg.tracing.endpoint]
     role_args = {Role.PREFILL: cfg.engine.prefill_args, Role.DECODE: cfg.engine.decode_args}.get(spec.role, [])
     return cmd + list(cfg.engine.extra_args) + list(role_args)
 
@@ -128,6 +130,8 @@ def server_env(cfg: KVRelayConfig, k: int, n: int) -> dict[str, str]:
     """Environment of server ``k`` of ``n`` (CPU hosts: KV cache size and OpenMP core binding)."""
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gib))
+    if cfg.tracing.endpoint:                  # how vLLM exports its spans (OpenTelemetry's own variable)
+        env.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", cfg.tracing.protocol.value)
     bind = cfg.engine.cpu_bind
     if bind == "split":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, split_cores(k, n))))

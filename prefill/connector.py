@@ -34,6 +34,7 @@ from core.config import KVRelayConfig
 from core.connector_base import RelayConnector, RelayMeta
 from core.guard import count_refusal, verifier_for
 from core.params import ParamsError, ParamsVerifier, PushParams
+from core.tracing import traceparent_of
 from prefill.lookup import StoreClient, hit_limit, lookup_endpoint
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class PushSpec:
     token_ids: list[int] | None = None           # sent once, with the first spec
     store_from: int = -1                         # store full chunks starting at this token (-1: none)
     early: bool = False                          # D registers after P answers: D grants without waiting
+    traceparent: str = ""                        # the router's trace (core/tracing.py), with the first spec
 
 
 @dataclass
@@ -86,6 +88,7 @@ class PrefillScheduler:
         self._params: dict[str, PushParams | None] = {}   # tracked while their prefill runs
         self._prompt_len: dict[str, int] = {}
         self._store_from: dict[str, int] = {}
+        self._trace: dict[str, str] = {}            # request -> traceparent (tracing on)
         self._blocks: dict[str, list[int]] = {}
         self._hits: dict[str, tuple[int, int]] = {}
         self._loads: list[StoreLoad] = []
@@ -105,6 +108,7 @@ class PrefillScheduler:
         if isinstance(params, PushParams) or self.store is not None:
             self._params[rid] = params if isinstance(params, PushParams) else None
             self._prompt_len[rid] = len(request.prompt_token_ids)
+            self._trace[rid] = traceparent_of(request.kv_transfer_params)
 
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
         self.on_request(request)
@@ -148,14 +152,15 @@ class PrefillScheduler:
         p, n = self._params[rid], self._prompt_len[rid]
         store_from = self._store_from.get(rid, 0) if self.store is not None else -1
         spec = PushSpec(rid, p.transfer_id if p else "", p.push_to if p else "", n, list(self._blocks[rid]),
-                        min(ready, n), token_ids, store_from, bool(p and p.early))
+                        min(ready, n), token_ids, store_from, bool(p and p.early),
+                        self._trace.get(rid, "") if token_ids is not None else "")
         if ready >= n:                            # prefill done: nothing more to tell the worker
             del self._params[rid]
         return spec
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        for d in (self._params, self._prompt_len, self._store_from, self._hits):
+        for d in (self._params, self._prompt_len, self._store_from, self._hits, self._trace):
             d.pop(rid, None)
         if self._blocks.pop(rid, None) is None:
             return False, None                    # never scheduled (or not tracked)

@@ -125,6 +125,7 @@ class _Push:
     inflight: list[tuple[WriteHandle, Any, float]] = field(default_factory=list)
     closing: bool = False        # the scheduler finished the request; report once settled
     failed: str = ""             # why the push failed ("" = it has not)
+    span: Any = None             # kvrelay.push (tracing on)
 
 
 class PushWorker(WorkerBase):
@@ -181,6 +182,9 @@ class PushWorker(WorkerBase):
             keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
             p = _Push(spec, keys, len(keys), time.monotonic() + self.cfg.connector.free_deadline_s,
                       self._lane_for(spec.push_to))
+            if spec.push_to:
+                p.span = self.spans.start("kvrelay.push", spec.traceparent, request_id=spec.req_id,
+                                          transfer_id=spec.transfer_id, push_to=spec.push_to, chunks=len(keys))
             self._pushes[spec.req_id] = p
             self.metrics.inflight.labels("prefill").inc()
         p.spec = spec
@@ -358,6 +362,7 @@ class PushWorker(WorkerBase):
             with self._lock:
                 self._pushes.pop(p.spec.req_id, None)
             self.settled(p.spec.req_id)
+            self.spans.end(p.span, p.failed, pushed_chunks=p.next_chunk)
             self.metrics.inflight.labels("prefill").dec()
             self.events.write("push_end", req=p.spec.req_id, transfer=p.spec.transfer_id,
                               ok=not p.failed, chunks=p.n_chunks)

@@ -47,6 +47,7 @@ from prometheus_client import generate_latest
 from core.config import FirstToken, KVRelayConfig, RoutingPolicy
 from core.logs import set_ids
 from core.params import ParamsSigner, PullParams, PushParams, params_dict
+from core.tracing import annotate, request_span, tracer, with_traceparent
 from router import split, validate
 from router.cache_index import ChunkIndex, PromptTokenizer
 from router.discovery import Discovery, parse_dns
@@ -82,8 +83,8 @@ class _SplitMixin(Upstream):
         budget = split.max_new(endpoint, body)
         pbody = split.prefill_body(body)
         if budget != 1:                               # token 1 may be all the answer: then nothing is pushed
-            pbody["kv_transfer_params"] = params_dict(self.signer.sign(
-                PushParams(transfer_id=tid, push_to=d_node.kv_endpoint, early=True)))
+            pbody["kv_transfer_params"] = with_traceparent(params_dict(self.signer.sign(
+                PushParams(transfer_id=tid, push_to=d_node.kv_endpoint, early=True))))
         status, answer = await self._ask(p_node, endpoint, pbody, f"{rid}-p")
         if status == 503 and not p_node.healthy:      # P is draining: another prefill node, if any
             with contextlib.suppress(NoHealthyNode):
@@ -120,8 +121,8 @@ class _SplitMixin(Upstream):
             # would, with the client's own request (P's early push is dropped by D's orphan collection)
             return await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)  # type: ignore[attr-defined]
         dbody = split.decode_body(body, first, budget)
-        dbody["kv_transfer_params"] = params_dict(self.signer.sign(PullParams(transfer_id=tid, tail=len(
-            first.token_ids))))
+        pull = PullParams(transfer_id=tid, tail=len(first.token_ids))
+        dbody["kv_transfer_params"] = with_traceparent(params_dict(self.signer.sign(pull)))
         return await self._continue(request, endpoint, body, first, writer, d_node, dbody, rid, t0, headers)
 
     async def _continue(self, request: web.Request, endpoint: str, body: dict[str, Any], first: split.FirstToken,
@@ -214,6 +215,7 @@ class Router(_SplitMixin):
         self.metrics.follow((self.prefill, self.decode))
         rc = cfg.router
         self.context_limits: dict[str, int] = {}
+        self.tracer = tracer(cfg.tracing.endpoint, cfg.tracing.protocol, "kvrelay-router")
         self.signer = ParamsSigner(load_secret(cfg.transport) if secret is None else secret, rc.params_ttl_s)
         self.keys = ApiKeys.from_config(rc)
         self.rates = RateLimits(rc.rate_limit_rps, rc.rate_limit_burst)
@@ -339,7 +341,8 @@ class Router(_SplitMixin):
             self.metrics.errors.labels("overloaded").inc()
             return too_many(str(exc), exc.retry_after_s)
         try:
-            return await self._completion(request)
+            with request_span(self.tracer, "kvrelay.request", request.headers):   # tracing.endpoint set
+                return await self._completion(request)
         finally:
             self.admission.release()
 
@@ -373,6 +376,7 @@ class Router(_SplitMixin):
             return resp
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
         set_ids(transfer_id=tid)
+        annotate(request_id=rid, transfer_id=tid, prefill=p_node.url, decode=d_node.url)
         if self.cfg.router.first_token is FirstToken.PREFILL:
             why = split.fallback_reason(endpoint, body)
             if why is None:
@@ -409,8 +413,8 @@ class Router(_SplitMixin):
     async def _prefill(self, endpoint: str, body: dict[str, Any], node: Node, d_node: Node,
                        tid: str, rid: str) -> None:
         pbody = dict(body)
-        pbody.update(stream=False, max_tokens=1, kv_transfer_params=params_dict(
-            self.signer.sign(PushParams(transfer_id=tid, push_to=d_node.kv_endpoint))))
+        pbody.update(stream=False, max_tokens=1, kv_transfer_params=with_traceparent(params_dict(
+            self.signer.sign(PushParams(transfer_id=tid, push_to=d_node.kv_endpoint)))))
         pbody.pop("stream_options", None)
         if "max_completion_tokens" in pbody:
             pbody["max_completion_tokens"] = 1
@@ -450,7 +454,7 @@ class Router(_SplitMixin):
         assert self.session is not None
         dbody = dict(body)
         if tid:                                 # "" = no prefill node: D computes the prompt itself
-            dbody["kv_transfer_params"] = params_dict(self.signer.sign(PullParams(transfer_id=tid)))
+            dbody["kv_transfer_params"] = with_traceparent(params_dict(self.signer.sign(PullParams(transfer_id=tid))))
         node.outstanding += 1
         try:
             node, r = await self._open_decode(node, endpoint, dbody, rid)

@@ -25,6 +25,7 @@ import aiohttp
 
 from core.config import KVRelayConfig
 from core.drain import DRAINING_HEADER
+from core.tracing import inject
 from router.metrics import RouterMetrics
 from router.pools import Node, NoHealthyNode, Pool
 
@@ -91,7 +92,7 @@ class Upstream:
         assert self.session is not None
         for attempt in (1, 2):
             try:
-                async with self.session.post(url, json=body, headers={"X-Request-Id": rid}) as r:
+                async with self.session.post(url, json=body, headers=inject({"X-Request-Id": rid})) as r:
                     return await read(r)
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
                 if attempt == 2 or not never_sent(exc):
@@ -104,7 +105,7 @@ class Upstream:
         assert self.session is not None
         for attempt in (1, 2):
             try:
-                return await self.session.post(f"{node.url}{path}", json=body, headers={"X-Request-Id": rid})
+                return await self.session.post(f"{node.url}{path}", json=body, headers=inject({"X-Request-Id": rid}))
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
                 if attempt == 2 or not never_sent(exc):
                     raise

@@ -411,3 +411,45 @@ def test_json_logs_carry_the_request_and_transfer_id():
     moved = [rec for rec in lines if "goes to" in rec["msg"]]
     assert moved and moved[0]["request_id"] == "rid-json" and moved[0]["transfer_id"].startswith("rid-json-")
     assert {"ts", "level", "logger", "pid", "msg"} <= set(moved[0])
+
+
+def test_tracing_one_router_span_under_the_clients_with_its_context_sent_to_both_engines():
+    """tracing.endpoint: the router's span joins the client's trace, and P and D get its context
+    as a traceparent header and beside the signed params (where the connectors' spans hang)."""
+    import time
+
+    from tests.e2e.otlp import Collector
+
+    collector = Collector(0)
+    collector.endpoint = f"http://127.0.0.1:{collector.server.server_address[1]}/v1/traces"
+
+    async def go() -> None:
+        pn, dn = Fake(), Fake()
+        async with fake_node(pn), fake_node(dn):
+            cfg = kcfg.from_dict({"router": {"first_token": "decode", "health_interval_s": 0.2},
+                                  "tracing": {"endpoint": collector.endpoint}})
+            router = Router(cfg, Pool("prefill", [Node(pn.url)], cfg.router.policy),
+                            Pool("decode", [Node(dn.url, "tcp://127.0.0.1:9100")], cfg.router.policy))
+            async with serve(router.app()) as url, aiohttp.ClientSession() as s:
+                for _ in range(50):
+                    if all(n.healthy for n in router.prefill.nodes + router.decode.nodes):
+                        break
+                    await asyncio.sleep(0.05)
+                tp = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+                async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"},
+                                  headers={"traceparent": tp, "X-Request-Id": "rid-t"}) as r:
+                    assert r.status == 200
+                await asyncio.sleep(0.2)
+        for fake in (pn, dn):
+            header = fake.headers[0]["traceparent"]
+            assert header.split("-")[1] == "ab" * 16 and fake.requests[0]["kv_transfer_params"]["traceparent"] == header
+    try:
+        run(go())
+        deadline = time.monotonic() + 10
+        while not collector.trace("ab" * 16) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        (span,) = collector.trace("ab" * 16)
+        assert span["name"] == "kvrelay.request" and span["parent"] == "cd" * 8
+        assert span["attrs"]["kvrelay.request_id"] == "rid-t" and span["service"] == "kvrelay-router"
+    finally:
+        collector.close()

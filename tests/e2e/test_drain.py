@@ -1,4 +1,5 @@
 """Graceful drain: a rolling restart of the decode pool under 16 streams, zero failed requests.
+(And, on the same stack, tracing: one trace per request, router -> prefill -> decode.)
 
 A 1P2D stack over nixl, every node started the way an operator starts it (``kvrelay serve``,
 so vLLM runs under the drain supervisor, deploy/drain.py). While 16 clients keep sending the
@@ -25,18 +26,72 @@ from pathlib import Path
 import pytest
 
 from deploy.launch import Role
-from tests.e2e.harness import CASES, openai_client, read_events, run_case, scrape, start_stack
+from tests.e2e.harness import (
+    CASES,
+    MAX_TOKENS,
+    MODEL,
+    openai_client,
+    read_events,
+    run_case,
+    scrape,
+    start_stack,
+)
+from tests.e2e.otlp import Collector
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1200)]
 STREAMS = 16
 
 
 @pytest.fixture(scope="module")
-def drain_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+def collector():
+    c = Collector(19690)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def drain_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, collector: Collector):
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-drain"), 19600, transport__backend="nixl",
-                         deploy__decode=2, engine__drain_quiet_s=2, engine__drain_timeout_s=90)
+                         deploy__decode=2, engine__drain_quiet_s=2, engine__drain_timeout_s=90,
+                         tracing__endpoint=collector.endpoint)
     yield handle
     handle.stack.stop()
+
+
+def test_one_trace_per_request_router_to_prefill_to_decode(drain_stack, collector, reference):
+    """tracing.endpoint: a request that arrives with a client's traceparent gives one trace: the
+    router's span under the client's, and under it the prefill and decode engines' vLLM spans and
+    kvrelay's push and install spans of its transfer (the answer still exact)."""
+    import json
+    import secrets
+
+    case = CASES[6]                                              # 1,100 tokens, completion, not streamed
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    body = {"model": MODEL, "prompt": case.text(), "max_tokens": MAX_TOKENS, "temperature": 0}
+    req = urllib.request.Request(f"{drain_stack.router_url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "X-Request-Id": "traced-1",
+                                  "traceparent": f"00-{trace_id}-{client_span}-01"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert json.loads(r.read())["choices"][0]["text"] == reference[case.name]
+    want = {"kvrelay.request", "kvrelay.push", "kvrelay.install"}
+
+    def names() -> set[str]:
+        return {(s["name"], s["service"]) for s in collector.trace(trace_id)}
+    _wait(lambda: want <= {n for n, _ in names()} and {"vllm-prefill", "vllm-decode"} <= {v for _, v in names()},
+          30, f"spans of trace {trace_id} (have {sorted(names())})")
+    spans = collector.trace(trace_id)
+    root = next(s for s in spans if s["name"] == "kvrelay.request")
+    assert root["parent"] == client_span and root["service"] == "kvrelay-router"
+    assert root["attrs"]["kvrelay.request_id"] == "traced-1"
+    tid = root["attrs"]["kvrelay.transfer_id"]
+    for name, service in (("kvrelay.push", "kvrelay-prefill"), ("kvrelay.install", "kvrelay-decode")):
+        span = next(s for s in spans if s["name"] == name)
+        assert span["parent"] == root["id"] and span["service"] == service and not span["error"], span
+        assert span["attrs"]["kvrelay.transfer_id"] == tid
+    install = next(s for s in spans if s["name"] == "kvrelay.install")
+    assert install["attrs"]["kvrelay.loaded_tokens"] > 0 and install["attrs"]["kvrelay.recomputed_tokens"] == 0
+    engines = [s for s in spans if s["service"] in ("vllm-prefill", "vllm-decode")]
+    assert all(s["parent"] == root["id"] for s in engines), engines
 
 
 class Load:
