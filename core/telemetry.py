@@ -131,12 +131,21 @@ class Metrics:
 
 
 @functools.cache
-def metrics(port: int = 0, host: str = "127.0.0.1") -> Metrics:
-    """The process's metrics; starts an exporter on ``host:port`` the first time if ``port`` is set
-    (loopback by default: expose it wider only on a network you trust)."""
-    m = Metrics()
-    if port:
-        from prometheus_client import start_http_server
+def _the_metrics() -> Metrics:
+    return Metrics()
 
-        start_http_server(port, addr=host)
+
+@functools.cache
+def _exporter(port: int, host: str) -> None:
+    from prometheus_client import start_http_server
+
+    start_http_server(port, addr=host)
+
+
+def metrics(port: int = 0, host: str = "127.0.0.1") -> Metrics:
+    """The process's one set of metrics; a ``port`` also starts an exporter on ``host:port``
+    (once per address; loopback by default: expose it wider only on a network you trust)."""
+    m = _the_metrics()
+    if port:
+        _exporter(port, host)
     return m
