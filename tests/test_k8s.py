@@ -55,6 +55,8 @@ def test_manifests_validate_strictly_and_carry_the_deployment(tmp_path: Path) ->
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
     assert c["args"][-2:] == ["--transport.advertise_host", "$(POD_IP)"]
     assert c["readinessProbe"]["exec"]["command"][-2:] == ["--kv-port", str(k8s.KV_PORT)]
+    assert c["livenessProbe"]["exec"]["command"][-1] == "--liveness"        # a draining pod is alive
+    assert dec["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120 + 45   # drain_timeout_s + 45
     assert objs["Service/kvrelay-decode"]["spec"]["clusterIP"] == "None"
     cfg = kcfg.from_dict(yaml.safe_load(objs["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]))
     assert cfg.router.decode == [f"dns+http://kvrelay-decode.llm.svc.cluster.local:{k8s.HTTP_PORT}"

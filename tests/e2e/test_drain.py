@@ -10,6 +10,8 @@ once the router has the restarted node back in rotation. Then:
 * every request of the whole run completed, token-identical to one plain vLLM;
 * each node drained (its log says so) rather than hitting the drain timeout, and took streams
   to their end after SIGTERM (requests it was serving completed after the signal);
+* then the only prefill node drains under the same load and stays down: every push it had
+  under way completes, and the decode nodes serve the requests alone - still no failure;
 * nothing leaked: no leased slot, no receiver entry and no transfer in flight on any node, and
   no engine request or KV block in use.
 """
@@ -159,13 +161,18 @@ def _roll(handle) -> list[tuple[str, set[int], float, float]]:
         url = stack.url(spec)
         _wait(lambda u=url: _in_rotation(handle.router_url, u), 30, f"{spec.name} back in rotation")
     time.sleep(4)
+    # then the only prefill node drains and stays down: its pushes finish, D serves alone
+    signalled.append(("prefill0", _group_pids(stack.procs["prefill0"].pid), time.time(), time.monotonic()))
+    rc = stack.drain("prefill0")
+    assert rc == 0, f"prefill0 exited {rc} after SIGTERM"
+    time.sleep(4)
     return signalled
 
 
 def _quiet(handle) -> bool:
     stack, cfg = handle.stack, handle.cfg
     busy = 0.0
-    for spec in stack.specs:
+    for spec in [s for s in stack.specs if s.name in stack.procs]:      # the drained prefill node is gone
         worker = scrape(f"http://127.0.0.1:{cfg.connector.metrics_port + spec.port - cfg.deploy.base_port}/")
         engine = scrape(f"{stack.url(spec)}/metrics")
         busy += sum(v for k, v in worker.items() if k.startswith(("kvrelay_pool_slots_busy", "kvrelay_receiver_entries",
@@ -176,7 +183,7 @@ def _quiet(handle) -> bool:
     return busy == 0
 
 
-def test_rolling_restart_of_the_decode_pool_under_16_streams(drain_stack, reference):
+def test_rolling_restart_of_the_decode_pool_then_a_prefill_drain_under_16_streams(drain_stack, reference):
     load = Load(drain_stack.router_url, reference)
     with ThreadPoolExecutor(STREAMS) as pool:
         futures = [pool.submit(load.client_loop, k) for k in range(STREAMS)]
@@ -202,4 +209,9 @@ def test_rolling_restart_of_the_decode_pool_under_16_streams(drain_stack, refere
     print(f"{straddling} requests were in flight at a SIGTERM and completed; the draining nodes finished "
           f"{loads_after} loads after their SIGTERM")
     assert straddling > 0, "no request was in flight when a node was told to drain"
+    _, p_pids, p_wall, _ = signalled[-1]
+    p_after = [e for e in events if e["t"] >= p_wall and e["event"] in ("push_end", "push_failed")
+               and int(e["node"].rsplit("-", 1)[1]) in p_pids]
+    print(f"prefill0 settled {len(p_after)} pushes after its SIGTERM")
+    assert all(e["event"] == "push_end" and e["ok"] for e in p_after), [e for e in p_after if not e.get("ok")][:3]
     _wait(lambda: _quiet(drain_stack), 60, "no slot, receiver entry, transfer, engine request or KV in use")
