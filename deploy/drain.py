@@ -11,7 +11,9 @@ Contract
      admitting requests with pull params (the loads already aimed at it), a prefill node
      admits nothing new; the requests, loads and pushes in flight go on;
   2. once the engine has had no running or waiting request and no KV block in use for
-     ``engine.drain_quiet_s`` (read from its own ``/metrics``), or ``engine.drain_timeout_s``
+     ``engine.drain_quiet_s`` (read from its own ``/metrics``; with ``connector.metrics_port``
+     set, also no receiver entry, busy slot or transfer in flight on the worker's exporter -
+     a push still landing in a decode node's pool keeps it up), or ``engine.drain_timeout_s``
      has passed, the file says STOPPING and vLLM gets SIGTERM; vLLM's own
      ``--shutdown-timeout`` (``engine.drain_timeout_s``) lets anything still running finish
      (the supervisor waits for the time left, plus 30 s, then kills it);
@@ -37,24 +39,28 @@ from dataclasses import dataclass
 from core.drain import DrainPhase, write_phase
 
 log = logging.getLogger("kvrelay.drain")
-BUSY_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+BUSY_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+               # the connector worker's own exporter (live; on the engine's /metrics they lag to the next step)
+               "kvrelay_receiver_entries", "kvrelay_pool_slots_busy", "kvrelay_transfers_inflight")
 
 
-def engine_busy(url: str, timeout: float = 3.0) -> bool:
-    """True when the engine at ``url`` has a request running or waiting, or KV in use
-    (its ``/metrics``; an engine that does not answer counts as busy)."""
-    try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as r:
-            text = r.read().decode()
-    except (urllib.error.URLError, OSError):
-        return True
+def engine_busy(*urls: str, timeout: float = 3.0) -> bool:
+    """True when any of the ``/metrics`` pages at ``urls`` (the engine's; the worker exporter's)
+    shows a request running or waiting, KV in use, or a transfer in flight (one that does not
+    answer counts as busy)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in BUSY_SERIES:
-                total += sample.value
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as r:
+                text = r.read().decode()
+        except (urllib.error.URLError, OSError):
+            return True
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in BUSY_SERIES:
+                    total += sample.value
     return total > 0
 
 
@@ -126,9 +132,10 @@ class Supervisor:
                 child.kill()
 
 
-def supervise(cmd: list[str], env: dict[str, str], url: str, plan: DrainPlan) -> int:
-    """Run ``cmd`` under a :class:`Supervisor` with the signal handlers installed; its exit status."""
-    sup = Supervisor(cmd, env, plan, lambda: engine_busy(url))
+def supervise(cmd: list[str], env: dict[str, str], metrics_urls: list[str], plan: DrainPlan) -> int:
+    """Run ``cmd`` under a :class:`Supervisor` with the signal handlers installed; its exit status.
+    ``metrics_urls``: the engine's ``/metrics``, and the worker exporter's when it has one."""
+    sup = Supervisor(cmd, env, plan, lambda: engine_busy(*metrics_urls))
     signal.signal(signal.SIGTERM, sup.on_sigterm)
     signal.signal(signal.SIGINT, sup.on_sigint)
     return sup.run()

@@ -54,7 +54,7 @@ def collector():
 @pytest.fixture(scope="module")
 def drain_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, collector: Collector):
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-drain"), 19600, transport__backend="nixl",
-                         deploy__decode=2, engine__drain_quiet_s=2, engine__drain_timeout_s=90,
+                         deploy__decode=2, engine__drain_timeout_s=90,
                          tracing__endpoint=collector.endpoint)
     yield handle
     handle.stack.stop()
