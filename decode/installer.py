@@ -21,6 +21,7 @@ import torch
 
 from core.config import KVRelayConfig
 from core.connector_base import WorkerBase
+from core.drain import DrainPhase, read_phase
 from core.logs import bind
 from core.placement import place_helper_thread
 from decode.saver import DecodeSaver
@@ -135,7 +136,8 @@ class InstallWorker(WorkerBase):
                                           self.cfg.chunk_tokens)
                 tc = msgspec.structs.replace(tc, pool_bytes=size)
                 box.append(Receiver(tc, self.cfg.timeouts, make_receiver_backend(tc), self.fingerprint.digest(),
-                                    slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S, verify_payload=False))
+                                    slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S, verify_payload=False,
+                                    closing=self._stopping))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 box.append(exc)
 
@@ -145,6 +147,12 @@ class InstallWorker(WorkerBase):
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[0]
+
+    def _stopping(self) -> str:
+        """Why new transfers are refused: the node's drain reached STOPPING (core/drain.py)."""
+        if read_phase(self.cfg.connector.drain_file) is DrainPhase.STOPPING:
+            return "the decode node is stopping (graceful drain)"
+        return ""
 
     # ---------------------------------------------------------------- model thread
     def start(self, loads: list[LoadSpec], cancelled: list[str], saves: list[SaveSpec]) -> None:

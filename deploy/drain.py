@@ -11,12 +11,11 @@ Contract
      admitting requests with pull params (the loads already aimed at it), a prefill node
      admits nothing new; the requests, loads and pushes in flight go on;
   2. once the engine has had no running or waiting request and no KV block in use for
-     ``engine.drain_quiet_s`` (read from its own ``/metrics``; with ``connector.metrics_port``
-     set, also no receiver entry, busy slot or transfer in flight on the worker's exporter -
-     a push still landing in a decode node's pool keeps it up), or ``engine.drain_timeout_s``
+     ``engine.drain_quiet_s`` (read from its own ``/metrics``), or ``engine.drain_timeout_s``
      has passed, the file says STOPPING and vLLM gets SIGTERM; vLLM's own
      ``--shutdown-timeout`` (``engine.drain_timeout_s``) lets anything still running finish
-     (the supervisor waits for the time left, plus 30 s, then kills it);
+     (the supervisor waits for the time left, plus 30 s, then kills it); from STOPPING on, a
+     decode node's receiver refuses new transfers (no write may be in flight when it exits);
   3. the supervisor exits with vLLM's status and removes the drain file.
 
 * SIGINT (Ctrl-C; a terminal sends it to the whole group) is passed on to vLLM, which stops
@@ -39,15 +38,12 @@ from dataclasses import dataclass
 from core.drain import DrainPhase, write_phase
 
 log = logging.getLogger("kvrelay.drain")
-BUSY_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-               # the connector worker's own exporter (live; on the engine's /metrics they lag to the next step)
-               "kvrelay_receiver_entries", "kvrelay_pool_slots_busy", "kvrelay_transfers_inflight")
+BUSY_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
 def engine_busy(*urls: str, timeout: float = 3.0) -> bool:
-    """True when any of the ``/metrics`` pages at ``urls`` (the engine's; the worker exporter's)
-    shows a request running or waiting, KV in use, or a transfer in flight (one that does not
-    answer counts as busy)."""
+    """True when any of the ``/metrics`` pages at ``urls`` shows a request running or waiting
+    or KV in use (a page that does not answer counts as busy)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     total = 0.0
@@ -134,7 +130,7 @@ class Supervisor:
 
 def supervise(cmd: list[str], env: dict[str, str], metrics_urls: list[str], plan: DrainPlan) -> int:
     """Run ``cmd`` under a :class:`Supervisor` with the signal handlers installed; its exit status.
-    ``metrics_urls``: the engine's ``/metrics``, and the worker exporter's when it has one."""
+    ``metrics_urls``: the engine's ``/metrics``."""
     sup = Supervisor(cmd, env, plan, lambda: engine_busy(*metrics_urls))
     signal.signal(signal.SIGTERM, sup.on_sigterm)
     signal.signal(signal.SIGINT, sup.on_sigint)

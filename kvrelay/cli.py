@@ -74,9 +74,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     setup(cfg.log_format)
     host = "127.0.0.1" if cfg.deploy.host in ("0.0.0.0", "::") else cfg.deploy.host
     urls = [f"http://{host}:{port}/metrics"]
-    exporter = launch.connector_config(cfg, spec)["kv_connector_extra_config"]["kvrelay"]["connector"]
-    if exporter["metrics_port"]:
-        urls.append(f"http://{exporter['metrics_host']}:{exporter['metrics_port']}/")
     e = cfg.engine
     return supervise(cmd, env, urls, DrainPlan(launch.drain_path(cfg, spec), e.drain_timeout_s, e.drain_quiet_s))
 

@@ -212,3 +212,20 @@ def test_incompatible_or_unauthenticated_hello_is_refused(what):
             peer.call("connect")
         assert err.value.kind == "HandshakeError"
         assert ("fingerprint" if what == "fingerprint" else "HMAC") in str(err.value)
+
+
+def test_a_stopping_receiver_refuses_new_transfers_and_keeps_the_ones_it_granted(backend):
+    """Graceful drain: once the node is stopping (the ``closing`` hook answers why), an Alloc is
+    refused at once - no write may be in flight when the process exits - while a transfer
+    granted before goes on to deliver."""
+    stopping = [""]
+    with open_pair(make_cfg(backend), closing=lambda: stopping[0]) as (receiver, peer):
+        peer.call("prepare", "src", 4096, 1)
+        peer.call("alloc", "before", keys_for("before", 1), [HEADER_SIZE + 4096])
+        stopping[0] = "the decode node is stopping"
+        with pytest.raises(RemoteError) as err:
+            peer.call("alloc", "after", keys_for("after", 1), [HEADER_SIZE + 4096], 5.0)
+        assert err.value.kind == "PoolFullError" and "stopping" in str(err.value)
+        assert receiver.stats.alloc_refused == 1
+        receiver.abort("before", "test over")
+        assert_no_leases(receiver)
