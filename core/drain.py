@@ -11,8 +11,9 @@ DRAINING   ``/health`` answers 503 (out of rotation, not ready); a prefill node 
            requests, a decode node only admits requests that carry pull params (their KV
            is already on its way here); every answer carries :data:`DRAINING_HEADER`,
            so a router that sees one takes the node out at once
-STOPPING   the supervisor is stopping vLLM: every new request gets a 503; the requests
-           still running finish (vLLM's ``--shutdown-timeout``)
+STOPPING   the supervisor is stopping vLLM: every new request gets a 503, a decode node's
+           receiver refuses new transfers; the requests still running finish (vLLM's
+           ``--shutdown-timeout``)
 ========== =============================================================================
 
 An operator can ``echo draining > FILE`` by hand to take a node out of rotation without
