@@ -114,10 +114,8 @@ class Receiver:
                  slot_bytes: int, consumer_wait_s: float = 0.0, verify_payload: bool = True,
                  clock: Callable[[], float] = time.monotonic, receiver_id: str | None = None,
                  secret: bytes | None = None, closing: Callable[[], str] | None = None) -> None:
-        """``closing``: asked on every Alloc; a non-empty answer (why) refuses it - the node is
-        stopping, and no new write may be in flight when it exits."""
-        self.transport, self.timeouts = transport, timeouts
-        self._closing = closing
+        """``closing``: asked per Alloc; an answer (why) refuses it - the node is stopping (drain)."""
+        self.transport, self.timeouts, self._closing = transport, timeouts, closing
         self.backend = backend
         self.fingerprint = fingerprint
         self.receiver_id = receiver_id or f"recv-{uuid.uuid4().hex[:8]}"
@@ -344,8 +342,7 @@ class Receiver:
         wait = min(msg.wait_s, self.timeouts.alloc_wait_s)
         now = self._clock()
         pending = _Pending(ident, sender, msg, now + max(wait, 0.0), now, also_held)
-        why = self._closing() if self._closing is not None else ""
-        if why:
+        if why := (self._closing() if self._closing is not None else ""):
             self._refuse(pending, why)
         elif not self._try_grant(pending):
             self.stats.alloc_parked += 1
