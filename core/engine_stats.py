@@ -31,8 +31,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from core.telemetry import Metrics, metrics
 
-Labels = dict[str, str]
-
 
 @dataclass
 class RelayStats(KVConnectorStats):
@@ -81,7 +79,7 @@ class StatsTracker:
     finished transfer, so a request's numbers are on ``/metrics`` when it completes)."""
 
     def __init__(self, m: Metrics, interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
-        self.m, self.interval_s, self.clock = m, interval_s, clock
+        self.families, self.interval_s, self.clock = families(m), interval_s, clock   # fixed once built
         self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         self._taken = float("-inf")
 
@@ -91,7 +89,7 @@ class StatsTracker:
             return None
         self._taken = now
         stats = RelayStats()
-        for name, metric in families(self.m).items():
+        for name, metric in self.families.items():
             if hasattr(metric, "drain"):                  # a recorded histogram: its observations
                 values = metric.drain()
                 if values:

@@ -41,23 +41,17 @@ log = logging.getLogger("kvrelay.drain")
 BUSY_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
 
 
-def engine_busy(*urls: str, timeout: float = 3.0) -> bool:
-    """True when any of the ``/metrics`` pages at ``urls`` shows a request running or waiting
-    or KV in use (a page that does not answer counts as busy)."""
+def engine_busy(metrics_url: str, timeout: float = 3.0) -> bool:
+    """True when the engine's ``/metrics`` at ``metrics_url`` shows a request running or waiting
+    or KV in use (an engine that does not answer counts as busy)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    total = 0.0
-    for url in urls:
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as r:
-                text = r.read().decode()
-        except (urllib.error.URLError, OSError):
-            return True
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in BUSY_SERIES:
-                    total += sample.value
-    return total > 0
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError):
+        return True
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in BUSY_SERIES) > 0
 
 
 @dataclass(frozen=True)
@@ -128,10 +122,9 @@ class Supervisor:
                 child.kill()
 
 
-def supervise(cmd: list[str], env: dict[str, str], metrics_urls: list[str], plan: DrainPlan) -> int:
-    """Run ``cmd`` under a :class:`Supervisor` with the signal handlers installed; its exit status.
-    ``metrics_urls``: the engine's ``/metrics``."""
-    sup = Supervisor(cmd, env, plan, lambda: engine_busy(*metrics_urls))
+def supervise(cmd: list[str], env: dict[str, str], metrics_url: str, plan: DrainPlan) -> int:
+    """Run ``cmd`` under a :class:`Supervisor` with the signal handlers installed; its exit status."""
+    sup = Supervisor(cmd, env, plan, lambda: engine_busy(metrics_url))
     signal.signal(signal.SIGTERM, sup.on_sigterm)
     signal.signal(signal.SIGINT, sup.on_sigint)
     return sup.run()

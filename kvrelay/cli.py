@@ -73,9 +73,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     setup(cfg.log_format)
     host = "127.0.0.1" if cfg.deploy.host in ("0.0.0.0", "::") else cfg.deploy.host
-    urls = [f"http://{host}:{port}/metrics"]
     e = cfg.engine
-    return supervise(cmd, env, urls, DrainPlan(launch.drain_path(cfg, spec), e.drain_timeout_s, e.drain_quiet_s))
+    return supervise(cmd, env, f"http://{host}:{port}/metrics", DrainPlan(launch.drain_path(cfg, spec), e.drain_timeout_s, e.drain_quiet_s))
 
 
 def _cmd_secret(args: argparse.Namespace) -> int:

@@ -78,13 +78,17 @@ class _SplitMixin(Upstream):
 
     signer: ParamsSigner
 
+    def _signed(self, params: PullParams | PushParams) -> dict[str, Any]:
+        """``kv_transfer_params`` for an engine: signed, with the request's trace context beside them."""
+        return with_traceparent(params_dict(self.signer.sign(params)))
+
     async def _split(self, request: web.Request, endpoint: str, body: dict[str, Any], p_node: Node,
                      d_node: Node, tid: str, rid: str, t0: float) -> web.StreamResponse:
         budget = split.max_new(endpoint, body)
         pbody = split.prefill_body(body)
         if budget != 1:                               # token 1 may be all the answer: then nothing is pushed
-            pbody["kv_transfer_params"] = with_traceparent(params_dict(self.signer.sign(
-                PushParams(transfer_id=tid, push_to=d_node.kv_endpoint, early=True))))
+            pbody["kv_transfer_params"] = self._signed(
+                PushParams(transfer_id=tid, push_to=d_node.kv_endpoint, early=True))
         status, answer = await self._ask(p_node, endpoint, pbody, f"{rid}-p")
         if status == 503 and not p_node.healthy:      # P is draining: another prefill node, if any
             with contextlib.suppress(NoHealthyNode):
@@ -122,7 +126,7 @@ class _SplitMixin(Upstream):
             return await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)  # type: ignore[attr-defined]
         dbody = split.decode_body(body, first, budget)
         pull = PullParams(transfer_id=tid, tail=len(first.token_ids))
-        dbody["kv_transfer_params"] = with_traceparent(params_dict(self.signer.sign(pull)))
+        dbody["kv_transfer_params"] = self._signed(pull)
         return await self._continue(request, endpoint, body, first, writer, d_node, dbody, rid, t0, headers)
 
     async def _continue(self, request: web.Request, endpoint: str, body: dict[str, Any], first: split.FirstToken,
@@ -413,8 +417,8 @@ class Router(_SplitMixin):
     async def _prefill(self, endpoint: str, body: dict[str, Any], node: Node, d_node: Node,
                        tid: str, rid: str) -> None:
         pbody = dict(body)
-        pbody.update(stream=False, max_tokens=1, kv_transfer_params=with_traceparent(params_dict(
-            self.signer.sign(PushParams(transfer_id=tid, push_to=d_node.kv_endpoint)))))
+        pbody.update(stream=False, max_tokens=1, kv_transfer_params=self._signed(
+            PushParams(transfer_id=tid, push_to=d_node.kv_endpoint)))
         pbody.pop("stream_options", None)
         if "max_completion_tokens" in pbody:
             pbody["max_completion_tokens"] = 1
@@ -454,7 +458,7 @@ class Router(_SplitMixin):
         assert self.session is not None
         dbody = dict(body)
         if tid:                                 # "" = no prefill node: D computes the prompt itself
-            dbody["kv_transfer_params"] = with_traceparent(params_dict(self.signer.sign(PullParams(transfer_id=tid))))
+            dbody["kv_transfer_params"] = self._signed(PullParams(transfer_id=tid))
         node.outstanding += 1
         try:
             node, r = await self._open_decode(node, endpoint, dbody, rid)

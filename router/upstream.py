@@ -127,14 +127,15 @@ class Upstream:
             else:
                 if not note_draining(node, r):
                     return node, r
-                r.release()
             try:
                 nxt = self.decode.pick(exclude=tuple(tried))
             except NoHealthyNode:
                 if refused is not None:
                     node.outstanding, first.outstanding = node.outstanding - 1, first.outstanding + 1
                     raise refused from None
-                return node, r                                # the 503 itself: no node left to take it
+                return node, r                                # the 503 itself, unread: no node left to take it
+            if refused is None:
+                r.release()
             log.info("decode node %s %s; %s goes to %s", node.url, "is gone" if refused else "is draining", rid,
                      nxt.url)
             self.metrics.errors.labels("decode_redirected").inc()
