@@ -210,12 +210,19 @@ def test_rolling_restart_of_the_decode_pool_then_a_prefill_drain_under_16_stream
           f"{loads_after} loads after their SIGTERM")
     assert straddling > 0, "no request was in flight when a node was told to drain"
     _, p_pids, p_wall, _ = signalled[-1]
-    p_after = [e for e in events if e["t"] >= p_wall and e["event"] in ("push_end", "push_failed")
-               and int(e["node"].rsplit("-", 1)[1]) in p_pids]
-    failed_pushes = [e for e in p_after if not (e["event"] == "push_end" and e["ok"])]
-    print(f"prefill0 settled {len(p_after)} pushes after its SIGTERM, {len(failed_pushes)} of them failed: "
-          f"{sorted({e.get('reason', '')[:60] for e in failed_pushes})}")
-    # a push that failed still gave an exact answer (D recomputed; no request failed above); what the
-    # drain must not do is cut pushes off: none of them may fail because the node went away
-    assert not [e for e in failed_pushes if "free_deadline_s" not in e.get("reason", "")], failed_pushes[:3]
+    ends = [e for e in events if e["event"] == "push_end"]
+    ok = sum(1 for e in ends if e["ok"])
+    print(f"{ok} of {len(ends)} pushes of the run delivered every chunk")
+    # D recomputes what a failed push did not deliver, so every answer above can be exact with no
+    # transfer at all (a NIXL agent driven from two lane threads once stalled every write this way):
+    # the KV must really travel - only pushes caught by a node's restart may fail
+    assert ok >= 0.8 * len(ends), f"only {ok} of {len(ends)} pushes delivered their KV"
+    p_ends = [e for e in ends if e["t"] >= p_wall and int(e["node"].rsplit("-", 1)[1]) in p_pids]
+    p_failed = [e for e in events if e["event"] == "push_failed" and e["t"] >= p_wall
+                and int(e["node"].rsplit("-", 1)[1]) in p_pids]
+    print(f"prefill0 settled {len(p_ends)} pushes after its SIGTERM, {len(p_failed)} of them failed: "
+          f"{sorted({e['reason'][:60] for e in p_failed})}")
+    # what the drain must not do is cut pushes off: none may fail because the node went away
+    # (free_deadline_s: a push that waited out the lane stall of issue 12, not the drain)
+    assert not [e for e in p_failed if "free_deadline_s" not in e["reason"]], p_failed[:3]
     _wait(lambda: _quiet(drain_stack), 60, "no slot, receiver entry, transfer, engine request or KV in use")

@@ -12,6 +12,7 @@ fresh transfer over the same connection must complete with nothing leaked.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 import time
 
@@ -164,3 +165,108 @@ def test_a_second_sender_takes_over_a_live_transfer(backend):
             time.sleep(0.05)
         assert receiver.stats.foreign_aborts == 1
         assert_no_leases(receiver)
+
+
+LANES, PUSHES, CHUNKS, BLOCK = 2, 40, 4, 16384
+
+
+def _lanes_child(backend: str, endpoints: list[str], out) -> None:
+    """The prefill side as the pusher runs it: one process, one Sender per decode node, each
+    driven from its own lane thread at the same time (one shared NIXL agent underneath)."""
+    import numpy as np
+
+    from tests.transport.conftest import FP
+    from transport.backends import make_sender_backend
+    from transport.backends.base import BlockPayload, MemRegion, SourceLayout
+    from transport.sender import Sender
+    from transport.wire import make_header
+
+    cfg = make_cfg(backend)
+    src = np.random.default_rng(5).integers(0, 256, CHUNKS * 2 * BLOCK, dtype=np.uint8)
+
+    def lane(k: int, endpoint: str) -> None:
+        s = Sender(cfg.transport, cfg.timeouts, endpoint, make_sender_backend(cfg.transport), FP)
+        s.connect()
+        named = s.backend.capabilities.registered_layout
+        if named:
+            s.register_layout(SourceLayout((MemRegion(int(src.ctypes.data), src.nbytes),), BLOCK))
+        for t in range(PUSHES):
+            tid = f"lane{k}-{t}"
+            a = s.alloc(tid, keys_for(tid, CHUNKS), [HEADER_SIZE + 2 * BLOCK] * CHUNKS)
+            handles = []
+            for i in range(CHUNKS):
+                view = memoryview(src)[i * 2 * BLOCK:(i + 1) * 2 * BLOCK]
+                payload = BlockPayload((2 * i, 2 * i + 1)) if named else [view]
+                header = make_header(a.keys[i], tid, i, [view]).pack()
+                handles.append(s.write_chunk(a, i, payload, header=header))
+            for h in handles:
+                if h is not None:
+                    s.wait(h, timeout=10)
+        s.close()
+
+    threads = [threading.Thread(target=lane, args=(k, ep)) for k, ep in enumerate(endpoints)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(hashlib.sha256(src).hexdigest())
+
+
+def test_senders_on_parallel_lane_threads_of_one_process_all_deliver(backend):
+    """A prefill node pushes to several decode nodes at once, each from its own lane thread.
+    Every chunk of every transfer must arrive byte-identical on both receivers. (Over nixl the
+    process's one agent is called from both threads: with NIXL's default thread-sync mode
+    (none), its writes stalled for good as soon as two lanes were busy.)"""
+    import hashlib as _h
+    import multiprocessing as mp
+
+    from tests.transport.conftest import make_receiver
+    from transport.events import ChunkArrival, TransferFailed
+
+    cfg = make_cfg(backend)
+    receivers = [make_receiver(cfg) for _ in range(LANES)]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_lanes_child, args=(backend, [r.endpoint for r in receivers], out), daemon=True)
+    digests: dict[str, str] = {}
+    failed: list[str] = []
+
+    def consume(k: int) -> None:
+        r = receivers[k]
+        for t in range(PUSHES):
+            if failed:                                   # one stall is enough; don't wait out the rest
+                return
+            tid = f"lane{k}-{t}"
+            parts = {}
+            while True:
+                try:
+                    ev = r.next_event(tid, 15)
+                except TransferTimeout as exc:
+                    failed.append(f"{tid}: {exc}")
+                    break
+                if isinstance(ev, ChunkArrival):
+                    parts[ev.chunk_index] = bytes(r.payload(ev))
+                    r.release(ev)
+                    continue
+                if isinstance(ev, TransferFailed):
+                    failed.append(f"{tid}: {ev}")
+                break
+            r.finish(tid)
+            digests[tid] = _h.sha256(b"".join(parts[i] for i in sorted(parts))).hexdigest()
+
+    try:
+        child.start()
+        consumers = [threading.Thread(target=consume, args=(k,)) for k in range(LANES)]
+        for c in consumers:
+            c.start()
+        for c in consumers:
+            c.join(120)
+        source = out.get(timeout=30)
+        assert not failed, failed[:5]
+        assert set(digests.values()) == {source}, f"{sum(d != source for d in digests.values())} transfers differ"
+        for r in receivers:
+            assert_no_leases(r)
+    finally:
+        child.kill()
+        for r in receivers:
+            r.close()

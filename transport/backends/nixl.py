@@ -26,6 +26,11 @@ sides (a mismatch leaves transfers stuck in PROC), and
 completions / notifications are polled from our own threads with an adaptive
 backoff (:class:`transport.polling.Backoff`) - never a busy-polling progress thread
 pinning a core. The receiver only polls while it has slots granted.
+
+Every agent uses NIXL's ``STRICT`` thread-sync mode: the process agent is called from
+every push lane thread at once (one per decode node) and the receiver's agent from the
+control and polling threads. With NIXL's default for agents without a listener thread
+(``NONE``), two lanes posting at the same time left every later WRITE stuck for good.
 """
 
 from __future__ import annotations
@@ -77,11 +82,11 @@ class NixlInfo(msgspec.Struct, frozen=True):
 
 def _import_nixl() -> Any:
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
     except ImportError as exc:
         raise TransportError("NIXL is not installed: pip install nixl-cu12 and (--no-deps) nixl; "
                              "bash deploy/setup.sh installs both") from exc
-    return nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
 
 def translate(exc: Exception, what: str) -> TransportError:
@@ -97,9 +102,10 @@ def translate(exc: Exception, what: str) -> TransportError:
 
 def make_agent(name: str, error_mode: str) -> Any:
     """A NIXL agent with no progress thread and a UCX backend in ``error_mode``."""
-    nixl_agent, nixl_agent_config = _import_nixl()
+    nixl_agent, nixl_agent_config, sync = _import_nixl()
     try:
-        agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[],
+                                                   sync_mode=sync.NIXL_THREAD_SYNC_STRICT))
         agent.create_backend("UCX", {"ucx_error_handling_mode": error_mode})
     except Exception as exc:  # noqa: BLE001 - nixl raises bare RuntimeError/nixlError types
         raise TransportError(f"cannot create NIXL agent with UCX backend: {exc}") from exc
