@@ -63,7 +63,7 @@ from transport.errors import (
     TransportError,
 )
 from transport.keys import chunk_keys
-from transport.sender import Allocation, Sender
+from transport.sender import Allocation, PendingAlloc, Sender
 from transport.wire import HEADER_SIZE, DType, make_header
 
 if TYPE_CHECKING:
@@ -96,6 +96,7 @@ def source_layout(layout: KVLayout) -> SourceLayout | None:
 
 
 POLL_S = 0.0005       # a lane with writes in flight polls them this often
+ALLOC_POLL_S = 0.005  # a lane waiting only for Alloc answers waits on its control socket this long
 DOWN_S = 2.0          # after a failed connect, pushes to that decode node fail at once for this long
 
 
@@ -119,6 +120,8 @@ class _Push:
     deadline: float
     lane: _Lane
     alloc: Allocation | None = None
+    pending: PendingAlloc | None = None   # Alloc sent, D's answer not in yet
+    realloc: bool = False                 # the Alloc was sent again on a new session
     sender: Sender | None = None
     next_chunk: int = 0
     ready_chunks: int = 0
@@ -236,12 +239,15 @@ class PushWorker(WorkerBase):
                     self._maybe_settle(p)
             if any(p.inflight for p in work):
                 time.sleep(POLL_S)                     # writes in flight: poll them again shortly
+            elif lane.sender is not None and any(p.pending is not None for p in work):
+                with contextlib.suppress(KVRelayError):
+                    lane.sender.wait_replies(ALLOC_POLL_S)     # wakes as soon as D answers an Alloc
 
     def _advance(self, p: _Push) -> None:
         if p.failed:
             return
-        if p.alloc is None and p.spec.push_to:
-            self._allocate(p)
+        if p.alloc is None and p.spec.push_to and not self._allocate(p):
+            return                                    # D has not granted it yet
         while p.next_chunk < p.ready_chunks:
             self._write(p, p.next_chunk)
             p.next_chunk += 1
@@ -255,25 +261,39 @@ class PushWorker(WorkerBase):
                 p.inflight.remove(item)
                 self._on_written(p, handle.chunk_index, t0)
 
-    def _allocate(self, p: _Push) -> None:
-        """Alloc the transfer's slots. A session D no longer knows (it restarted) is replaced
-        and the Alloc retried once: nothing was written yet, so nothing is lost."""
-        layout = self.layout_or_fail()
-        sizes = [HEADER_SIZE + layout.chunk_bytes(self.blocks_in_chunk(p.spec.prompt_len, c))
-                 for c in range(p.n_chunks)]
+    def _allocate(self, p: _Push) -> bool:
+        """Send the transfer's Alloc, or collect D's answer; True once ``p.alloc`` is set. Never
+        waits for D (only connecting a new Sender blocks): while D parks one Alloc for slots or
+        for its consumer, the lane goes on writing the pushes already granted - a lane blocked
+        there could hold up the very pushes whose slots the parked Alloc waits for. A session D
+        no longer knows (it restarted) is replaced and the Alloc sent again once: nothing was
+        written yet, so nothing is lost."""
         lane = p.lane
-        p.sender = self._sender(lane)
+        if p.pending is None:
+            p.sender = self._sender(lane)
+            p.pending = p.sender.alloc_async(p.spec.transfer_id, p.keys, self._sizes(p), early=p.spec.early)
+        assert p.sender is not None
         try:
-            p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes, early=p.spec.early)
+            alloc = p.sender.poll_alloc(p.pending)
         except KVRelayError as exc:
-            if not session_lost(exc):
+            if not session_lost(exc) or p.realloc:
                 raise
             log.info("session to %s lost (%s); reconnecting", lane.endpoint, exc)
-            self._drop_sender(lane)
-            p.sender = self._sender(lane)
-            p.alloc = p.sender.alloc(p.spec.transfer_id, p.keys, sizes, early=p.spec.early)
+            if p.sender is lane.sender:
+                self._drop_sender(lane)
+            p.pending, p.realloc = None, True
+            return False
+        if alloc is None:
+            return False
+        p.alloc, p.pending = alloc, None
         self.events.write("push_alloc", req=p.spec.req_id, transfer=p.spec.transfer_id, chunks=p.n_chunks,
                           held=list(p.alloc.held))
+        return True
+
+    def _sizes(self, p: _Push) -> list[int]:
+        layout = self.layout_or_fail()
+        return [HEADER_SIZE + layout.chunk_bytes(self.blocks_in_chunk(p.spec.prompt_len, c))
+                for c in range(p.n_chunks)]
 
     def layout_or_fail(self) -> KVLayout:
         if self.layout is None:
@@ -341,7 +361,11 @@ class PushWorker(WorkerBase):
         log.warning("push of %s (transfer %s) failed: %s", p.spec.req_id, p.spec.transfer_id, reason)
         self.metrics.chunks.labels("prefill", "failed").inc(max(p.n_chunks - p.next_chunk, 1))
         self.events.write("push_failed", req=p.spec.req_id, transfer=p.spec.transfer_id, reason=reason)
-        if p.sender is not None:
+        if p.sender is not None and p.pending is not None:
+            with contextlib.suppress(KVRelayError):
+                p.sender.abandon(p.pending)               # D parks it: give its slots back if granted
+            p.pending = None
+        elif p.sender is not None:
             p.sender.abort(p.spec.transfer_id, reason)
             for handle, _keep, _t0 in p.inflight:
                 p.sender.cancel(handle)

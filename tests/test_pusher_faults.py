@@ -3,7 +3,9 @@
 1. a failed push with writes still in flight settles (vLLM gets its blocks back) and the
    push thread goes idle instead of spinning;
 2. a decode node that restarts on the same endpoint is pushed to again without restarting P;
-10. a dead decode node stalls only its own lane: pushes to a healthy one go on meanwhile.
+10. a dead decode node stalls only its own lane: pushes to a healthy one go on meanwhile;
+11. an Alloc that D parks (its pool is full) does not hold up its lane: the pushes already
+    granted go on, and their slots coming free is what lets the parked one through.
 
 ``PushWorker`` runs as in vLLM's worker (a CPU KV cache it registers, specs from the
 scheduler), minus vLLM itself; the receivers, sockets and ZeroMQ are real.
@@ -221,3 +223,45 @@ def test_a_dead_decode_node_stalls_only_its_own_lane(caches):
         worker.close()
         node.close()
         silent.close()
+
+
+def test_an_alloc_parked_on_a_full_pool_does_not_hold_up_the_granted_pushes(caches):
+    """A holds D's pool (4 slots: 2 filled and released, 2 waiting for chunks P has still to
+    compute); B needs 3 slots, so its Alloc parks.
+    With a lane that waits for B's answer, A's last chunks wait behind it, A's slots never
+    free, and B is refused after alloc_wait_s (a deadlock broken only by the timeout). The
+    lane must go on writing A while B parks, then B gets A's slots and is delivered too."""
+    slot = -(-(HEADER_SIZE + 2 * L * H * BS * D2 * 4) // 4096) * 4096   # a chunk (2 blocks of every layer), paged
+    cfg = make_cfg(**{"transport.pool_bytes": 4 * slot, "timeouts.alloc_wait_s": 6,
+                      "connector.free_deadline_s": 20})
+    worker = start_worker(cfg, caches)
+    node = Node(cfg, worker)
+    assert node.receiver.pool.num_slots == 4
+    try:
+        a_blocks, b_blocks = list(range(0, 8)), list(range(8, 14))
+        tokens = list(range(4 * T))
+        got_a, got_b = node.expect("A", a_blocks, 4), node.expect("B", b_blocks, 3)
+        worker.on_step([PushSpec("ra", "A", node.endpoint, 4 * T, a_blocks, 2 * T, token_ids=tokens)], [])
+        deadline = time.monotonic() + 5
+        while len(got_a["arrived"]) < 2:                        # A's first two chunks are in
+            assert time.monotonic() < deadline, "A's first chunks never arrived"
+            time.sleep(0.02)
+        worker.on_step([PushSpec("rb", "B", node.endpoint, 3 * T, b_blocks, 3 * T, token_ids=tokens[:3 * T])],
+                       ["rb"])
+        time.sleep(0.3)                                         # B's Alloc is parked at D now
+        t0 = time.monotonic()
+        worker.on_step([PushSpec("ra", "A", node.endpoint, 4 * T, a_blocks, 4 * T)], ["ra"])
+        got_a["thread"].join(10)
+        took = time.monotonic() - t0
+        assert isinstance(got_a["end"], TransferDone) and got_a["arrived"] == dict.fromkeys(range(4), True)
+        assert took < 2, f"A's last chunks waited {took:.1f} s behind B's parked Alloc"
+        got_b["thread"].join(10)
+        assert isinstance(got_b["end"], TransferDone), f"B was not delivered: {got_b['end']}"
+        assert got_b["arrived"] == dict.fromkeys(range(3), True)
+        wait_settled(worker, "ra", 10)
+        wait_settled(worker, "rb", 10)
+        st = node.receiver.pool.stats()
+        assert st.leased == st.filled == 0, st
+    finally:
+        worker.close()
+        node.close()

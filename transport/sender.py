@@ -4,7 +4,9 @@ Typical use (one Sender per decode node)::
 
     sender = Sender(cfg.transport, cfg.timeouts, endpoint, make_sender_backend(cfg.transport), fp.digest())
     sender.connect()                                    # Hello -> HelloAck, data path open
-    alloc = sender.alloc("req-1", keys, chunk_bytes)     # may wait (back-pressure)
+    alloc = sender.alloc("req-1", keys, chunk_bytes)     # may wait (back-pressure); or, never blocking:
+    pending = sender.alloc_async("req-2", keys, chunk_bytes)
+    alloc2 = sender.poll_alloc(pending)                  # None while D parks it; call again later
     for i, regions in chunks:                            # as each chunk's KV is saved
         h = sender.write_chunk(alloc, i, regions, num_layers=L, num_blocks=B)
     sender.wait_all(handles)                             # or poll them
@@ -54,6 +56,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class PendingAlloc:
+    """An Alloc sent and not answered yet (:meth:`Sender.alloc_async`)."""
+
+    transfer_id: str
+    keys: list[bytes]
+    deadline: float                # monotonic; no answer by then: the receiver is taken for dead
+    sent: float = field(default_factory=time.monotonic)
+
+
+@dataclass
 class Allocation:
     transfer_id: str
     keys: list[bytes]
@@ -82,6 +94,9 @@ class Sender:
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
         self._closed = False
+        self._replies: dict[str, P.Message] = {}      # control replies by transfer id ("" = handshake)
+        self._abandoned: set[str] = set()             # transfer ids whose push gave up on its Alloc
+        self._failure: ProtocolError | None = None    # D rejected this session (an Error reply)
 
     def _socket(self, identity: str) -> zmq.Socket:
         s = self._ctx.socket(zmq.DEALER)
@@ -92,20 +107,43 @@ class Sender:
 
     # ------------------------------------------------------------------ control plane
     def _request(self, msg: P.Message, want: type, ref: str, timeout: float) -> P.Message:
+        """Send ``msg`` and block for its reply (``ref``: the transfer id it names, "" for none)."""
         self._sock.send(P.encode(msg))
         deadline = time.monotonic() + timeout
-        while True:
+        while (reply := self._replies.pop(ref, None)) is None:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1):
+            if remaining <= 0:
                 raise PeerDeadError(f"receiver {self.endpoint} did not answer {type(msg).__name__} "
                                     f"within {timeout:.3g}s")
+            self.wait_replies(remaining)
+        if not isinstance(reply, want | P.Refused):
+            raise ProtocolError(f"receiver answered {type(msg).__name__} with {type(reply).__name__}",
+                                P.ErrorCode.INVALID)
+        return reply
+
+    def wait_replies(self, timeout: float) -> None:
+        """Take in the control replies that arrived, waiting up to ``timeout`` for the first.
+        Replies are kept by transfer id until asked for; an ``Error`` (the session is not
+        good any more) fails every later request on this Sender."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise PeerDeadError(f"sender to {self.endpoint} is closed")
+        wait_ms = max(0, int(timeout * 1000))
+        while self._sock.poll(wait_ms):
+            wait_ms = 0
             reply = P.decode(self._sock.recv(), self.transport.max_message_bytes)
             if isinstance(reply, P.Error):
                 code = P.ErrorCode(reply.code) if reply.code in P.ErrorCode._value2member_map_ else P.ErrorCode.INVALID
-                raise ProtocolError(f"receiver rejected {type(msg).__name__}: [{reply.code}] {reply.reason}", code)
-            if isinstance(reply, want | P.Refused) and getattr(reply, "transfer_id", ref) == ref:
-                return reply
-            log.debug("dropping unrelated reply %s", type(reply).__name__)
+                self._failure = ProtocolError(f"receiver rejected a request: [{reply.code}] {reply.reason}", code)
+                raise self._failure
+            ref = getattr(reply, "transfer_id", "")
+            if ref in self._abandoned:               # its push gave up while D parked the Alloc
+                self._abandoned.discard(ref)
+                if isinstance(reply, P.Slots):
+                    self.abort(ref, "the push gave up before its slots were granted")
+                continue
+            self._replies[ref] = reply
 
     def connect(self) -> None:
         """Challenge, Hello, open the data path. Raises HandshakeError with the receiver's reason."""
@@ -148,14 +186,53 @@ class Sender:
         """Ask for slots. Blocks while the receiver applies back-pressure; PoolFullError if refused.
         ``early``: the receiver's consumer will register after the push starts, so D grants at
         once instead of waiting for it (it then cannot skip chunks the consumer holds)."""
+        pending = self.alloc_async(transfer_id, keys, chunk_bytes, wait_s, early)
+        while (alloc := self.poll_alloc(pending)) is None:
+            self.wait_replies(max(0.0, pending.deadline - time.monotonic()))
+        return alloc
+
+    def alloc_async(self, transfer_id: str, keys: Sequence[bytes], chunk_bytes: Sequence[int],
+                    wait_s: float | None = None, early: bool = False) -> PendingAlloc:
+        """Send the Alloc and return at once; :meth:`poll_alloc` collects the answer. Several
+        may be outstanding: D parks each under back-pressure, and one waiting for slots (or
+        for D's consumer) does not hold up the writes of transfers already granted."""
         wait = self.timeouts.alloc_wait_s if wait_s is None else wait_s
+        if self._failure is not None:
+            raise self._failure
         msg = self._sealed(P.Alloc(transfer_id=transfer_id, keys=list(keys), chunk_bytes=list(chunk_bytes),
                                    wait_s=wait, early=early))
-        reply = self._request(msg, P.Slots, transfer_id, wait + self.timeouts.connect_s)
+        self._replies.pop(transfer_id, None)
+        self._abandoned.discard(transfer_id)
+        self._sock.send(P.encode(msg))
+        return PendingAlloc(transfer_id, list(keys), time.monotonic() + wait + self.timeouts.connect_s)
+
+    def poll_alloc(self, pending: PendingAlloc) -> Allocation | None:
+        """The Alloc's answer if it came (non-blocking): an Allocation, PoolFullError if D
+        refused, PeerDeadError once D is past the deadline, ProtocolError if D rejected the
+        session. None while D still parks it."""
+        self.wait_replies(0)
+        reply = self._replies.pop(pending.transfer_id, None)
+        if reply is None:
+            if time.monotonic() > pending.deadline:
+                self._abandoned.add(pending.transfer_id)
+                raise PeerDeadError(f"receiver {self.endpoint} did not answer Alloc of {pending.transfer_id!r} "
+                                    f"within {pending.deadline - pending.sent:.3g}s")
+            return None
         if isinstance(reply, P.Refused):
-            raise PoolFullError(f"receiver refused transfer {transfer_id!r}: {reply.reason}")
-        assert isinstance(reply, P.Slots)
-        return Allocation(transfer_id, list(keys), {g.chunk_index: g for g in reply.grants}, list(reply.held))
+            raise PoolFullError(f"receiver refused transfer {pending.transfer_id!r}: {reply.reason}")
+        if not isinstance(reply, P.Slots):
+            raise ProtocolError(f"receiver answered Alloc with {type(reply).__name__}", P.ErrorCode.INVALID)
+        return Allocation(pending.transfer_id, pending.keys, {g.chunk_index: g for g in reply.grants},
+                          list(reply.held))
+
+    def abandon(self, pending: PendingAlloc) -> None:
+        """The push gave up on an Alloc D has not answered: if D grants it later, its slots are
+        given back (Abort) as soon as the grant comes in; a refusal is dropped."""
+        reply = self._replies.pop(pending.transfer_id, None)
+        if isinstance(reply, P.Slots):
+            self.abort(pending.transfer_id, "the push gave up on its slots")
+        elif reply is None:
+            self._abandoned.add(pending.transfer_id)
 
     def abort(self, transfer_id: str, reason: str = "") -> None:
         with contextlib.suppress(zmq.ZMQError):
