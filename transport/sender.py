@@ -146,12 +146,15 @@ class Sender:
             self._replies[ref] = reply
 
     def connect(self) -> None:
-        """Challenge, Hello, open the data path. Raises HandshakeError with the receiver's reason."""
+        """Challenge, Hello, open the data path. Raises HandshakeError with the receiver's reason.
+        The backend's local info (for NIXL: the process agent, created on first use - seconds on
+        a loaded host) is made before the Challenge, so the Hello answers it well within its TTL."""
+        info = self.backend.local_info(self.sender_id)
         challenge = self._request(P.Challenge(sender_id=self.sender_id), P.ChallengeAck, "", self.timeouts.connect_s)
         assert isinstance(challenge, P.ChallengeAck)
         hello = P.sign_hello(self._hello_key, P.Hello(
             sender_id=self.sender_id, fingerprint=self.fingerprint, backend=self.transport.backend.value,
-            nonce=os.urandom(32), challenge=challenge.challenge, info=self.backend.local_info(self.sender_id)))
+            nonce=os.urandom(32), challenge=challenge.challenge, info=info))
         ack = self._request(hello, P.HelloAck, "", self.timeouts.connect_s)
         assert isinstance(ack, P.HelloAck)
         if not ack.ok:

@@ -71,6 +71,10 @@ log = logging.getLogger(__name__)
 NOTIF = struct.Struct("<4sIIQ16s")       # magic, chunk index, slot, generation, grant token; then the header
 NOTIF_MAGIC = b"KVRN"
 CONSUMER_GRACE_S = 2e-3     # background polling backs off while a consumer polled this recently
+# A granted transfer whose chunks have not started (an early Alloc: P is still computing, or
+# queued) is watched at 1 kHz after IDLE_AFTER_S without a notification, not at ~10 kHz: that
+# cost ~23 % of a core per decode node for as long as any such transfer waited.
+IDLE_AFTER_S, IDLE_SLEEP_S = 5e-3, 1e-3
 
 
 class NixlInfo(msgspec.Struct, frozen=True):
@@ -202,11 +206,13 @@ class NixlReceiver(ReceiverBackend):
 
     def _poll_loop(self) -> None:
         """Background progress while transfers are active and no consumer is polling."""
-        backoff = Backoff(spin=0, max_sleep=100e-6)
+        backoff = Backoff(spin=0, max_sleep=100e-6, idle_after=IDLE_AFTER_S, idle_sleep=IDLE_SLEEP_S)
         while not self._closed.is_set():
             if self._active == 0 and not self._wake.wait(0.05):
                 continue
-            self._wake.clear()
+            if self._wake.is_set():                   # a new grant: its chunks may come at once
+                self._wake.clear()
+                backoff.reset()
             if time.monotonic() - self._consumer_polled < CONSUMER_GRACE_S:
                 time.sleep(CONSUMER_GRACE_S)          # a consumer is driving progress
                 continue

@@ -129,11 +129,13 @@ class UcxReceiver(ReceiverBackend):
                                      else [s, c, r, k, h, p] for s, c, r, k, h, p in entries]
 
     def _poll_loop(self) -> None:
-        backoff = Backoff(spin=50, max_sleep=100e-6)
+        backoff = Backoff(spin=50, max_sleep=100e-6, idle_after=5e-3, idle_sleep=1e-3)   # see nixl.IDLE_AFTER_S
         while not self._closed.is_set():
             if not self._posted and not self._wake.wait(0.05):
                 continue
-            self._wake.clear()
+            if self._wake.is_set():                   # new receives posted: their chunks may come at once
+                self._wake.clear()
+                backoff.reset()
             with self._lock:
                 self.worker.progress()
                 done, failed = self._collect()
