@@ -68,6 +68,11 @@ class Backoff:
         return True
 
 
+# A poll that has seen no progress for IDLE_AFTER_S drops to one poll per IDLE_SLEEP_S: a transfer
+# granted before its chunks start (an early Alloc while P computes or queues) is watched at 1 kHz,
+# not at tens of kHz - that cost ~23 % of a core per decode node on a 2-core host.
+IDLE_AFTER_S, IDLE_SLEEP_S = 5e-3, 1e-3
+
 T = TypeVar("T")
 
 
@@ -81,7 +86,7 @@ def wait_queue(q: queue.SimpleQueue[T], timeout: float) -> T | None:
 
 def poll_queue(q: queue.SimpleQueue[T], progress: Callable[[], int], timeout: float) -> T | None:
     """Drive ``progress`` (a poll-driven backend) from the caller's thread until an item is queued."""
-    backoff = Backoff(timeout, spin=0, max_sleep=50e-6, idle_after=5e-3, idle_sleep=1e-3)
+    backoff = Backoff(timeout, spin=0, max_sleep=50e-6, idle_after=IDLE_AFTER_S, idle_sleep=IDLE_SLEEP_S)
     while True:
         try:
             return q.get_nowait()

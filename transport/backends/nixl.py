@@ -62,7 +62,7 @@ from transport.backends.base import (
 )
 from transport.errors import HandshakeError, PeerDeadError, TransportError
 from transport.events import Refusal
-from transport.polling import Backoff
+from transport.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff
 from transport.pool import ReceivePool, SlotRef
 from transport.protocol import Grant
 from transport.wire import HEADER_SIZE
@@ -71,10 +71,6 @@ log = logging.getLogger(__name__)
 NOTIF = struct.Struct("<4sIIQ16s")       # magic, chunk index, slot, generation, grant token; then the header
 NOTIF_MAGIC = b"KVRN"
 CONSUMER_GRACE_S = 2e-3     # background polling backs off while a consumer polled this recently
-# A granted transfer whose chunks have not started (an early Alloc: P is still computing, or
-# queued) is watched at 1 kHz after IDLE_AFTER_S without a notification, not at ~10 kHz: that
-# cost ~23 % of a core per decode node for as long as any such transfer waited.
-IDLE_AFTER_S, IDLE_SLEEP_S = 5e-3, 1e-3
 
 
 class NixlInfo(msgspec.Struct, frozen=True):

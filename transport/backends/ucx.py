@@ -40,7 +40,7 @@ from transport.backends.base import (
     host_buffers,
 )
 from transport.errors import HandshakeError, TransportError
-from transport.polling import Backoff
+from transport.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff
 from transport.pool import ReceivePool, SlotRef
 from transport.protocol import Grant
 from transport.wire import HEADER_SIZE, transfer_tag
@@ -129,7 +129,7 @@ class UcxReceiver(ReceiverBackend):
                                      else [s, c, r, k, h, p] for s, c, r, k, h, p in entries]
 
     def _poll_loop(self) -> None:
-        backoff = Backoff(spin=50, max_sleep=100e-6, idle_after=5e-3, idle_sleep=1e-3)   # see nixl.IDLE_AFTER_S
+        backoff = Backoff(spin=50, max_sleep=100e-6, idle_after=IDLE_AFTER_S, idle_sleep=IDLE_SLEEP_S)
         while not self._closed.is_set():
             if not self._posted and not self._wake.wait(0.05):
                 continue
