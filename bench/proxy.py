@@ -5,7 +5,9 @@ and answers the prefill leg (``max_tokens=1``, not streamed) at once. In the sam
 one system at a time sits between the client and that upstream:
 
 * ``direct``  - no proxy: the client talks to the upstream (the floor);
-* ``kvrelay`` - kvrelay's router (P and D legs, signed params, admission, SSE passthrough);
+* ``kvrelay`` - kvrelay's router with its defaults: token 1 from the prefill leg (``first_token:
+                prefill``), then the decode leg's events re-rendered into the client's stream; signed
+                params, admission (the run fails if any request fell back to another path);
 * ``toy``     - a proxy written the way vLLM's disaggregated-serving example is
                 (FastAPI + httpx: the prefill request, then the decode stream re-yielded).
 
@@ -42,11 +44,24 @@ def _pin(core: int) -> None:
     os.sched_setaffinity(0, {cores[core % len(cores)]})
 
 
-def _event(i: int) -> bytes:
+def _event(i: int, last: bool = False) -> bytes:
     body = {"id": "cmpl-bench", "object": "text_completion", "created": 1764547200, "model": "kvrelay-tiny",
-            "choices": [{"index": 0, "text": f"t{i} ", "logprobs": None, "finish_reason": None,
+            "choices": [{"index": 0, "text": f"t{i} ", "logprobs": None, "finish_reason": "length" if last else None,
                          "stop_reason": None}]}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def _usage_event(tokens: int) -> bytes:
+    body = {"id": "cmpl-bench", "object": "text_completion", "created": 1764547200, "model": "kvrelay-tiny",
+            "choices": [], "usage": {"prompt_tokens": 8, "total_tokens": 8 + tokens, "completion_tokens": tokens}}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+# What vLLM answers a prefill leg with ``return_token_ids`` (the router's default split path needs the ids)
+PREFILL_ANSWER = {"id": "cmpl-p", "object": "text_completion", "created": 1764547200, "model": "kvrelay-tiny",
+                  "choices": [{"index": 0, "text": "t0", "logprobs": None, "finish_reason": "length",
+                               "stop_reason": None, "prompt_token_ids": list(range(8)), "token_ids": [8]}],
+                  "usage": {"prompt_tokens": 8, "total_tokens": 9, "completion_tokens": 1}}
 
 
 def run_upstream(port: int, tokens: int, core: int) -> None:
@@ -54,16 +69,18 @@ def run_upstream(port: int, tokens: int, core: int) -> None:
     from aiohttp import web
 
     _pin(core)
-    events = [_event(i) for i in range(tokens)] + [b"data: [DONE]\n\n"]
+    # as vLLM streams: the last token carries finish_reason, then usage when asked for, then [DONE]
+    events = [_event(i, i == tokens - 1) for i in range(tokens)]
+    with_usage = [*events, _usage_event(tokens), b"data: [DONE]\n\n"]
+    events.append(b"data: [DONE]\n\n")
 
     async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        if not body.get("stream"):
-            return web.json_response({"id": "cmpl-p", "choices": [{"text": "t0", "finish_reason": "length"}],
-                                      "usage": {"prompt_tokens": 8, "completion_tokens": 1}})
+        if not body.get("stream"):           # the prefill leg: token 1 with its ids, as vLLM answers it
+            return web.json_response(PREFILL_ANSWER)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for ev in events:
+        for ev in with_usage if (body.get("stream_options") or {}).get("include_usage") else events:
             await resp.write(ev)
         await resp.write_eof()
         return resp
@@ -71,9 +88,13 @@ def run_upstream(port: int, tokens: int, core: int) -> None:
     async def health(request: web.Request) -> web.Response:
         return web.json_response({})
 
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "kvrelay-tiny", "max_model_len": 4096}]})
+
     app = web.Application()
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
     web.run_app(app, host=HOST, port=port, print=None, access_log=None)
 
 
@@ -122,7 +143,7 @@ async def _one(session: Any, url: str) -> float:
     body = {"model": "kvrelay-tiny", "prompt": "bench", "max_tokens": 64, "stream": True}
     async with session.post(f"{url}/v1/completions", json=body) as r:
         data = await r.read()
-        if r.status != 200 or not data.endswith(b"data: [DONE]\n\n"):
+        if r.status != 200 or not data.endswith(b"data: [DONE]\n\n") or b'"error"' in data:
             raise RuntimeError(f"{url}: HTTP {r.status}, stream ended {data[-40:]!r}")
     return time.perf_counter() - t0
 
@@ -158,6 +179,28 @@ async def _throughput(url: str, concurrency: int, duration: float) -> float:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         return done / (time.perf_counter() - t0)
+
+
+def _router_path(url: str) -> dict[str, float]:
+    """Which path the router's requests took, from its own counters: the default ``first_token:
+    prefill`` split, or the decode-path fallback (a measurement of the wrong path otherwise)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    ok, errors = 0.0, dict[str, float]()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kvrelay_router_requests_total" and s.labels.get("outcome") == "ok":
+                ok += s.value
+            if s.name == "kvrelay_router_errors_total" and s.value:
+                errors[s.labels["cause"]] = s.value
+    if errors:    # e.g. first_token_fallback: the scripted answers lack what the split path needs
+        raise RuntimeError(f"the router counted errors in the run ({errors}; {ok:.0f} requests ok): "
+                           "it did not measure its default path")
+    return {"requests_ok": ok, "first_token_fallbacks": errors.get("first_token_fallback", 0.0)}
 
 
 def _wait_up(url: str, timeout: float = 60) -> None:
@@ -230,6 +273,7 @@ def main(args: argparse.Namespace) -> int:
             rows[name]["core_busy"] = (_cpu_s(pid) - cpu0) / (time.perf_counter() - t0)
             bar.update(1)
         bar.close()
+        rows["kvrelay"]["path"] = _router_path(systems["kvrelay"])
     finally:
         for p in procs:
             p.terminate()

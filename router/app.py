@@ -41,6 +41,7 @@ import uuid
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from prometheus_client import generate_latest
 
@@ -157,6 +158,7 @@ class _SplitMixin(Upstream):
                     pending = b""
                     async for piece in r.content.iter_any():
                         events, pending = split.decode_events(piece, pending)
+                        rendered = []                 # what this piece adds to the client's stream
                         for ev in events:
                             if ev.get("usage"):
                                 decoded = int(ev["usage"]["completion_tokens"])
@@ -164,10 +166,12 @@ class _SplitMixin(Upstream):
                                 text.append(c["text"])
                                 finish, stop = c.get("finish_reason"), c.get("stop_reason")
                                 if out is not None:
-                                    now = time.monotonic()
-                                    self.metrics.itl.observe(now - last)
-                                    last = now
-                                    await out.write(writer.token(c["text"], finish, stop))
+                                    rendered.append(writer.token(c["text"], finish, stop))
+                        if rendered and out is not None:   # one write per piece D sent, not per token
+                            now = time.monotonic()
+                            self.metrics.itl.observe(now - last)
+                            last = now
+                            await out.write(b"".join(rendered))
                     if finish is None:
                         failure = "the decode node ended the stream early"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
@@ -269,7 +273,8 @@ class Router(_SplitMixin):
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.cfg.router.request_timeout_s)
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.router.upstream_connections,
                                          keepalive_timeout=self.cfg.router.upstream_keepalive_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                             json_serialize=lambda o: orjson.dumps(o).decode())
         for d in self.discovery:                   # know the pools before the first health round
             await d.refresh()
             self._tasks.append(asyncio.create_task(d.run(self.cfg.router.dns_refresh_s)))
@@ -355,8 +360,8 @@ class Router(_SplitMixin):
         set_ids(request_id=rid)                 # on every log line of this request (log_format: json)
         endpoint = request.path
         try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
             self.metrics.errors.labels("bad_request").inc()
             return error_response(400, f"request body is not valid JSON: {exc}", rid=rid)
         if not isinstance(body, dict):

@@ -22,9 +22,10 @@ by the client, continuous usage stats.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 # Keys a request may carry and still be split; any other key present falls back.
 _COMMON = {"model", "stream", "max_tokens", "temperature", "top_p", "top_k", "min_p", "user", "ignore_eos",
@@ -115,7 +116,10 @@ def usage(first: FirstToken, decoded: int) -> dict[str, int]:
 
 
 def sse(event: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(event, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + orjson.dumps(event) + b"\n\n"
+
+
+_HOLE = "\x1fkvrelay-text\x1f"          # stands for a token's text in a rendered event
 
 
 class StreamWriter:
@@ -128,6 +132,9 @@ class StreamWriter:
         self.head = {"id": a["id"], "object": "chat.completion.chunk" if self.chat else "text_completion",
                      "created": a["created"], "model": a["model"]}
         self.fingerprint = a.get("system_fingerprint")
+        # A token that ends nothing is this event with its text put in: render it once, around a hole
+        self._around = sse(self._event(_HOLE, None, None)).split(orjson.dumps(_HOLE))
+        assert len(self._around) == 2
 
     def opening(self) -> bytes:
         """Chat streams start with the assistant's role (as vLLM's do); completions with nothing."""
@@ -138,6 +145,11 @@ class StreamWriter:
                     "prompt_token_ids": None, "prompt_text": None})
 
     def token(self, text: str, finish_reason: str | None = None, stop_reason: Any = None) -> bytes:
+        if finish_reason is None:                # the hot path: one per streamed token
+            return orjson.dumps(text).join(self._around)
+        return sse(self._event(text, finish_reason, stop_reason))
+
+    def _event(self, text: str, finish_reason: str | None, stop_reason: Any) -> dict[str, Any]:
         choice: dict[str, Any]
         if self.chat:
             choice = {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish_reason}
@@ -150,7 +162,7 @@ class StreamWriter:
         event: dict[str, Any] = {**self.head, "choices": [choice]}
         if finish_reason is not None and not self.with_usage:
             event["system_fingerprint"] = self.fingerprint
-        return sse(event)
+        return event
 
     def usage(self, counts: dict[str, int]) -> bytes:
         return sse({**self.head, "choices": [], "usage": counts, "system_fingerprint": self.fingerprint})
@@ -159,7 +171,7 @@ class StreamWriter:
 def final_answer(endpoint: str, first: FirstToken, text: str, finish_reason: str | None, stop_reason: Any,
                  decoded: int) -> dict[str, Any]:
     """The client's non-streamed answer: P's response with the whole text, reasons and usage."""
-    answer = json.loads(json.dumps(first.answer))
+    answer = orjson.loads(orjson.dumps(first.answer))
     choice = answer["choices"][0]
     if kind(endpoint) == "chat":
         choice["message"]["content"] = first.text + text
@@ -180,5 +192,5 @@ def decode_events(chunk: bytes, pending: bytes) -> tuple[list[dict[str, Any]], b
     for raw in complete:
         raw = raw.strip()
         if raw.startswith(b"data: ") and raw != b"data: [DONE]":
-            events.append(json.loads(raw[6:]))
+            events.append(orjson.loads(raw[6:]))
     return events, rest

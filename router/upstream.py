@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
+import orjson
 
 from core.config import KVRelayConfig
 from core.drain import DRAINING_HEADER
@@ -75,7 +76,7 @@ class Upstream:
 
         async def read(r: aiohttp.ClientResponse) -> tuple[int | None, Any]:
             note_draining(node, r)
-            return r.status, await r.json(content_type=None)
+            return r.status, await r.json(loads=orjson.loads, content_type=None)
         try:
             return await self._send(f"{node.url}{endpoint}", body, rid, read)
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:

@@ -16,5 +16,7 @@ def test_bench_router_smoke(tmp_path: Path):
     assert set(rows) == {"direct", "kvrelay", "toy"}
     for row in rows.values():
         assert row["rps"] > 0 and row["c1"]["p50_ms"] > 0 and 0 < row["core_busy"] < 1.5
+    path = rows["kvrelay"]["path"]           # measured on the default split path, not a fallback
+    assert path["first_token_fallbacks"] == 0 and path["requests_ok"] > 32
     assert (tmp_path / "router.png").stat().st_size > 1000
     assert "vs toy" in r.stdout
