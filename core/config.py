@@ -83,6 +83,8 @@ class EngineConfig(Section, frozen=True):
     load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.RECOMPUTE   # vLLM's kv_load_failure_policy (decode)
     drain_timeout_s: Seconds = 120.0  # SIGTERM: the longest a node drains before it stops anyway
     drain_quiet_s: Seconds = 5.0      # SIGTERM: a node stops once it has been idle this long
+    mq_busy_loop_s: float = 0.002     # vLLM's engine<->worker queue: busy-wait this long, then park
+                                      # (-1 = vLLM's own 1 s; see core/vllm_plugin.py)
 
 
 class RouterConfig(Section, frozen=True):
@@ -233,6 +235,8 @@ FIELD_HELP: dict[str, str] = {
     'engine.cpu_bind': 'CPU hosts: split the cores among the servers, vllm (its default), or a VLLM_CPU_OMP_THREADS_BIND value',
     'engine.load_failure_policy': "decode: vLLM's kv_load_failure_policy: recompute a failed chunk's tokens, or fail",
     'engine.extra_args': 'extra vLLM arguments for every server (YAML list)',
+    'engine.mq_busy_loop_s': ("seconds vLLM's engine core and worker busy-wait on their message queue after each "
+                              "message before they sleep (vLLM: 1 s; -1 keeps vLLM's)"),
     'router.host': 'router listen address',
     'router.port': 'router port (OpenAI API at /v1)',
     'router.policy': 'node choice: round_robin, least_outstanding or cache_aware (prefill: longest cached prefix, weighed by load)',

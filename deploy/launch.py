@@ -28,6 +28,7 @@ import yaml
 from core import config as kcfg
 from core.config import KVRelayConfig
 from core.telemetry import read_events
+from core.vllm_plugin import BUSY_LOOP_ENV
 from transport.secrets import SECRET_ENV, write_secret_file
 
 TINY_NAME = "kvrelay-tiny"
@@ -132,6 +133,8 @@ def server_env(cfg: KVRelayConfig, k: int, n: int) -> dict[str, str]:
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gib))
     if cfg.tracing.endpoint:                  # how vLLM exports its spans (OpenTelemetry's own variable)
         env.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", cfg.tracing.protocol.value)
+    if cfg.engine.mq_busy_loop_s >= 0:        # core/vllm_plugin.py, loaded by vLLM in each of its processes
+        env.setdefault(BUSY_LOOP_ENV, repr(cfg.engine.mq_busy_loop_s))
     bind = cfg.engine.cpu_bind
     if bind == "split":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, split_cores(k, n))))
