@@ -133,18 +133,20 @@ def base_cfg(args: argparse.Namespace, out: Path, **over: Any) -> kcfg.KVRelayCo
 def _measure(label: str, lengths: list[int], reps: int, fn: Callable[[str, str], tuple[float, list[float]]],
              rows: list[dict], bar: Any) -> None:
     for n in lengths:
-        ttfts, itls = [], []
+        ttfts, itls, totals = [], [], []
         for rep in range(reps):
             rid = f"b-{label}-{n}-{rep}-{uuid.uuid4().hex[:6]}"
             ttft, gaps = fn(_prompt(n, 1000 * n + rep), rid)     # same prompts for every system
             ttfts.append(ttft)
             itls.extend(gaps)
+            totals.append(ttft + sum(gaps))                      # request sent -> last token
             bar.update(1)
         q = sorted(ttfts)
         rows.append({"system": label, "prompt_tokens": n, "ttft_ms": 1e3 * statistics.median(ttfts),
                      "ttft_p90_ms": 1e3 * q[min(len(q) - 1, int(0.9 * len(q)))],
                      "ttft_p99_ms": 1e3 * q[min(len(q) - 1, int(0.99 * len(q)))],
                      "itl_ms": 1e3 * statistics.median(itls) if itls else float("nan"),
+                     "total_ms": 1e3 * statistics.median(totals),
                      "ttft_all_ms": [round(1e3 * t, 2) for t in ttfts]})
 
 
@@ -268,8 +270,10 @@ def _table(rows: list[dict], transfer: dict[str, dict]) -> str:
     single = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "single"}
     single_p = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "single-p"}
     fair = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "nixl-fair"}
+    fair_total = {r["prompt_tokens"]: r["total_ms"] for r in rows if r["system"] == "nixl-fair"}
     lines = [f"{'system':<14} {'tokens':>6} {'TTFT ms':>9} {'p90/p50':>7} {'ITL ms':>7} {'TTFT/single':>11} "
-             f"{'TTFT/single-p':>13} {'TTFT/nixl-fair':>14} {'exposed ms':>10} {'exposed/chunk':>13}"]
+             f"{'TTFT/single-p':>13} {'TTFT/nixl-fair':>14} {'total ms':>9} {'total/fair':>10} "
+             f"{'exposed ms':>10} {'exposed/chunk':>13}"]
     for r in rows:
         n = r["prompt_tokens"]
         x = transfer.get(r["system"], {})
@@ -280,10 +284,12 @@ def _table(rows: list[dict], transfer: dict[str, dict]) -> str:
                      f"{r['ttft_ms'] / single[n] if n in single else float('nan'):>11.2f} "
                      f"{r['ttft_ms'] / single_p[n] if n in single_p else float('nan'):>13.2f} "
                      f"{r['ttft_ms'] / fair[n] if n in fair else float('nan'):>14.2f} "
+                     f"{r['total_ms']:>9.1f} {r['total_ms'] / fair_total[n] if n in fair_total else float('nan'):>10.2f} "
                      f"{exp if exp is not None else float('nan'):>10.1f} "
                      f"{exp / chunk if exp is not None and chunk else float('nan'):>13.2f}")
     for name, x in transfer.items():
         lines.append(f"{name}: one chunk's transfer (push start -> installed) = {x['one_chunk_ms']:.2f} ms")
+    lines.append("medians over the requests of each length; total = request sent -> last of the answer's tokens")
     return "\n".join(lines)
 
 
