@@ -44,17 +44,21 @@ def _pin(core: int) -> None:
     os.sched_setaffinity(0, {cores[core % len(cores)]})
 
 
+_HEAD = {"id": "cmpl-bench", "object": "text_completion", "created": 1764547200, "model": "kvrelay-tiny"}
+
+
 def _event(i: int, last: bool = False) -> bytes:
-    body = {"id": "cmpl-bench", "object": "text_completion", "created": 1764547200, "model": "kvrelay-tiny",
-            "choices": [{"index": 0, "text": f"t{i} ", "logprobs": None, "finish_reason": "length" if last else None,
-                         "stop_reason": None}]}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+    from router.split import sse
+
+    return sse({**_HEAD, "choices": [{"index": 0, "text": f"t{i} ", "logprobs": None,
+                                      "finish_reason": "length" if last else None, "stop_reason": None}]})
 
 
 def _usage_event(tokens: int) -> bytes:
-    body = {"id": "cmpl-bench", "object": "text_completion", "created": 1764547200, "model": "kvrelay-tiny",
-            "choices": [], "usage": {"prompt_tokens": 8, "total_tokens": 8 + tokens, "completion_tokens": tokens}}
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+    from router.split import sse
+
+    return sse({**_HEAD, "choices": [],
+                "usage": {"prompt_tokens": 8, "total_tokens": 8 + tokens, "completion_tokens": tokens}})
 
 
 # What vLLM answers a prefill leg with ``return_token_ids`` (the router's default split path needs the ids)

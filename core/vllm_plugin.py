@@ -33,6 +33,7 @@ import inspect
 import logging
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 BUSY_LOOP_ENV = "KVRELAY_MQ_BUSY_LOOP_S"
@@ -40,7 +41,7 @@ BUSY_LOOP_ENV = "KVRELAY_MQ_BUSY_LOOP_S"
 log = logging.getLogger("vllm.kvrelay.plugin")
 
 
-def busy_loop_s(environ: dict[str, str] | os._Environ[str] = os.environ) -> float | None:
+def busy_loop_s(environ: Mapping[str, str] = os.environ) -> float | None:
     """The requested window in seconds, or None when unset (vLLM's own default applies)."""
     raw = environ.get(BUSY_LOOP_ENV, "").strip()
     if not raw:

@@ -8,6 +8,7 @@ Servers are expensive (~90 s to start on a 2-core host), so:
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -204,6 +205,24 @@ def scrape(url: str) -> dict[str, float]:
         m = re.match(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?)\s+(\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds so far per thread (``comm``, tid) of every process in ``pid``'s process group."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[2]) != pid:
+                continue
+            for tid in os.listdir(f"/proc/{entry}/task"):
+                head, tail = Path(f"/proc/{entry}/task/{tid}/stat").read_text().rsplit(")", 1)
+                fields = tail.split()
+                out[f"{head.split('(', 1)[1]}[{tid}]"] = (int(fields[11]) + int(fields[12])) / tick
+        except OSError:
+            continue
     return out
 
 

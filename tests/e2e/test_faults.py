@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -26,7 +25,16 @@ import aiohttp
 import pytest
 
 from deploy.launch import Role
-from tests.e2e.harness import CASES, MODEL, Case, openai_client, read_events, run_case, start_stack
+from tests.e2e.harness import (
+    CASES,
+    MODEL,
+    Case,
+    openai_client,
+    read_events,
+    run_case,
+    start_stack,
+    thread_cpu,
+)
 
 pytestmark = pytest.mark.chaos
 LONG = [Case(f"kill{i}", "completion", True, 1900 + 7 * i, 300 + i) for i in range(16)]   # 8 chunks each
@@ -69,24 +77,6 @@ async def _load_then(url: str, cases: list[Case], max_tokens: int, during: float
         return list(await asyncio.gather(*tasks))
 
 
-def _thread_cpu(pid: int) -> dict[str, float]:
-    """CPU seconds so far per thread (``comm``, tid) of every process in ``pid``'s process group."""
-    tick, out = os.sysconf("SC_CLK_TCK"), {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[2]) != pid:
-                continue
-            for tid in os.listdir(f"/proc/{entry}/task"):
-                head, tail = Path(f"/proc/{entry}/task/{tid}/stat").read_text().rsplit(")", 1)
-                fields = tail.split()
-                out[f"{head.split('(', 1)[1]}[{tid}]"] = (int(fields[11]) + int(fields[12])) / tick
-        except OSError:
-            continue
-    return out
-
-
 def _idle_cpu(pid: int, window: float = 2.0, tries: int = 5) -> tuple[float, list[str]]:
     """Share of a core ``pid``'s group uses over the quietest of ``tries`` windows, and its busiest threads.
 
@@ -95,9 +85,9 @@ def _idle_cpu(pid: int, window: float = 2.0, tries: int = 5) -> tuple[float, lis
     """
     best: tuple[float, list[str]] = (float("inf"), [])
     for _ in range(tries):
-        before, t0 = _thread_cpu(pid), time.monotonic()
+        before, t0 = thread_cpu(pid), time.monotonic()
         time.sleep(window)
-        after, dt = _thread_cpu(pid), time.monotonic() - t0
+        after, dt = thread_cpu(pid), time.monotonic() - t0
         used = {k: (v - before.get(k, 0.0)) / dt for k, v in after.items()}
         total = sum(used.values())
         if total < best[0]:

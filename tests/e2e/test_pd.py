@@ -7,15 +7,12 @@ or missing KV chunk changes the answer - the negative control below proves it.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import time
 import urllib.error
 import urllib.request
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -28,6 +25,7 @@ from tests.e2e.harness import (
     raw_post,
     run_case,
     start_stack,
+    thread_cpu,
 )
 
 pytestmark = pytest.mark.slow
@@ -179,17 +177,6 @@ def test_no_leaked_slots_or_stuck_requests(pd_stack):
     assert d["kvrelay_tokens_loaded_total"] > 0
 
 
-def _group_cpu_s(pgids: set[int]) -> float:
-    """CPU seconds (user + system) used so far by every live process in these process groups."""
-    total = 0
-    for d in os.listdir("/proc"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
-            if d.isdigit() and int(fields[2]) in pgids:
-                total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
 def test_engines_park_between_requests_instead_of_spinning(pd_stack):
     """vLLM's engine core and worker busy-wait for 1 s after every message on their queue
     (core/vllm_plugin.py); the stack's engines get ``engine.mq_busy_loop_s`` (2 ms) through
@@ -198,12 +185,15 @@ def test_engines_park_between_requests_instead_of_spinning(pd_stack):
     whole process groups must use under half a core."""
     client = openai_client(pd_stack.router_url)
     pgids = {p.pid for name, p in pd_stack.stack.procs.items() if name != "router"}
+
+    def cpu_s() -> float:
+        return sum(sum(thread_cpu(g).values()) for g in pgids)
     samples = []
     for case in CASES[:3]:
         run_case(client, case)
-        t0, c0 = time.monotonic(), _group_cpu_s(pgids)
+        t0, c0 = time.monotonic(), cpu_s()
         time.sleep(0.6)
-        samples.append((_group_cpu_s(pgids) - c0) / (time.monotonic() - t0))
+        samples.append((cpu_s() - c0) / (time.monotonic() - t0))
     assert min(samples) < 0.5, f"the engines used {samples} cores in the 0.6 s after a request"
 
 
