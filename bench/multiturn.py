@@ -71,8 +71,8 @@ def _text(n: int, seed: int) -> str:
     return "".join(rng.choice(ALPHABET) for _ in range(n))
 
 
-def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
-    """Streamed chat turn: (TTFT seconds, answer, prompt tokens)."""
+def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int, str]:
+    """Streamed chat turn: (TTFT seconds, answer, prompt tokens, the prefill node that served it)."""
     import urllib.request
 
     body = {"model": launch.TINY_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -81,6 +81,7 @@ def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, 
                                  headers={"Content-Type": "application/json"})
     t0, first, parts, prompt_tokens = time.perf_counter(), None, [], 0
     with urllib.request.urlopen(req, timeout=600) as r:
+        node = r.headers.get("X-Kvrelay-Prefill", "")
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data: {"):
@@ -93,7 +94,7 @@ def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, 
                 if text and first is None:
                     first = time.perf_counter()
                 parts.append(text)
-    return (first or time.perf_counter()) - t0, "".join(parts), prompt_tokens
+    return (first or time.perf_counter()) - t0, "".join(parts), prompt_tokens, node
 
 
 def _stack(args: argparse.Namespace, out: Path, store: bool, redis_url: str = "") -> tuple[launch.Stack, Path]:
@@ -130,15 +131,24 @@ def _turns(args: argparse.Namespace, stack: launch.Stack, label: str) -> dict[st
     ttft: dict[int, list[float]] = {}
     history_tokens: dict[int, list[int]] = {}
     convs = [[system] for _ in range(args.users)]
+    order, rng = list(range(args.users)), random.Random(17)
+    last_node: dict[int, str] = {}
+    moved = 0
     for turn in range(args.turns):
-        for u, msgs in enumerate(convs):
+        if args.realistic:
+            rng.shuffle(order)
+        for u in order:
+            msgs = convs[u]
             msgs.append({"role": "user", "content": _text(args.user_tokens, 1000 * u + turn + 7)})
-            t, answer, n = _chat(url, msgs, args.answer_tokens)
+            t, answer, n, node = _chat(url, msgs, args.answer_tokens)
             msgs.append({"role": "assistant", "content": answer})
             ttft.setdefault(turn, []).append(t)
             history_tokens.setdefault(turn, []).append(n)
-            print(f"  {label} turn {turn} user {u}: {n} tokens, TTFT {1e3 * t:.0f} ms", file=sys.stderr)
-    return {"ttft": ttft, "history_tokens": history_tokens}
+            moved += u in last_node and last_node[u] != node
+            last_node[u] = node
+            print(f"  {label} turn {turn} user {u}: {n} tokens, TTFT {1e3 * t:.0f} ms on {node}", file=sys.stderr)
+    return {"ttft": ttft, "history_tokens": history_tokens, "moved_turns": moved,
+            "later_turns": args.users * (args.turns - 1)}
 
 
 def _prefill_s(p_url: str, prompt: str) -> float:
@@ -246,6 +256,9 @@ def main(args: argparse.Namespace) -> int:
     lines.append(f"store hit rate (tokens loaded / prompt tokens): {hit:.2f}; chunks loaded per tier: "
                  f"{st['chunks_loaded_per_tier']} ({st['mib_loaded_per_tier']} MiB); "
                  f"answer chunks saved by the decode node: {st['decode_saved_chunks']}")
+    if args.realistic:
+        lines.append("turns served by another prefill node than the user's previous turn: "
+                     + ", ".join(f"{name} {x['moved_turns']}/{x['later_turns']}" for name, x in zip(names, (off, on), strict=True)))
     if pairs:
         lines.append(f"store-path overhead on fresh 2048-token prefills (median of {len(pairs)} paired ratios): "
                      f"{100 * over:+.1f}% (target <= +5%)")

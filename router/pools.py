@@ -43,19 +43,24 @@ class Pool:
     def pick(self, exclude: tuple[Node, ...] = (), hits: list[int] | None = None,
              load_weight: float = 1.0) -> Node:
         """``hits[i]``: cached leading chunks on node i (cache_aware); without hits, cache_aware
-        falls back to least outstanding."""
+        falls back to least outstanding. Nodes that tie on the policy's score take turns, so
+        an idle pool spreads new prefixes over every node instead of piling them on the
+        first one (whose engine cache would then hold them all)."""
         live = [n for n in self.nodes if n.healthy and n not in exclude]
         if not live:
             raise NoHealthyNode(f"no healthy {self.name} node")
         if self.policy is RoutingPolicy.CACHE_AWARE and hits and any(hits):
             def score(n: Node) -> tuple[float, int]:
-                i = self.nodes.index(n)
-                return (hits[i] - load_weight * n.outstanding, -n.outstanding)
-            return max(live, key=score)
+                return (hits[self.nodes.index(n)] - load_weight * n.outstanding, -n.outstanding)
+            best = max(score(n) for n in live)
+            return self._turn([n for n in live if score(n) == best])
         if self.policy in (RoutingPolicy.LEAST_OUTSTANDING, RoutingPolicy.CACHE_AWARE):
-            return min(live, key=lambda n: (n.outstanding, self.nodes.index(n)))
-        return live[next(self._rr) % len(live)]
+            low = min(n.outstanding for n in live)
+            return self._turn([n for n in live if n.outstanding == low])
+        return self._turn(live)
 
+    def _turn(self, tied: list[Node]) -> Node:
+        return tied[next(self._rr) % len(tied)]
 
 def parse_decode(entry: str) -> Node:
     """``"http://host:8101=tcp://host:9100"`` -> Node(url, kv_endpoint)."""

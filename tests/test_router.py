@@ -341,6 +341,22 @@ def test_cache_index_drops_keys_no_node_holds():
     assert not index.holders
 
 
+def test_ties_take_turns_and_the_longest_cached_prefix_wins():
+    # Sequential traffic on an idle pool ties every node on load: the nodes must take turns
+    # (a first-index tie-break piles every new conversation on node 0, whose engine cache
+    # then holds them all); a node holding more of the prompt still wins over a tie.
+    from core.config import RoutingPolicy
+
+    for policy in (RoutingPolicy.CACHE_AWARE, RoutingPolicy.LEAST_OUTSTANDING):
+        pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], policy)
+        hits = [4, 4, 4] if policy is RoutingPolicy.CACHE_AWARE else None
+        assert {pool.pick(hits=hits).url for _ in range(3)} == {"http://n0", "http://n1", "http://n2"}
+    pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], RoutingPolicy.CACHE_AWARE)
+    assert {pool.pick(hits=[4, 6, 4]).url for _ in range(4)} == {"http://n1"}
+    pool.nodes[1].outstanding = 3                 # the load weight outweighs a 2-chunk advantage
+    assert pool.pick(hits=[4, 6, 4], load_weight=1.0).url in {"http://n0", "http://n2"}
+
+
 def test_with_no_healthy_prefill_node_the_decode_node_serves_alone():
     async def go() -> None:
         ps, ds = await _stack()
