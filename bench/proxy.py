@@ -15,7 +15,10 @@ Every proxy process is pinned to one core (the upstream and the client share the
 so "streamed requests per second" is per proxy core. Reported:
 
 * added latency = a system's time to the last byte minus direct's, p50 and p99, at 1 and
-  at 64 concurrent streams;
+  at 64 concurrent streams. At 64 streams twice: with the upstream as fast as it can (every
+  system saturates and the figure is mostly queueing behind the slowest process), and
+  **paced** like an engine (``--pace-ms`` between tokens, one decode step), the load a
+  router sees in front of real engines;
 * the most streamed requests per second (64 streams for ``--duration`` seconds), as a ratio
   to the toy proxy and to direct.
 
@@ -68,8 +71,12 @@ PREFILL_ANSWER = {"id": "cmpl-p", "object": "text_completion", "created": 176454
                   "usage": {"prompt_tokens": 8, "total_tokens": 9, "completion_tokens": 1}}
 
 
-def run_upstream(port: int, tokens: int, core: int) -> None:
-    """A scripted engine: SSE tokens as fast as the loop can write them."""
+PACED_USER = "bench-paced"     # a request with this ``user`` is streamed at the engine's pace
+
+
+def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None:
+    """A scripted engine: SSE tokens as fast as the loop can write them, or one every ``pace_s``
+    for requests whose ``user`` is :data:`PACED_USER` (the router passes it on to the decode leg)."""
     from aiohttp import web
 
     _pin(core)
@@ -84,7 +91,10 @@ def run_upstream(port: int, tokens: int, core: int) -> None:
             return web.json_response(PREFILL_ANSWER)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        paced = body.get("user") == PACED_USER
         for ev in with_usage if (body.get("stream_options") or {}).get("include_usage") else events:
+            if paced:
+                await asyncio.sleep(pace_s)
             await resp.write(ev)
         await resp.write_eof()
         return resp
@@ -142,9 +152,11 @@ def run_toy(port: int, upstream: str, core: int) -> None:
 
 
 # ------------------------------------------------------------------ the client
-async def _one(session: Any, url: str) -> float:
+async def _one(session: Any, url: str, paced: bool = False) -> float:
     t0 = time.perf_counter()
     body = {"model": "kvrelay-tiny", "prompt": "bench", "max_tokens": 64, "stream": True}
+    if paced:
+        body["user"] = PACED_USER
     async with session.post(f"{url}/v1/completions", json=body) as r:
         data = await r.read()
         if r.status != 200 or not data.endswith(b"data: [DONE]\n\n") or b'"error"' in data:
@@ -152,7 +164,7 @@ async def _one(session: Any, url: str) -> float:
     return time.perf_counter() - t0
 
 
-async def _latencies(url: str, concurrency: int, requests: int) -> list[float]:
+async def _latencies(url: str, concurrency: int, requests: int, paced: bool = False) -> list[float]:
     import aiohttp
 
     out: list[float] = []
@@ -163,7 +175,7 @@ async def _latencies(url: str, concurrency: int, requests: int) -> list[float]:
 
         async def worker(n: int) -> None:
             for _ in range(n):
-                out.append(await _one(s, url))
+                out.append(await _one(s, url, paced))
         per = max(1, requests // concurrency)
         await asyncio.gather(*(worker(per) for _ in range(concurrency)))
     return out
@@ -237,6 +249,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=64, help="SSE events per streamed answer")
     p.add_argument("--requests", type=int, default=512, help="requests per latency measurement")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of the throughput measurement")
+    p.add_argument("--pace-ms", type=float, default=10.0,
+                   help="paced run: ms between an answer's tokens (an engine's decode step)")
     p.add_argument("--base-port", type=int, default=18600)
     p.add_argument("--out", default="bench-out/router", help="directory for router.json and router.png")
 
@@ -251,7 +265,8 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
     up_url = f"http://{HOST}:{args.base_port}"
-    procs = [ctx.Process(target=run_upstream, args=(args.base_port, args.tokens, 1), daemon=True)]
+    procs = [ctx.Process(target=run_upstream, args=(args.base_port, args.tokens, 1, args.pace_ms / 1e3),
+                         daemon=True)]
     systems = {"direct": up_url, "kvrelay": f"http://{HOST}:{args.base_port + 1}",
                "toy": f"http://{HOST}:{args.base_port + 2}"}
     procs += [ctx.Process(target=run_kvrelay, args=(args.base_port + 1, up_url, 0), daemon=True),
@@ -263,12 +278,13 @@ def main(args: argparse.Namespace) -> int:
     try:
         for url in systems.values():
             _wait_up(url)
-        bar = tqdm(total=3 * len(systems), desc="bench router", unit="run")
+        bar = tqdm(total=4 * len(systems), desc="bench router", unit="run")
         for name, url in systems.items():
             rows[name] = {}
-            for c in (1, 64):
-                lat = asyncio.run(_latencies(url, c, args.requests if c > 1 else args.requests // 4))
-                rows[name][f"c{c}"] = {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * _pct(lat, 0.99)}
+            for key, c, paced in (("c1", 1, False), ("c64", 64, False), ("c64paced", 64, True)):
+                n = args.requests // 4 if c == 1 else args.requests
+                lat = asyncio.run(_latencies(url, c, n, paced))
+                rows[name][key] = {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * _pct(lat, 0.99)}
                 bar.update(1)
             pid = procs[busy_pid[name]].pid
             assert pid is not None
@@ -282,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
         for p in procs:
             p.terminate()
             p.join(5)
-    report = _report(rows)
+    report = _report(rows, args.pace_ms)
     print(report)
     (out / "router.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows}, indent=2))
     (out / "table.txt").write_text(report + "\n")
@@ -291,17 +307,22 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(rows: dict[str, dict[str, Any]]) -> str:
+def _report(rows: dict[str, dict[str, Any]], pace_ms: float) -> str:
     d = rows["direct"]
     lines = [f"{'system':<9} {'c1 p50':>8} {'c1 p99':>8} {'c64 p50':>8} {'c64 p99':>8} {'+c1 p50':>8} "
-             f"{'+c64 p50':>8} {'+c64 p99':>8} {'req/s':>7} {'vs toy':>7} {'vs direct':>9} {'core busy':>9}"]
+             f"{'+c64 p50':>8} {'+c64 p99':>8} {'+paced p50':>10} {'+paced p99':>10} {'req/s':>7} {'vs toy':>7} "
+             f"{'vs direct':>9} {'core busy':>9}"]
     for name, r in rows.items():
         lines.append(f"{name:<9} {r['c1']['p50_ms']:8.2f} {r['c1']['p99_ms']:8.2f} {r['c64']['p50_ms']:8.2f} "
                      f"{r['c64']['p99_ms']:8.2f} {r['c1']['p50_ms'] - d['c1']['p50_ms']:8.2f} "
                      f"{r['c64']['p50_ms'] - d['c64']['p50_ms']:8.2f} {r['c64']['p99_ms'] - d['c64']['p99_ms']:8.2f} "
+                     f"{r['c64paced']['p50_ms'] - d['c64paced']['p50_ms']:10.2f} "
+                     f"{r['c64paced']['p99_ms'] - d['c64paced']['p99_ms']:10.2f} "
                      f"{r['rps']:7.0f} {r['rps'] / rows['toy']['rps']:7.2f} {r['rps'] / d['rps']:9.2f} "
                      f"{100 * r['core_busy']:8.0f}%")
-    lines.append("times in ms to the last byte; '+' = added over direct; req/s = streamed requests per second "
+    lines.append("times in ms to the last byte; '+' = added over direct; c64 = 64 streams with the upstream as fast "
+                 f"as it can; paced = 64 streams, the upstream writing a token every {pace_ms:g} ms like an engine "
+                 f"(direct: p50 {d['c64paced']['p50_ms']:.1f} ms); req/s = streamed requests per second "
                  "with 64 streams, the proxy on one core; core busy = that proxy's CPU use during the req/s run "
                  "(direct: the upstream's)")
     return "\n".join(lines)
@@ -315,10 +336,11 @@ def _plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(rows)
-    for i, key in enumerate(("c1", "c64")):
-        a.bar([x + 0.4 * i for x in range(len(names))], [rows[n][key]["p50_ms"] for n in names], 0.4,
-              label=f"p50, {key[1:]} streams")
-    a.set_xticks([x + 0.2 for x in range(len(names))], names)
+    for i, (key, label) in enumerate((("c1", "1 stream"), ("c64", "64 streams"), ("c64paced", "64 paced"))):
+        a.bar([x + 0.27 * i for x in range(len(names))], [rows[n][key]["p50_ms"] for n in names], 0.27,
+              label=f"p50, {label}")
+    a.set_xticks([x + 0.27 for x in range(len(names))], names)
+    a.set_yscale("log")
     a.set_ylabel("ms to last byte")
     a.legend()
     b.bar(names, [rows[n]["rps"] for n in names])

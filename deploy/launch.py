@@ -182,6 +182,19 @@ def reap_group(proc: subprocess.Popen, grace_s: float) -> None:
     proc.wait()
 
 
+PUBLISH_OFFSET = 300      # kvrelay up: prefill node i publishes store events on kv_base_port + 300 + i
+
+
+def with_publish_ports(cfg: KVRelayConfig) -> KVRelayConfig:
+    """Cache-aware routing reads the prefill nodes' store events: a local stack with the store
+    on and no ``store.publish_port`` gets ``kv_base_port + 300`` (node i: + i)."""
+    if (cfg.router.policy is not kcfg.RoutingPolicy.CACHE_AWARE or not cfg.store.enabled
+            or cfg.store.publish_port):
+        return cfg
+    port = cfg.deploy.kv_base_port + PUBLISH_OFFSET
+    return msgspec.structs.replace(cfg, store=msgspec.structs.replace(cfg.store, publish_port=port))
+
+
 class Stack:
     """N prefill + M decode vLLM servers and the router, as child processes."""
 
@@ -194,8 +207,8 @@ class Stack:
             allowed = [f"tcp://{cfg.deploy.host}:{s.kv_port}" for s in node_specs(cfg) if s.role is Role.DECODE]
             cfg = msgspec.structs.replace(cfg, transport=msgspec.structs.replace(cfg.transport,
                                                                                allowed_decode=allowed))
-        self.cfg = cfg
-        self.specs = node_specs(cfg)
+        self.cfg = with_publish_ports(cfg)
+        self.specs = node_specs(self.cfg)
         self.procs: dict[str, subprocess.Popen] = {}
 
     def ensure_secret(self) -> None:

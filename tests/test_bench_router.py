@@ -10,13 +10,14 @@ from pathlib import Path
 
 def test_bench_router_smoke(tmp_path: Path):
     r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "router", "--requests", "32", "--duration", "1",
-                        "--base-port", "18640", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+                        "--base-port", "18640", "--pace-ms", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "router.json").read_text())["rows"]
     assert set(rows) == {"direct", "kvrelay", "toy"}
     for row in rows.values():
         assert row["rps"] > 0 and row["c1"]["p50_ms"] > 0 and 0 < row["core_busy"] < 1.5
+        assert row["c64paced"]["p50_ms"] >= 64 * 2          # the paced upstream really waited between tokens
     path = rows["kvrelay"]["path"]           # measured on the default split path, not a fallback
     assert path["first_token_fallbacks"] == 0 and path["requests_ok"] > 32
     assert (tmp_path / "router.png").stat().st_size > 1000
-    assert "vs toy" in r.stdout
+    assert "vs toy" in r.stdout and "+paced p50" in r.stdout

@@ -357,6 +357,30 @@ def test_ties_take_turns_and_the_longest_cached_prefix_wins():
     assert pool.pick(hits=[4, 6, 4], load_weight=1.0).url in {"http://n0", "http://n2"}
 
 
+def test_cache_aware_without_store_events_is_refused_and_kvrelay_up_assigns_them():
+    # Without the prefill nodes' store events the chunk index stays empty and cache_aware
+    # silently routes by load only: refuse it with the fix in the message.
+    import pytest
+
+    from deploy.launch import PUBLISH_OFFSET, Role, Stack
+
+    cfg = kcfg.from_dict({"router": {"policy": "cache_aware", "tokenizer": "unused"}})
+    pool_p = Pool("prefill", [Node("http://127.0.0.1:1"), Node("http://127.0.0.1:2")], cfg.router.policy)
+    pool_d = Pool("decode", [Node("http://127.0.0.1:3", "tcp://127.0.0.1:4")], cfg.router.policy)
+    with pytest.raises(ValueError, match="store.publish_port"):
+        Router(cfg, pool_p, pool_d)
+    # kvrelay up with the store on gives every prefill node a publish port and lists it for the router
+    data = {"deploy": {"prefill": 2, "kv_base_port": 9100}, "router": {"policy": "cache_aware"},
+            "store": {"enabled": True}, "engine": {"model": "/nonexistent"}}
+    stack = Stack(kcfg.from_dict(data), log_dir="/tmp/kvrelay-test-publish")
+    assert stack.cfg.store.publish_port == 9100 + PUBLISH_OFFSET
+    pre = stack.router_config().router.prefill
+    assert [e.split("=", 1)[1] for e in pre] == [f"tcp://127.0.0.1:{9100 + PUBLISH_OFFSET + i}" for i in range(2)]
+    assert len([s for s in stack.specs if s.role is Role.PREFILL]) == 2
+    for other in ({"router": {"policy": "round_robin"}}, {"store": {"enabled": False}}):
+        assert Stack(kcfg.from_dict({**data, **other}), log_dir="/tmp/kvrelay-test-publish").cfg.store.publish_port == 0
+
+
 def test_with_no_healthy_prefill_node_the_decode_node_serves_alone():
     async def go() -> None:
         ps, ds = await _stack()
