@@ -234,18 +234,18 @@ class Router(_SplitMixin):
         self.tokenizer: PromptTokenizer | None = None
         if cfg.router.policy is RoutingPolicy.CACHE_AWARE:
             if any(is_dns(e) for e in rc.prefill):
-                raise ValueError("router.policy cache_aware follows a fixed list of prefill nodes; "
-                                 "dns+ prefill entries are not supported with it yet (use least_outstanding)")
+                raise ConfigError("router.policy cache_aware follows a fixed list of prefill nodes; "
+                                  "dns+ prefill entries are not supported with it yet (use least_outstanding)")
             missing = [n.url for n in self.prefill.nodes if not n.events_endpoint]
             if len(missing) == len(self.prefill.nodes):
-                raise ValueError("router.policy cache_aware needs the prefill nodes' store events: list each "
-                                 "as URL=tcp://HOST:PORT in router.prefill, PORT being that node's "
-                                 "store.publish_port (kvrelay up assigns them when store.enabled is true)")
+                raise ConfigError("router.policy cache_aware needs the prefill nodes' store events: list each "
+                                  "as URL=tcp://HOST:PORT in router.prefill, PORT being that node's "
+                                  "store.publish_port (kvrelay up assigns them when store.enabled is true)")
             if missing:
                 log.warning("cache_aware: %s publish no store events; they are picked by load only", missing)
             self.index = ChunkIndex(self.prefill.nodes)
             if not cfg.router.tokenizer:
-                raise ValueError("router.policy cache_aware needs router.tokenizer (the model path)")
+                raise ConfigError("router.policy cache_aware needs router.tokenizer (the model path)")
             self.tokenizer = PromptTokenizer(cfg.router.tokenizer)
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
