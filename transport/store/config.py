@@ -64,7 +64,8 @@ FIELD_HELP: dict[str, str] = {
     'store.eviction_policy': 'multi-tier store: lru, lfu or fifo',
     'store.disk_path': 'multi-tier store: disk tier directory ("" = no disk tier)',
     'store.disk_bytes': 'multi-tier store: disk tier size cap',
-    'store.publish_port': 'prefill nodes publish chunk stored/evicted events here (ZeroMQ PUB) for cache-aware routing; 0 = off',
+    'store.publish_port': 'prefill nodes publish chunk stored/evicted events here (ZeroMQ PUB) for cache-aware routing; '
+                          '0 = off (kvrelay up under router.policy cache_aware: kv_base_port + 300 + node index)',
     'store.redis_url': 'multi-tier store: redis://[user@]host:port/db or rediss:// for TLS ("" = no Redis tier)',
     'store.redis_password_file': 'file (mode 0600) holding the Redis password; keeps it off command lines and configs',
     'store.redis_ca_file': 'rediss://: CA certificate file that verifies the Redis server',
