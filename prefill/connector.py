@@ -54,7 +54,7 @@ class PushSpec:
     block_ids: list[int]
     ready: int                                   # prompt tokens whose KV exists after this step
     token_ids: list[int] | None = None           # sent once, with the first spec
-    store_from: int = -1                         # store full chunks starting at this token (-1: none)
+    store_from: int = -1                         # store full chunks from this token on: the store's own hit (-1: none)
     early: bool = False                          # D registers after P answers: D grants without waiting
     traceparent: str = ""                        # the router's trace (core/tracing.py), with the first spec
 
@@ -117,7 +117,11 @@ class PrefillScheduler:
             return 0, False
         hit = min(self.store.lookup(list(request.prompt_token_ids)),
                   hit_limit(len(request.prompt_token_ids), self.cfg.chunk_tokens))
-        self._store_from[rid] = max(hit, num_computed)
+        # Store every full chunk the store lacks - also those the engine's own prefix cache
+        # supplied (wholly, or in part: its 128-token blocks need not end on a chunk boundary).
+        # Saving only what this step computes left such chunks out of the store for good, and
+        # every later lookup of that conversation stopped at the first one.
+        self._store_from[rid] = hit
         if hit <= num_computed:
             return 0, False
         self._hits[rid] = (num_computed, hit)

@@ -88,28 +88,25 @@ class Upstream:
 
     async def _send(self, url: str, body: dict[str, Any], rid: str,
                     read: Callable[[aiohttp.ClientResponse], Awaitable[_T]]) -> _T:
-        """POST ``body`` and ``read`` the answer; once more if a pooled connection turned out to be
-        closed before the engine saw the request (keep-alive race). Other errors propagate."""
+        """POST ``body`` and ``read`` the answer (see :meth:`_post_url`)."""
+        async with await self._post_url(url, body, rid) as r:
+            return await read(r)
+
+    async def _post(self, node: Node, path: str, body: dict[str, Any], rid: str) -> aiohttp.ClientResponse:
+        return await self._post_url(f"{node.url}{path}", body, rid)
+
+    async def _post_url(self, url: str, body: dict[str, Any], rid: str) -> aiohttp.ClientResponse:
+        """POST; once more if a pooled connection turned out to be closed before the engine saw
+        the request (keep-alive race). Other errors propagate. Returns the open response (the
+        caller releases it)."""
         assert self.session is not None
         for attempt in (1, 2):
             try:
-                async with self.session.post(url, json=body, headers=inject({"X-Request-Id": rid})) as r:
-                    return await read(r)
+                return await self.session.post(url, json=body, headers=inject({"X-Request-Id": rid}))
             except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
                 if attempt == 2 or not never_sent(exc):
                     raise
                 log.info("%s: a pooled connection was closed under %s (%r); retrying", url, rid, exc)
-        raise AssertionError("unreachable")
-
-    async def _post(self, node: Node, path: str, body: dict[str, Any], rid: str) -> aiohttp.ClientResponse:
-        """POST, once more on a keep-alive race; the open response (the caller releases it)."""
-        assert self.session is not None
-        for attempt in (1, 2):
-            try:
-                return await self.session.post(f"{node.url}{path}", json=body, headers=inject({"X-Request-Id": rid}))
-            except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
-                if attempt == 2 or not never_sent(exc):
-                    raise
         raise AssertionError("unreachable")
 
     async def _open_decode(self, node: Node, path: str, body: dict[str, Any],

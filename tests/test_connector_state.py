@@ -83,6 +83,32 @@ def test_prefill_tracks_blocks_over_chunked_steps_and_delays_free():
     assert not s.has_pending()
 
 
+class FixedStore:
+    """Stand-in for the worker's store: it holds the first ``hit`` tokens of every prompt."""
+
+    def __init__(self, hit: int) -> None:
+        self.hit = hit
+
+    def lookup(self, token_ids: list[int]) -> int:
+        return self.hit
+
+
+@pytest.mark.parametrize("store_hit,local,loaded,store_from", [
+    (512, 0, 512, 512),        # the store supplies 2 chunks: save from chunk 2
+    (256, 1408, 0, 256),       # the engine's cache holds 11 blocks (5.5 chunks), the store 1 chunk:
+                               # chunks 1-5 are saved too (chunk 5 half from the engine's cache)
+    (1536, 1408, 128, 1536),   # the store is ahead of the engine's cache: load the difference
+])
+def test_prefill_stores_every_full_chunk_the_store_lacks(store_hit, local, loaded, store_from):
+    s = PrefillScheduler(kcfg.from_dict({"store": {"enabled": True}}), store=FixedStore(store_hit))  # type: ignore[arg-type]
+    r = Req("r1", list(range(2000)), push())
+    assert s.matched(r, local) == (loaded, False)
+    new = SimpleNamespace(req_id="r1", block_ids=([1] * 16,), num_computed_tokens=local,
+                          prompt_token_ids=r.prompt_token_ids)
+    meta = s.build_meta(sched_out(new=[new], scheduled={"r1": 2000 - local - loaded}))
+    assert meta.pushes[0].store_from == store_from
+
+
 def test_prefill_ignores_plain_and_malformed_requests():
     s = PrefillScheduler(kcfg.from_dict({}))
     plain, bad = Req("a", [1, 2, 3]), Req("b", [1, 2], {"kvrelay": {"role": "push"}})
