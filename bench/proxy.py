@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -80,20 +81,27 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
     from aiohttp import web
 
     _pin(core)
-    # as vLLM streams: the last token carries finish_reason, then usage when asked for, then [DONE]
-    events = [_event(i, i == tokens - 1) for i in range(tokens)]
-    with_usage = [*events, _usage_event(tokens), b"data: [DONE]\n\n"]
-    events.append(b"data: [DONE]\n\n")
+
+    @functools.lru_cache(maxsize=8)
+    def answer(n: int, with_usage: bool) -> list[bytes]:
+        """``n`` tokens as vLLM streams them: the last carries finish_reason, then usage when asked
+        for, then [DONE]. The decode leg behind the router asks for one token fewer than the
+        client did (token 1 came from the prefill leg): every path delivers the same tokens."""
+        events = [_event(i, i == n - 1) for i in range(n)]
+        return [*events, *([_usage_event(n)] if with_usage else []), b"data: [DONE]\n\n"]
 
     async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        paced = body.get("user") == PACED_USER
         if not body.get("stream"):           # the prefill leg: token 1 with its ids, as vLLM answers it
+            if paced:
+                await asyncio.sleep(pace_s)  # token 1 costs one step on this path too
             return web.json_response(PREFILL_ANSWER)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        paced = body.get("user") == PACED_USER
-        for ev in with_usage if (body.get("stream_options") or {}).get("include_usage") else events:
-            if paced:
+        n = min(int(body.get("max_tokens") or tokens), tokens)
+        for ev in answer(n, bool((body.get("stream_options") or {}).get("include_usage"))):
+            if paced and not ev.startswith(b"data: [DONE]") and b'"usage":{' not in ev:
                 await asyncio.sleep(pace_s)
             await resp.write(ev)
         await resp.write_eof()
@@ -152,9 +160,9 @@ def run_toy(port: int, upstream: str, core: int) -> None:
 
 
 # ------------------------------------------------------------------ the client
-async def _one(session: Any, url: str, paced: bool = False) -> float:
+async def _one(session: Any, url: str, paced: bool = False, tokens: int = 64) -> float:
     t0 = time.perf_counter()
-    body = {"model": "kvrelay-tiny", "prompt": "bench", "max_tokens": 64, "stream": True}
+    body = {"model": "kvrelay-tiny", "prompt": "bench", "max_tokens": tokens, "stream": True}
     if paced:
         body["user"] = PACED_USER
     async with session.post(f"{url}/v1/completions", json=body) as r:
@@ -164,7 +172,11 @@ async def _one(session: Any, url: str, paced: bool = False) -> float:
     return time.perf_counter() - t0
 
 
-async def _latencies(url: str, concurrency: int, requests: int, paced: bool = False) -> list[float]:
+async def _latencies(url: str, concurrency: int, requests: int, pace_s: float = 0.0,
+                     tokens: int = 64) -> list[float]:
+    """Time to the last byte of ``requests`` answers over ``concurrency`` closed-loop streams.
+    Paced (``pace_s`` > 0): stream k starts k/concurrency of an answer later, so the streams
+    run at spread phases as independent users do, not in lock-step bursts."""
     import aiohttp
 
     out: list[float] = []
@@ -173,15 +185,16 @@ async def _latencies(url: str, concurrency: int, requests: int, paced: bool = Fa
         for _ in range(3):
             await _one(s, url)                                  # warm connections
 
-        async def worker(n: int) -> None:
+        async def worker(k: int, n: int) -> None:
+            await asyncio.sleep(k * pace_s * tokens / concurrency)
             for _ in range(n):
-                out.append(await _one(s, url, paced))
+                out.append(await _one(s, url, pace_s > 0, tokens))
         per = max(1, requests // concurrency)
-        await asyncio.gather(*(worker(per) for _ in range(concurrency)))
+        await asyncio.gather(*(worker(k, per) for k in range(concurrency)))
     return out
 
 
-async def _throughput(url: str, concurrency: int, duration: float) -> float:
+async def _throughput(url: str, concurrency: int, duration: float, tokens: int = 64) -> float:
     import aiohttp
 
     done = 0
@@ -190,7 +203,7 @@ async def _throughput(url: str, concurrency: int, duration: float) -> float:
         async def worker() -> None:
             nonlocal done
             while time.perf_counter() < stop:
-                await _one(s, url)
+                await _one(s, url, tokens=tokens)
                 done += 1
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -281,15 +294,15 @@ def main(args: argparse.Namespace) -> int:
         bar = tqdm(total=4 * len(systems), desc="bench router", unit="run")
         for name, url in systems.items():
             rows[name] = {}
-            for key, c, paced in (("c1", 1, False), ("c64", 64, False), ("c64paced", 64, True)):
+            for key, c, pace_s in (("c1", 1, 0.0), ("c64", 64, 0.0), ("c64paced", 64, args.pace_ms / 1e3)):
                 n = args.requests // 4 if c == 1 else args.requests
-                lat = asyncio.run(_latencies(url, c, n, paced))
+                lat = asyncio.run(_latencies(url, c, n, pace_s, args.tokens))
                 rows[name][key] = {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * _pct(lat, 0.99)}
                 bar.update(1)
             pid = procs[busy_pid[name]].pid
             assert pid is not None
             cpu0, t0 = _cpu_s(pid), time.perf_counter()
-            rows[name]["rps"] = asyncio.run(_throughput(url, 64, args.duration))
+            rows[name]["rps"] = asyncio.run(_throughput(url, 64, args.duration, args.tokens))
             rows[name]["core_busy"] = (_cpu_s(pid) - cpu0) / (time.perf_counter() - t0)
             bar.update(1)
         bar.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import ssl
@@ -536,16 +537,26 @@ def _log_task_error(task: asyncio.Task[None]) -> None:
         log.warning("prefill task failed: %r", task.exception())
 
 
+async def _freeze_heap(app: web.Application) -> None:
+    """Move everything alive after startup (tokenizer, metrics, sessions) out of the garbage
+    collector's reach. Without it a full collection walks that heap mid-stream: one took 46 ms
+    in ``kvrelay bench router``'s paced run and sent its p99 added latency from ~0 to +109 ms."""
+    gc.collect()
+    gc.freeze()
+
+
 def run(cfg: KVRelayConfig, router: Router | None = None) -> None:
     """Serve the router until interrupted (on uvloop when it is installed: ~25 % more streamed
     requests per core, measured by ``kvrelay bench router``)."""
     router = router or Router(cfg)
+    app = router.app()
+    app.on_startup.append(_freeze_heap)
     loop = None
     with contextlib.suppress(ImportError):
         import uvloop
 
         loop = uvloop.new_event_loop()
-    web.run_app(router.app(), host=cfg.router.host, port=cfg.router.port, print=None, ssl_context=tls_context(cfg),
+    web.run_app(app, host=cfg.router.host, port=cfg.router.port, print=None, ssl_context=tls_context(cfg),
                 access_log=None, handle_signals=True, handler_cancellation=True, loop=loop)
 
 
