@@ -23,6 +23,16 @@ Contract:
 * If this vLLM has no ``SpinCondition(busy_loop_s=...)`` the plugin logs a warning and leaves
   vLLM as it is (a newer vLLM may have its own knob); a malformed value is a ``ValueError``
   that stops the server at start, with the variable's name in the message.
+* With it set, a parked reader also re-reads the queue's written-flag every
+  :data:`RECHECK_MS` instead of vLLM's 5 s (``SHM_READER_RECHECK_INTERVAL_MS``). vLLM's
+  write notifications can be lost (a PUB socket with a send high-water mark of 1 drops a
+  ping while the previous one is still accounted in flight) and that recheck is its only
+  recovery. With a 1 s window readers almost never park while serving, so the race is rare;
+  with a short one they park between steps, and a lost ping froze a decode node for ~5 s
+  every half minute or so under load (``kvrelay bench serve``: every PD system's 3-5 s
+  stall windows - the engine core waiting on the worker's answer, the worker parked on a
+  request already in the queue). A 10 ms recheck bounds that to 10 ms and costs a parked
+  reader ~100 flag reads a second.
 * Idempotent: vLLM may load plugins more than once per process.
 """
 
@@ -37,6 +47,7 @@ from collections.abc import Mapping
 from typing import Any
 
 BUSY_LOOP_ENV = "KVRELAY_MQ_BUSY_LOOP_S"
+RECHECK_MS = 10          # a parked reader's written-flag recheck (vLLM's own: 5000 ms)
 
 log = logging.getLogger("vllm.kvrelay.plugin")
 
@@ -81,7 +92,14 @@ def register() -> None:
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
-    if apply(shm_broadcast.SpinCondition, seconds):
-        log.debug("kvrelay: message-queue readers busy-wait %.4f s before parking", seconds)
-    else:
+    if not apply(shm_broadcast.SpinCondition, seconds):
         log.warning("kvrelay: this vLLM's SpinCondition has no busy_loop_s; %s is ignored", BUSY_LOOP_ENV)
+        return
+    if isinstance(getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None), int):
+        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_MS
+    else:                       # no recheck to shorten: parking often would risk long lost-ping stalls
+        apply(shm_broadcast.SpinCondition, 1.0)
+        log.warning("kvrelay: this vLLM has no SHM_READER_RECHECK_INTERVAL_MS; keeping its 1 s busy window")
+        return
+    log.debug("kvrelay: message-queue readers busy-wait %.4f s, then park with a %d ms recheck",
+              seconds, RECHECK_MS)

@@ -36,9 +36,26 @@ SPLITTABLE = {
     "chat": _COMMON | {"messages", "max_completion_tokens", "add_generation_prompt", "chat_template",
                        "chat_template_kwargs", "documents", "mm_processor_kwargs"},
 }
+# A key set to the value that turns its feature off splits like an absent one (vLLM's own
+# benchmark client sends ``repetition_penalty: 1.0``; SDKs send zero penalties, ``n: 1``):
+# P gets it as sent, D gets vLLM's default, which is the same value.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "repetition_penalty": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "n": (1,),
+    "best_of": (1,), "echo": (False,), "logprobs": (False,), "min_tokens": (0,), "stop": ([], ""),
+    "stop_token_ids": ([],), "use_beam_search": (False,), "include_stop_str_in_output": (False,),
+}
 # Sampling keys D gets from the client's request (the rest are prompt-side or handled here).
 _TO_DECODE = ("model", "temperature", "top_p", "top_k", "min_p", "user", "ignore_eos", "skip_special_tokens",
               "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "priority")
+
+
+_KINDS: dict[type, tuple[type, ...]] = {int: (int, float), float: (float,), bool: (bool,), list: (list,), str: (str,)}
+
+
+def _neutral(key: str, value: Any) -> bool:
+    """``value`` turns ``key``'s feature off: equal to a :data:`NEUTRAL` value and of its kind
+    (True is not a neutral ``n``, 0 is not a neutral ``echo``; 1.0 is a neutral penalty like 1)."""
+    return any(value == n and type(value) in _KINDS[type(n)] for n in NEUTRAL.get(key, ()))
 
 
 def kind(endpoint: str) -> str:
@@ -47,12 +64,13 @@ def kind(endpoint: str) -> str:
 
 def fallback_reason(endpoint: str, body: dict[str, Any]) -> str | None:
     """Why ``body`` must take the decode path (None: it can be split)."""
-    extra = sorted(k for k, v in body.items() if k not in SPLITTABLE[kind(endpoint)] and v is not None)
+    extra = sorted(k for k, v in body.items()
+                   if k not in SPLITTABLE[kind(endpoint)] and v is not None and not _neutral(k, v))
     if extra:
         return f"fields {extra}"
-    opts = body.get("stream_options") or {}
-    if set(opts) - {"include_usage"}:
-        return f"stream_options {sorted(set(opts) - {'include_usage'})}"
+    opts = {k: v for k, v in (body.get("stream_options") or {}).items() if k != "include_usage" and v}
+    if opts:
+        return f"stream_options {sorted(opts)}"
     temperature = body.get("temperature")
     if temperature is not None and temperature < 0:
         return "temperature < 0"

@@ -150,6 +150,23 @@ def test_an_answer_that_ends_at_token_1_never_touches_d():
     assert "kv_transfer_params" not in p_reqs[1][1]              # max_tokens=1: nothing is pushed at all
 
 
+def test_feature_off_values_still_split():
+    # vLLM's serving benchmark sends repetition_penalty 1.0 and logprobs null with every request:
+    # those (and SDKs' zero penalties, n 1, empty stop lists) must not force the decode path
+    c = "/v1/completions"
+    bench = {"prompt": "x", "repetition_penalty": 1.0, "logprobs": None, "max_tokens": 8, "stream": True,
+             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    assert fallback_reason(c, bench) is None
+    for key, value in (("presence_penalty", 0), ("frequency_penalty", 0.0), ("n", 1), ("echo", False),
+                       ("stop", []), ("min_tokens", 0), ("stop_token_ids", [])):
+        assert fallback_reason(c, {"prompt": "x", key: value}) is None, key
+    for key, value in (("repetition_penalty", 1.1), ("n", True), ("n", 2), ("echo", 0), ("stop", ["a"]),
+                       ("logprobs", 0)):
+        assert fallback_reason(c, {"prompt": "x", key: value}) is not None, (key, value)
+    assert fallback_reason(c, {"prompt": "x", "stream_options": {"continuous_usage_stats": False}}) is None
+    assert fallback_reason(c, {"prompt": "x", "stream_options": {"continuous_usage_stats": True}}) is not None
+
+
 @pytest.mark.parametrize("field,value", [("logprobs", 1), ("echo", True), ("stop", ["\n"]), ("seed", 3),
                                          ("presence_penalty", 0.5), ("response_format", {"type": "json_object"}),
                                          ("min_tokens", 2), ("return_token_ids", True), ("suffix", "x")])
