@@ -114,6 +114,10 @@ FORMAT_REQS = {
     "fmt-h": ("/v1/chat/completions", {"messages": _FMT_CHAT, "max_completion_tokens": 6}),
     "fmt-c-one": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 1, "stream": True}),
     "fmt-err-context": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 4090, "stream": True}),
+    # what vLLM's serving benchmark sends: feature-off values split like absent ones
+    "fmt-c-bench": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 6, "stream": True, "ignore_eos": True,
+                                        "repetition_penalty": 1.0, "logprobs": None,
+                                        "stream_options": {"include_usage": True}}),
     # fallbacks (the decode path), compared by text
     "fb-stop": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 12, "stop": ["x", "M"]}),
     "fb-penalty": ("/v1/completions", {"prompt": _FMT_PROMPT, "max_tokens": 12, "presence_penalty": 1.5,

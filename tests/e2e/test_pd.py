@@ -294,11 +294,25 @@ def test_client_sees_what_one_vllm_emits(pd_stack, reference):
     errors. (One test per stack, looping over the requests, so pytest keeps each stack's tests together.)"""
     for name in [n for n in FORMAT_REQS if n.startswith("fmt")]:
         path, body = FORMAT_REQS[name]
+        before = _fallbacks(pd_stack.router_url)
         got, want = _events(raw_post(pd_stack.router_url, path, body).decode()), _events(reference[name])
+        assert _fallbacks(pd_stack.router_url) == before, f"{name} took the decode path"
         # How many tokens one event carries depends on timing (vLLM merges outputs a slow reader has
         # not taken yet), in one vLLM too; so events are compared by shape, and the text as a whole.
         assert _shapes(got) == _shapes(want), name
         assert _text(got) == _text(want), name
+
+
+def _fallbacks(router_url: str) -> float:
+    """The router's count of requests sent down the decode path for a feature it cannot split."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{router_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == "kvrelay_router_errors_total" and s.labels.get("cause") == "first_token_fallback")
 
 
 def _text(events: list) -> str:
@@ -328,5 +342,8 @@ def test_features_that_cannot_be_split_fall_back_and_stay_exact(pd_stack, refere
         return str(a["choices"][0].get("text") or a["choices"][0]["message"]["content"])
     for name in [n for n in FORMAT_REQS if n.startswith("fb")]:
         path, body = FORMAT_REQS[name]
+        before = _fallbacks(pd_stack.router_url)
         got, want = json.loads(raw_post(pd_stack.router_url, path, body)), json.loads(reference[name])
+        split = pd_stack.cfg.router.first_token.value == "prefill"       # only then is there a fallback
+        assert _fallbacks(pd_stack.router_url) == before + split, f"{name} did not take the decode path"
         assert text(got) == text(want) and got["usage"] == want["usage"], name
