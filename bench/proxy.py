@@ -83,12 +83,13 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
     _pin(core)
 
     @functools.lru_cache(maxsize=8)
-    def answer(n: int, with_usage: bool) -> list[bytes]:
-        """``n`` tokens as vLLM streams them: the last carries finish_reason, then usage when asked
-        for, then [DONE]. The decode leg behind the router asks for one token fewer than the
-        client did (token 1 came from the prefill leg): every path delivers the same tokens."""
-        events = [_event(i, i == n - 1) for i in range(n)]
-        return [*events, *([_usage_event(n)] if with_usage else []), b"data: [DONE]\n\n"]
+    def answer(n: int, with_usage: bool) -> tuple[list[bytes], bytes]:
+        """(``n`` token events, the tail) as vLLM streams them: the last token carries
+        finish_reason; the tail is usage when asked for, then [DONE]. The decode leg behind the
+        router asks for one token fewer than the client did (token 1 came from the prefill leg):
+        every path delivers the same tokens."""
+        tail = (_usage_event(n) if with_usage else b"") + b"data: [DONE]\n\n"
+        return [_event(i, i == n - 1) for i in range(n)], tail
 
     async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -100,10 +101,12 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = min(int(body.get("max_tokens") or tokens), tokens)
-        for ev in answer(n, bool((body.get("stream_options") or {}).get("include_usage"))):
-            if paced and not ev.startswith(b"data: [DONE]") and b'"usage":{' not in ev:
+        events, tail = answer(n, bool((body.get("stream_options") or {}).get("include_usage")))
+        for ev in events:
+            if paced:
                 await asyncio.sleep(pace_s)
             await resp.write(ev)
+        await resp.write(tail)
         await resp.write_eof()
         return resp
 

@@ -20,7 +20,8 @@ Contract:
   vLLM servers started by anything else in the same environment are untouched.
 * With it set, every ``SpinCondition`` created afterwards in that process gets that window
   (seconds; ``0`` parks at once). Writers are unaffected (vLLM sets theirs to 0).
-* If this vLLM has no ``SpinCondition(busy_loop_s=...)`` the plugin logs a warning and leaves
+* If this vLLM has no ``SpinCondition(busy_loop_s=...)``, or no recheck interval to shorten
+  (below), the plugin logs a warning and leaves
   vLLM as it is (a newer vLLM may have its own knob); a malformed value is a ``ValueError``
   that stops the server at start, with the variable's name in the message.
 * With it set, a parked reader also re-reads the queue's written-flag every
@@ -92,14 +93,13 @@ def register() -> None:
         return
     from vllm.distributed.device_communicators import shm_broadcast
 
+    if not isinstance(getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None), int):
+        # no recheck to shorten: parking often would risk long lost-ping stalls
+        log.warning("kvrelay: this vLLM has no SHM_READER_RECHECK_INTERVAL_MS; %s is ignored", BUSY_LOOP_ENV)
+        return
     if not apply(shm_broadcast.SpinCondition, seconds):
         log.warning("kvrelay: this vLLM's SpinCondition has no busy_loop_s; %s is ignored", BUSY_LOOP_ENV)
         return
-    if isinstance(getattr(shm_broadcast, "SHM_READER_RECHECK_INTERVAL_MS", None), int):
-        shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_MS
-    else:                       # no recheck to shorten: parking often would risk long lost-ping stalls
-        apply(shm_broadcast.SpinCondition, 1.0)
-        log.warning("kvrelay: this vLLM has no SHM_READER_RECHECK_INTERVAL_MS; keeping its 1 s busy window")
-        return
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = RECHECK_MS
     log.debug("kvrelay: message-queue readers busy-wait %.4f s, then park with a %d ms recheck",
               seconds, RECHECK_MS)

@@ -50,10 +50,9 @@ class Pool:
         if not live:
             raise NoHealthyNode(f"no healthy {self.name} node")
         if self.policy is RoutingPolicy.CACHE_AWARE and hits and any(hits):
-            def score(n: Node) -> tuple[float, int]:
-                return (hits[self.nodes.index(n)] - load_weight * n.outstanding, -n.outstanding)
-            best = max(score(n) for n in live)
-            return self._turn([n for n in live if score(n) == best])
+            scores = [(hits[self.nodes.index(n)] - load_weight * n.outstanding, -n.outstanding) for n in live]
+            best = max(scores)
+            return self._turn([n for n, sc in zip(live, scores, strict=True) if sc == best])
         if self.policy in (RoutingPolicy.LEAST_OUTSTANDING, RoutingPolicy.CACHE_AWARE):
             low = min(n.outstanding for n in live)
             return self._turn([n for n in live if n.outstanding == low])
@@ -61,6 +60,7 @@ class Pool:
 
     def _turn(self, tied: list[Node]) -> Node:
         return tied[next(self._rr) % len(tied)]
+
 
 def parse_decode(entry: str) -> Node:
     """``"http://host:8101=tcp://host:9100"`` -> Node(url, kv_endpoint)."""

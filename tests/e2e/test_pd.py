@@ -24,6 +24,7 @@ from tests.e2e.harness import (
     openai_client,
     raw_post,
     run_case,
+    scrape,
     start_stack,
     thread_cpu,
 )
@@ -305,14 +306,7 @@ def test_client_sees_what_one_vllm_emits(pd_stack, reference):
 
 def _fallbacks(router_url: str) -> float:
     """The router's count of requests sent down the decode path for a feature it cannot split."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{router_url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == "kvrelay_router_errors_total" and s.labels.get("cause") == "first_token_fallback")
+    return scrape(f"{router_url}/metrics").get('kvrelay_router_errors_total{cause="first_token_fallback"}', 0.0)
 
 
 def _text(events: list) -> str:
