@@ -32,7 +32,7 @@ from transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone,
 from transport.keys import chunk_keys
 from transport.pool import PAGE, round_up
 from transport.receiver import Receiver
-from transport.wire import HEADER_SIZE, check_payload
+from transport.wire import HEADER_SIZE, check_payload, check_regions
 
 if TYPE_CHECKING:
     from decode.connector import LoadSpec
@@ -235,11 +235,8 @@ class InstallWorker(WorkerBase):
                 raise KVRelayError(f"chunk {c} shape {ev.header.num_layers}x{ev.header.num_blocks} blocks; "
                                    f"expected {self.layout.num_layers}x{len(blocks)}")
             t0, w0 = time.monotonic(), time.time()
-            src = self._verified_payload(ev).view(self.layout.num_layers, len(blocks), self.layout.bytes_per_block)
             skip = max(0, load.spec.local_tokens // self.block_size - c * self.blocks_per_chunk)
-            ids = torch.tensor(blocks[skip:], dtype=torch.int64)
-            if len(ids):
-                scatter(self.layout, ids.to(self.layout.device), src[:, skip:].to(self.layout.device))
+            self._scatter_verified(ev, blocks, skip)
             load.installed.add(c)
             self.metrics.load_latency.observe(time.monotonic() - t0)
             self.metrics.chunks.labels("decode", "installed").inc()
@@ -252,18 +249,29 @@ class InstallWorker(WorkerBase):
         finally:
             self.receiver.release(ev)
 
-    def _verified_payload(self, ev: ChunkArrival) -> torch.Tensor:
-        """The chunk's payload, checked: bytes the transport hashed as they landed (tcp) are
-        used in place; otherwise one read of the slot into private memory, hashed there, so the
-        bytes installed are exactly the bytes verified - a late write into the slot cannot
-        slip in between. Raises ChecksumError."""
-        assert self.receiver is not None
+    def _scatter_verified(self, ev: ChunkArrival, blocks: list[int], skip: int) -> None:
+        """Install the chunk's payload (``[layer][block]``) into ``blocks[skip:]``, verified.
+
+        Bytes the transport hashed as they landed (tcp) are scattered from the slot. Otherwise
+        the one copy is the install itself, and the hash is taken over what it wrote: the
+        installed blocks read back from the engine's cache (plus the slot's bytes of the
+        ``skip`` blocks D already held), so the bytes verified are exactly the bytes installed
+        and a late write into the slot cannot slip in between. A mismatch raises ChecksumError
+        after the blocks were written; the caller reports them for recompute, which overwrites
+        them. Device caches take one private host copy, verified, then the scatter."""
+        assert self.receiver is not None and self.layout is not None
+        layout = self.layout
         src = torch.frombuffer(self.receiver.payload(ev), dtype=torch.uint8)
-        if ev.verified:
-            return src
-        private = src.clone()
-        check_payload(ev.header, private.numpy().data)
-        return private
+        src = src.view(layout.num_layers, len(blocks), layout.bytes_per_block)     # [L, n, bpb]
+        if not ev.verified and layout.device.type != "cpu":
+            src = src.clone()
+            check_payload(ev.header, src.numpy().data)
+        ids = torch.tensor(blocks[skip:], dtype=torch.int64)
+        if len(ids):
+            scatter(layout, ids.to(layout.device), src[:, skip:].to(layout.device))
+        if not ev.verified and layout.device.type == "cpu":
+            check_regions(ev.header, [r for i in range(layout.num_layers) for r in
+                                      [src[i, :skip].numpy(), *(layout.block_view(i, b).numpy() for b in blocks[skip:])]])
 
     def _fail_rest(self, load: _Load, reason: str) -> None:
         for c in range(self._first_chunk(load), len(load.keys)):

@@ -172,5 +172,11 @@ def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | No
 
 def check_payload(hdr: ChunkHeader, payload: Buffer) -> None:
     """Raise :class:`ChecksumError` unless ``payload`` is the bytes ``hdr`` was made for."""
-    if xxhash.xxh3_64_intdigest(payload) != hdr.payload_sum:
+    check_regions(hdr, (payload,))
+
+
+def check_regions(hdr: ChunkHeader, regions: Sequence[Buffer]) -> None:
+    """Raise :class:`ChecksumError` unless the concatenation of ``regions`` (read in place,
+    never joined) is the payload ``hdr`` was made for."""
+    if payload_checksum(regions) != hdr.payload_sum:
         raise ChecksumError(f"payload checksum mismatch in chunk {hdr.chunk_index} (key {hdr.key.hex()[:16]})")

@@ -248,3 +248,27 @@ def test_a_granted_transfer_that_waits_costs_little_cpu(backend):
         assert min(shares) < 0.10, f"the receiver process used {min(shares):.0%} of a core with nothing arriving"
         peer.call("abort", "idle")
         drain(receiver, "idle")
+
+
+def test_nixl_in_peer_error_mode_delivers_intact_and_detects_a_dead_sender():
+    """``transport.nixl_error_mode: peer`` (UCX's error handling on, NIXL's default): writes go
+    over another UCX lane than in mode ``none`` (FACTS.md), so check delivery and a sender's
+    death in that mode too, with the same mode on both sides as the option requires."""
+    cfg = make_cfg("nixl", **{"transport.nixl_error_mode": "peer", "timeouts.peer_s": 1.0})
+    with open_pair(cfg) as (receiver, peer):
+        assert receiver.backend.error_mode == "peer"
+        peer.call("prepare", "src", sum(SIZES), 99)
+        offs = [sum(SIZES[:i]) for i in range(len(SIZES))]
+        peer.call("alloc", "peer-mode", keys_for("peer-mode", len(SIZES)), [HEADER_SIZE + n for n in SIZES])
+        want = {i: peer.call("digest", "src", off, n) for i, (off, n) in enumerate(zip(offs, SIZES, strict=True))}
+        for i, (off, n) in enumerate(zip(offs, SIZES, strict=True)):
+            peer.call("write", "peer-mode", i, "src", off, n)
+        events = drain(receiver, "peer-mode")
+        assert {ev.chunk_index: d for ev, d in events if isinstance(ev, ChunkArrival)} == want
+        assert isinstance(events[-1][0], TransferDone)
+        peer.call("alloc", "dies", keys_for("dies", 4), [HEADER_SIZE + 65536] * 4)
+        peer.call("write", "dies", 0, "src", 0, 65536)
+        peer.kill()
+        events = drain(receiver, "dies", timeout=5)
+        assert isinstance(events[-1][0], TransferFailed) and events[-1][0].reason is FailReason.PEER_DEAD
+        assert_no_leases(receiver)

@@ -1,0 +1,103 @@
+"""Verify-in-install on the decode node: a chunk the transport did not hash on arrival (nixl,
+shm, ucx) is scattered straight from its slot into the engine's blocks, and the checksum is
+taken over the bytes that were written - the installed blocks read back, plus the slot's
+bytes of blocks D already held. The bytes installed are then exactly the bytes verified, and
+no private copy of the chunk is made on a CPU cache."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from core import config as kcfg  # noqa: E402
+from decode.connector import LoadSpec  # noqa: E402
+from decode.installer import InstallWorker, _Load  # noqa: E402
+from transport.events import ChunkArrival  # noqa: E402
+from transport.pool import SlotRef  # noqa: E402
+from transport.wire import make_header  # noqa: E402
+
+BLOCK, CHUNK, LAYERS, NUM_BLOCKS = 16, 32, 3, 12          # 2 blocks per chunk
+
+
+class SlotStub:
+    """The receiver's two calls an install makes: the slot's payload bytes, and the release."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.buf = bytearray(payload)
+        self.released = 0
+
+    def payload(self, ev: ChunkArrival) -> memoryview:
+        return memoryview(self.buf)
+
+    def release(self, ev: ChunkArrival) -> None:
+        self.released += 1
+
+
+@pytest.fixture
+def worker():
+    cfg = kcfg.load(overrides=[f"chunk_tokens={CHUNK}", "transport.backend=tcp", "connector.helper_cpus=inherit"])
+    vc = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK),
+                         model_config=SimpleNamespace(model="t", max_model_len=256),
+                         parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1),
+                         kv_transfer_config=SimpleNamespace(engine_id="install-verify"))
+    w = InstallWorker(cfg, vc)
+    stacked = torch.zeros((LAYERS, NUM_BLOCKS, 2, BLOCK, 8))           # CPU attention: one plane per layer
+    w.register({f"l{i}": stacked[i] for i in range(LAYERS)})
+    real = w.receiver
+    yield w
+    w.receiver = real
+    w.close()
+
+
+def _chunk(w: InstallWorker, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (LAYERS, 2, w.layout.bytes_per_block), dtype=torch.uint8, generator=g)
+
+
+def _arrive(w: InstallWorker, payload: torch.Tensor, *, local_tokens: int = 0, corrupt: int | None = None):
+    """Install ``payload`` as chunk 0 of a 32-token prompt into blocks [5, 9]; return the load."""
+    spec = LoadSpec("r", "t", list(range(CHUNK)), [5, 9], local_tokens, CHUNK - local_tokens)
+    load = _Load(spec, keys=[b"k" * 32])
+    regions = [payload[i, b].numpy() for i in range(LAYERS) for b in range(2)]
+    header = make_header(b"k" * 32, "t", 0, regions, num_layers=LAYERS, num_blocks=2)
+    body = bytearray(payload.numpy().tobytes())
+    if corrupt is not None:
+        body[corrupt] ^= 0xFF                              # a byte flipped after the checksum was taken
+    w.receiver = SlotStub(bytes(body))
+    w._install(load, ChunkArrival("t", 0, b"k" * 32, SlotRef(0, 1), header, 0.0, verified=False))
+    return load
+
+
+def _installed(w: InstallWorker, blocks: list[int]) -> torch.Tensor:
+    return torch.stack([torch.stack([w.layout.block_view(i, b) for b in blocks]) for i in range(LAYERS)])
+
+
+def test_an_intact_chunk_is_installed_byte_exact(worker):
+    payload = _chunk(worker, 1)
+    load = _arrive(worker, payload)
+    assert load.installed == {0} and not load.failed
+    assert torch.equal(_installed(worker, [5, 9]), payload)
+    assert worker.receiver.released == 1
+
+
+def test_a_corrupt_chunk_is_caught_after_install_and_reported(worker):
+    load = _arrive(worker, _chunk(worker, 2), corrupt=worker.layout.bytes_per_block * 3 + 7)
+    assert load.failed and 0 in load.failed and "checksum" in load.failed[0]
+    assert load.installed == set() and worker.receiver.released == 1
+
+
+def test_blocks_d_already_held_are_not_written_but_still_verified(worker):
+    """local_tokens=16: D's own prefix cache holds block 5; only block 9 is written, and the
+    checksum still covers the whole payload (the held block's bytes read from the slot)."""
+    before = worker.layout.block_view(0, 5).clone()
+    payload = _chunk(worker, 3)
+    load = _arrive(worker, payload, local_tokens=BLOCK)
+    assert load.installed == {0} and not load.failed
+    assert torch.equal(worker.layout.block_view(0, 5), before)
+    assert torch.equal(_installed(worker, [9]), payload[:, 1:])
+    held_byte = worker.layout.bytes_per_block * 2 + 7          # layer 1, block 0: a block D holds
+    assert _arrive(worker, _chunk(worker, 4), local_tokens=BLOCK, corrupt=held_byte).failed
