@@ -270,8 +270,11 @@ class InstallWorker(WorkerBase):
         if len(ids):
             scatter(layout, ids.to(layout.device), src[:, skip:].to(layout.device))
         if not ev.verified and layout.device.type == "cpu":
-            check_regions(ev.header, [r for i in range(layout.num_layers) for r in
-                                      [src[i, :skip].numpy(), *(layout.block_view(i, b).numpy() for b in blocks[skip:])]])
+            regions = []                      # the payload's [layer][block] order, as installed
+            for i in range(layout.num_layers):
+                regions.append(src[i, :skip].numpy().data)
+                regions += [layout.block_view(i, b).numpy().data for b in blocks[skip:]]
+            check_regions(ev.header, regions)
 
     def _fail_rest(self, load: _Load, reason: str) -> None:
         for c in range(self._first_chunk(load), len(load.keys)):
