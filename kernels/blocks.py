@@ -146,8 +146,25 @@ def gather_ref(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> 
     return out
 
 
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """``(position in the chunk, first block id, length)`` of each run of consecutive ids."""
+    runs, start = [], 0
+    for k in range(1, len(block_ids) + 1):
+        if k == len(block_ids) or block_ids[k] != block_ids[k - 1] + 1:
+            runs.append((start, block_ids[start], k - start))
+            start = k
+    return runs
+
+
 def scatter_ref(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-    """Write ``src`` ([L, n, bytes_per_block] uint8) into blocks ``block_ids`` of every layer."""
+    """Write ``src`` ([L, n, bytes_per_block] uint8) into blocks ``block_ids`` of every layer.
+
+    On CPU, ``index_copy_`` copies index by index (~4 GB/s for a 2 MiB chunk here, 2.5x
+    slower than a copy); a run of consecutive block ids (what a fresh request is mostly
+    given) is one sliced copy over all layers instead."""
+    if block_ids.device.type == "cpu":
+        _scatter_runs(layout, block_ids, src)
+        return
     if layout.stacked is not None:
         bpb = layout.bytes_per_block
         _words(layout.stacked, bpb).index_copy_(1, block_ids, _words(src, bpb))
@@ -155,6 +172,16 @@ def scatter_ref(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) ->
     shape = layout.block_shape()
     for i, t in enumerate(layout.layers):
         t.index_copy_(0, block_ids, src[i].view(t.dtype).reshape(len(block_ids), *shape))
+
+
+def _scatter_runs(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+    shape = layout.block_shape()
+    for pos, first, n in _runs(block_ids.tolist()):
+        if layout.stacked is not None:
+            layout.stacked[:, first:first + n].copy_(src[:, pos:pos + n])    # [L, n, bpb] in one copy
+            continue
+        for i, t in enumerate(layout.layers):
+            t[first:first + n].copy_(src[i, pos:pos + n].view(t.dtype).reshape(n, *shape))
 
 
 def _fast_path(layout: KVLayout) -> bool:

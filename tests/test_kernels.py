@@ -142,3 +142,25 @@ def test_cuda_gather_scatter_match_reference():
     cuda.scatter(KVLayout.from_caches(dst_got), ids, got)
     for k in dst_ref:
         assert torch.equal(dst_ref[k], dst_got[k])
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["stacked", "per-layer"])
+def test_scatter_in_runs_of_consecutive_blocks_matches_per_block_copies(separate):
+    """The CPU scatter copies each run of consecutive block ids in one slice; every block must
+    still land where a block-by-block copy would put it, and no other block may change."""
+    from kernels.blocks import _runs
+
+    ids = [5, 6, 7, 1, 10, 11]
+    assert _runs(ids) == [(0, 5, 3), (3, 1, 1), (4, 10, 2)] and _runs([]) == []
+    src_caches, dst_caches = vllm_like_caches(seed=3), vllm_like_caches(seed=4)
+    if separate:
+        dst_caches = {k: v.clone() for k, v in dst_caches.items()}
+    before = {k: v.clone() for k, v in dst_caches.items()}
+    src, dst = KVLayout.from_caches(src_caches), KVLayout.from_caches(dst_caches)
+    chunk = gather_to_host(src, [0, 2, 4, 6, 8, 9])
+    scatter(dst, torch.tensor(ids), chunk)
+    for name in dst_caches:
+        for j, b in enumerate(ids):
+            assert torch.equal(dst_caches[name][b], src_caches[name][[0, 2, 4, 6, 8, 9][j]])
+        untouched = [b for b in range(NB) if b not in ids]
+        assert torch.equal(dst_caches[name][untouched], before[name][untouched])
