@@ -15,13 +15,14 @@ Request lifecycle on a decode node (D)
    socket P connects to). ``start_load_kv`` starts one install task per new load:
    it waits for chunk events of transfer ``T`` and, **as each chunk lands**, checks
    its key against the keys D computed from its own prompt tokens, scatters its
-   blocks into the engine's paged KV cache and frees the slot. Chunk 1 is installed
+   blocks into the engine's paged KV cache (verifying the bytes it wrote where the
+   transport did not hash them on arrival) and frees the slot. Chunk 1 is installed
    while chunk 2.. are still in flight.
 4. When every chunk is installed (or has failed) ``get_finished`` reports the
    request in ``finished_recving``; vLLM then schedules it, recomputing only the
    last prompt token to sample the first output token.
 5. A chunk that fails (checksum, wrong key, lease expiry, dead P, timeout) is never
-   installed: its blocks - and everything after them - are reported through
+   used: its blocks - and everything after them - are reported through
    ``get_block_ids_with_load_errors`` and, under ``load_failure_policy: recompute``
    (default), vLLM recomputes from the first bad block; under ``fail`` the request
    errors. Per request the worker logs and counts loaded vs recomputed tokens.
