@@ -237,25 +237,6 @@ def test_corrupted_chunks_are_rejected_and_recomputed(corrupt_stack, reference, 
     assert after - before == d["recomputed_tokens"]
 
 
-def test_corrupted_chunks_over_nixl_are_caught_in_the_install_and_recomputed(reference, tiny_model, tmp_path):
-    """nixl does not hash on arrival: the decode node scatters each chunk from its slot and
-    verifies the bytes it installed (decode/installer.py). Corrupted chunks must fail that
-    check, be recomputed, and the answer must stay exact."""
-    handle = start_stack(tiny_model, tmp_path, 19200, transport__backend="nixl",
-                         connector__push_hook="tests.e2e.faults:corrupt_every_other")
-    try:
-        case = CASES[7]
-        rid = _rid(handle, case)
-        text, _ = run_case(openai_client(handle.router_url), case, rid)
-        d = next(e for e in handle.wait_events(rid, {"load_done"}) if e["event"] == "load_done")
-        assert d["failed"] and all("checksum" in why for why in d["failed"].values()), d
-        assert d["recomputed_tokens"] > 0
-        assert text == reference[case.name], "recompute fallback must still give the exact answer"
-        assert handle.worker_metrics(Role.DECODE)["kvrelay_tokens_recomputed_total"] == d["recomputed_tokens"]
-    finally:
-        handle.stack.stop()
-
-
 def test_prometheus_scrapes_the_stack_and_the_recompute_alert_fires(corrupt_stack, reference, tmp_path):
     """A real Prometheus scrapes the stack (worker exporters, router) with the shipped alert
     rules (windows shortened): corrupted pushes make the recompute-ratio and checksum alerts
@@ -360,3 +341,23 @@ def test_features_that_cannot_be_split_fall_back_and_stay_exact(pd_stack, refere
         split = pd_stack.cfg.router.first_token.value == "prefill"       # only then is there a fallback
         assert _fallbacks(pd_stack.router_url) == before + split, f"{name} did not take the decode path"
         assert text(got) == text(want) and got["usage"] == want["usage"], name
+
+
+def test_corrupted_chunks_over_nixl_are_caught_in_the_install_and_recomputed(reference, tiny_model, tmp_path):
+    """nixl does not hash on arrival: the decode node scatters each chunk from its slot and
+    verifies the bytes it installed (decode/installer.py). Corrupted chunks must fail that
+    check, be recomputed, and the answer must stay exact. Defined last: its stack replaces
+    the active one (harness.start_stack), so it must run after every test of the others."""
+    handle = start_stack(tiny_model, tmp_path, 19200, transport__backend="nixl",
+                         connector__push_hook="tests.e2e.faults:corrupt_every_other")
+    try:
+        case = CASES[7]
+        rid = _rid(handle, case)
+        text, _ = run_case(openai_client(handle.router_url), case, rid)
+        d = next(e for e in handle.wait_events(rid, {"load_done"}) if e["event"] == "load_done")
+        assert d["failed"] and all("checksum" in why for why in d["failed"].values()), d
+        assert d["recomputed_tokens"] > 0
+        assert text == reference[case.name], "recompute fallback must still give the exact answer"
+        assert handle.worker_metrics(Role.DECODE)["kvrelay_tokens_recomputed_total"] == d["recomputed_tokens"]
+    finally:
+        handle.stack.stop()
