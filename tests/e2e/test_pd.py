@@ -225,15 +225,21 @@ def corrupt_stack(reference, tiny_model, tmp_path_factory):
 @pytest.mark.parametrize("case", [CASES[4], CASES[7], CASES[10]], ids=lambda c: c.name)
 def test_corrupted_chunks_are_rejected_and_recomputed(corrupt_stack, reference, case):
     """Negative control: every other pushed chunk is corrupted after checksumming."""
-    before = corrupt_stack.worker_metrics(Role.DECODE).get("kvrelay_tokens_recomputed_total", 0)
-    rid = _rid(corrupt_stack, case)
-    text, _ = run_case(openai_client(corrupt_stack.router_url), case, rid)
-    d = next(e for e in corrupt_stack.wait_events(rid, {"load_done"}) if e["event"] == "load_done")
+    _assert_corrupted_chunks_recomputed(corrupt_stack, reference, case)
+
+
+def _assert_corrupted_chunks_recomputed(stack, reference, case) -> None:
+    """Serve ``case`` on a stack whose prefill node corrupts every other chunk: the load must
+    report checksum failures, recompute them, count them, and the answer must stay exact."""
+    before = stack.worker_metrics(Role.DECODE).get("kvrelay_tokens_recomputed_total", 0)
+    rid = _rid(stack, case)
+    text, _ = run_case(openai_client(stack.router_url), case, rid)
+    d = next(e for e in stack.wait_events(rid, {"load_done"}) if e["event"] == "load_done")
     assert d["failed"], d
     assert all("checksum" in why for why in d["failed"].values()), d
     assert d["recomputed_tokens"] > 0
     assert text == reference[case.name], "recompute fallback must still give the exact answer"
-    after = corrupt_stack.worker_metrics(Role.DECODE)["kvrelay_tokens_recomputed_total"]
+    after = stack.worker_metrics(Role.DECODE)["kvrelay_tokens_recomputed_total"]
     assert after - before == d["recomputed_tokens"]
 
 
@@ -351,13 +357,6 @@ def test_corrupted_chunks_over_nixl_are_caught_in_the_install_and_recomputed(ref
     handle = start_stack(tiny_model, tmp_path, 19200, transport__backend="nixl",
                          connector__push_hook="tests.e2e.faults:corrupt_every_other")
     try:
-        case = CASES[7]
-        rid = _rid(handle, case)
-        text, _ = run_case(openai_client(handle.router_url), case, rid)
-        d = next(e for e in handle.wait_events(rid, {"load_done"}) if e["event"] == "load_done")
-        assert d["failed"] and all("checksum" in why for why in d["failed"].values()), d
-        assert d["recomputed_tokens"] > 0
-        assert text == reference[case.name], "recompute fallback must still give the exact answer"
-        assert handle.worker_metrics(Role.DECODE)["kvrelay_tokens_recomputed_total"] == d["recomputed_tokens"]
+        _assert_corrupted_chunks_recomputed(handle, reference, CASES[7])
     finally:
         handle.stack.stop()
