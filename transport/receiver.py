@@ -139,16 +139,25 @@ class Receiver:
         self._queues: dict[str, queue.SimpleQueue[Event]] = {}
         self._peers: dict[str, float] = {}                          # sender id -> last seen
         self._pending: list[_Pending] = []
-        self._ctx: zmq.Context = zmq.Context.instance()
+        # A context of its own, terminated in close(): ZeroMQ closes a socket's listener on its
+        # I/O thread, after close() returns; only term() waits for it. With the process-wide
+        # context, a decode node restarted in the same process found its port still bound.
+        self._ctx: zmq.Context = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, transport.max_message_bytes + 4096)
         host, port = transport.host, transport.control_port
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._sock.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            self._ctx.term()
+            self.pool.close()
+            raise TransportError(f"cannot bind the control endpoint tcp://{host}:{port}: {exc}") from exc
         self.endpoint = f"tcp://{host}:{port}"
         self._stop = threading.Event()
         self.backend.start(self.pool, ReceiverHooks(self._deliver, self._admit, self._peer_lost,
@@ -583,9 +592,12 @@ class Receiver:
             self.finish(tid)
 
     def close(self) -> None:
+        """Stop the control loop and free everything. Blocks until the control endpoint is
+        unbound: a new receiver can bind the same port as soon as this returns."""
         self._stop.set()
         self._thread.join(timeout=5)
         self._sock.close(linger=0)
+        self._ctx.term()
         self.backend.close()
         self.pool.close()
 

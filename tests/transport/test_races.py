@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import queue
 import threading
 import time
 
@@ -183,14 +184,22 @@ def _lanes_child(backend: str, endpoints: list[str], out) -> None:
 
     cfg = make_cfg(backend)
     src = np.random.default_rng(5).integers(0, 256, CHUNKS * 2 * BLOCK, dtype=np.uint8)
-    out.put(hashlib.sha256(src).hexdigest())
+    out.put(("source", hashlib.sha256(src).hexdigest()))
 
     def lane(k: int, endpoint: str) -> None:
+        try:
+            push_all(k, endpoint)
+        except Exception as exc:
+            out.put(("error", f"lane {k}: {type(exc).__name__}: {exc}"))
+            raise
+
+    def push_all(k: int, endpoint: str) -> None:
         s = Sender(cfg.transport, cfg.timeouts, endpoint, make_sender_backend(cfg.transport), FP)
         s.connect()
         named = s.backend.capabilities.registered_layout
         if named:
             s.register_layout(SourceLayout((MemRegion(int(src.ctypes.data), src.nbytes),), BLOCK))
+        out.put(("ready", k))
         for t in range(PUSHES):
             tid = f"lane{k}-{t}"
             a = s.alloc(tid, keys_for(tid, CHUNKS), [HEADER_SIZE + 2 * BLOCK] * CHUNKS)
@@ -210,6 +219,32 @@ def _lanes_child(backend: str, endpoints: list[str], out) -> None:
         t.start()
     for t in threads:
         t.join()
+
+
+def _lanes_ready(out, timeout: float) -> str:
+    """Wait until every lane of the child has connected; the source's digest. A lane that
+    failed first is the assertion's message."""
+    source, ready, deadline = None, set(), time.monotonic() + timeout
+    while source is None or len(ready) < LANES:
+        try:
+            kind, value = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"lanes {sorted(ready)} of {LANES} connected after {timeout} s") from None
+        assert kind != "error", value
+        if kind == "source":
+            source = value
+        else:
+            ready.add(value)
+    return source
+
+
+def _child_errors(out) -> list[str]:
+    errors = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            kind, value = out.get(timeout=1)
+            errors += [value] if kind == "error" else []
+    return errors
 
 
 def test_senders_on_parallel_lane_threads_of_one_process_all_deliver(backend):
@@ -256,14 +291,14 @@ def test_senders_on_parallel_lane_threads_of_one_process_all_deliver(backend):
 
     try:
         child.start()
+        source = _lanes_ready(out, 60)               # spawn + imports + connects: not in the timeouts below
         consumers = [threading.Thread(target=consume, args=(k,)) for k in range(LANES)]
         for c in consumers:
             c.start()
         for c in consumers:
             c.join(120)
         assert not any(c.is_alive() for c in consumers), "a consumer is still waiting after 120 s"
-        assert not failed, failed[:5]
-        source = out.get(timeout=5)
+        assert not failed, failed[:5] + _child_errors(out)
         assert set(digests.values()) == {source}, f"{sum(d != source for d in digests.values())} transfers differ"
         for r in receivers:
             assert_no_leases(r)

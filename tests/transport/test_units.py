@@ -122,3 +122,60 @@ def test_release_owner_keeps_held_slots():
         pool.release(r[0])
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_closed_receivers_port_binds_again_at_once_and_a_taken_port_fails_cleanly(backend):
+    """close() returns only once the control endpoint is unbound (a decode node restarted in
+    the same process rebinds its port - ZeroMQ unbinds asynchronously on a shared context). A
+    port someone else holds is a clear TransportError that leaves no pool behind."""
+    import socket
+
+    import zmq
+
+    from tests.transport.conftest import make_cfg, make_receiver
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = make_cfg(backend, **{"transport.control_port": port})
+    peer = zmq.Context.instance().socket(zmq.DEALER)          # a sender that keeps reconnecting
+    peer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for _ in range(30):
+            make_receiver(cfg).close()
+    finally:
+        peer.close(linger=0)
+    shm_before = set(os.listdir("/dev/shm"))
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # the peer's old connections
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        with pytest.raises(TransportError, match=f"cannot bind the control endpoint tcp://127.0.0.1:{port}"):
+            make_receiver(cfg)
+    assert set(os.listdir("/dev/shm")) == shm_before
+
+
+def test_ucxx_imported_from_racing_threads_leaves_the_environment_as_it_was():
+    """Importing ucxx writes CUDA-tuned ``UCX_*`` variables (``UCX_RNDV_FRAG_MEM_TYPE=cuda``
+    ...) that the backend removes again; lane threads that create their senders at once must not
+    restore them for good. In a fresh interpreter: the import is what is under test."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("ucxx")
+    code = ("import os, threading\n"
+            "from transport.backends.ucx import _import_ucxx\n"
+            "before = {k for k in os.environ if k.startswith('UCX_')}\n"
+            "import time\n"
+            "def run(i):\n"
+            "    time.sleep(i * 0.005); _import_ucxx()\n"    # staggered over the whole import
+            "ts = [threading.Thread(target=run, args=(i,)) for i in range(200)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n"
+            "print(sorted({k for k in os.environ if k.startswith('UCX_')} - before))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                             text=True, timeout=120, check=True)
+        assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -47,22 +47,33 @@ from transport.wire import HEADER_SIZE, transfer_tag
 
 log = logging.getLogger(__name__)
 _UCXX: Any = None
+_IMPORT_LOCK = threading.Lock()
 
 
 def _import_ucxx() -> Any:
+    """ucxx's modules, imported once. Locked: lane threads create their senders at the same
+    time, and a thread that saved the environment while another was importing would restore
+    ucxx's CUDA-tuned ``UCX_*`` variables for good."""
     global _UCXX
-    if _UCXX is None:
-        saved = dict(os.environ)
-        try:
-            from ucxx._lib import libucxx
-            from ucxx._lib.arr import Array
-        except ImportError as exc:
-            raise TransportError("ucxx is not installed: pip install ucxx-cu12") from exc
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
-        _UCXX = (libucxx, Array)
+    if _UCXX is not None:                      # every post and write asks: no lock once imported
+        return _UCXX
+    with _IMPORT_LOCK:
+        if _UCXX is None:
+            _UCXX = _import_restoring_environ()
     return _UCXX
+
+
+def _import_restoring_environ() -> Any:
+    saved = dict(os.environ)
+    try:
+        from ucxx._lib import libucxx
+        from ucxx._lib.arr import Array
+    except ImportError as exc:
+        raise TransportError("ucxx is not installed: pip install ucxx-cu12") from exc
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return libucxx, Array
 
 
 def ucx_tag(ref: SlotRef | Grant, part: int, token: bytes) -> int:
