@@ -47,6 +47,7 @@ import zmq
 from transport import protocol as P
 from transport.backends.base import ReceiverBackend, ReceiverHooks
 from transport.config import TimeoutConfig, TransportConfig
+from transport.control import ControlSocket
 from transport.errors import (
     ChecksumError,
     ChunkError,
@@ -139,26 +140,12 @@ class Receiver:
         self._queues: dict[str, queue.SimpleQueue[Event]] = {}
         self._peers: dict[str, float] = {}                          # sender id -> last seen
         self._pending: list[_Pending] = []
-        # A context of its own, terminated in close(): ZeroMQ closes a socket's listener on its
-        # I/O thread, after close() returns; only term() waits for it. With the process-wide
-        # context, a decode node restarted in the same process found its port still bound.
-        self._ctx: zmq.Context = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, transport.max_message_bytes + 4096)
-        host, port = transport.host, transport.control_port
         try:
-            if port:
-                self._sock.bind(f"tcp://{host}:{port}")
-            else:
-                port = self._sock.bind_to_random_port(f"tcp://{host}")
-        except zmq.ZMQError as exc:
-            self._sock.close(linger=0)
-            self._ctx.term()
+            self._control = ControlSocket(transport.host, transport.control_port, transport.max_message_bytes)
+        except TransportError:
             self.pool.close()
-            raise TransportError(f"cannot bind the control endpoint tcp://{host}:{port}: {exc}") from exc
-        self.endpoint = f"tcp://{host}:{port}"
+            raise
+        self._sock, self.endpoint = self._control.sock, self._control.endpoint
         self._stop = threading.Event()
         self.backend.start(self.pool, ReceiverHooks(self._deliver, self._admit, self._peer_lost,
                                                     self._chunk_failed, self._refused))
@@ -596,8 +583,7 @@ class Receiver:
         unbound: a new receiver can bind the same port as soon as this returns."""
         self._stop.set()
         self._thread.join(timeout=5)
-        self._sock.close(linger=0)
-        self._ctx.term()
+        self._control.close()
         self.backend.close()
         self.pool.close()
 
