@@ -50,8 +50,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="tcp,nixl", help="kvrelay transports to run")
     p.add_argument("--systems", default="single,single-p,kvrelay,nixl-fair,nixl-stock")
     p.add_argument("--first-token", default="prefill", help="kvrelay router.first_token settings to run (comma list)")
-    p.add_argument("--prefill-batch-tokens", type=int, default=512,
-                   help="P's --max-num-batched-tokens (chunked prefill lets pushes overlap compute; 0 = vLLM's)")
+    p.add_argument("--prefill-batch-tokens", type=int, default=0,
+                   help="P's --max-num-batched-tokens (0 = vLLM's, as the single baselines run; a smaller "
+                        "batch lets a long prompt's pushes overlap its later chunks but costs TTFT)")
     p.add_argument("--base-port", type=int, default=19100)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--quick", action="store_true", help="chunks 1,4,16, 1 rep")
