@@ -73,6 +73,28 @@ class Backoff:
 # not at tens of kHz - that cost ~23 % of a core per decode node on a 2-core host.
 IDLE_AFTER_S, IDLE_SLEEP_S = 5e-3, 1e-3
 
+def progress_loop(closed: threading.Event, wake: threading.Event, busy: Callable[[], bool],
+                  step: Callable[[], bool | None], backoff: Backoff) -> None:
+    """A receiver backend's progress thread; returns once ``closed`` is set.
+
+    While not ``busy()`` (nothing posted or granted) it sleeps on ``wake``. ``wake`` is set when
+    receives are posted: their data may come at once, so the backoff starts over. Otherwise it
+    calls ``step()``: True when it made progress (poll again at once), False when it did not
+    (back off), None when it waited by itself (someone else is driving progress).
+    """
+    while not closed.is_set():
+        if not busy() and not wake.wait(0.05):
+            continue
+        if wake.is_set():
+            wake.clear()
+            backoff.reset()
+        progressed = step()
+        if progressed:
+            backoff.reset()
+        elif progressed is False:
+            backoff.wait()
+
+
 T = TypeVar("T")
 
 

@@ -179,3 +179,47 @@ def test_ucxx_imported_from_racing_threads_leaves_the_environment_as_it_was():
         out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
                              text=True, timeout=120, check=True)
         assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_progress_loop_idles_until_woken_and_backs_off_only_without_progress():
+    """The receive backends' progress thread (nixl, ucx): no step while idle and not woken; a
+    wake restarts the backoff; progress resets it, no progress waits, None (the step waited by
+    itself) does neither; setting ``closed`` ends it."""
+    import threading
+    import time
+
+    from transport.polling import Backoff, progress_loop
+
+    class Recorder(Backoff):
+        def __init__(self) -> None:
+            super().__init__()
+            self.log: list[str] = []
+
+        def reset(self) -> None:
+            self.log.append("reset")
+
+        def wait(self) -> bool:
+            self.log.append("wait")
+            return True
+
+    closed, wake, backoff = threading.Event(), threading.Event(), Recorder()
+    script = [True, False, None]
+    busy = {"on": False}
+
+    def step() -> bool | None:
+        result = script.pop(0) if script else None
+        backoff.log.append(f"step:{result}")
+        if not script:
+            busy["on"] = False                         # nothing left to drive: go idle
+            closed.set()
+        return result
+
+    t = threading.Thread(target=progress_loop, args=(closed, wake, lambda: busy["on"], step, backoff))
+    t.start()
+    time.sleep(0.2)
+    assert backoff.log == []                           # idle, not woken: never stepped
+    busy["on"] = True
+    wake.set()
+    t.join(5)
+    assert not t.is_alive()
+    assert backoff.log == ["reset", "step:True", "reset", "step:False", "wait", "step:None"]

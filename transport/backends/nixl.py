@@ -62,7 +62,7 @@ from transport.backends.base import (
 )
 from transport.errors import HandshakeError, PeerDeadError, TransportError
 from transport.events import Refusal
-from transport.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff
+from transport.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff, progress_loop
 from transport.pool import ReceivePool, SlotRef
 from transport.protocol import Grant
 from transport.wire import HEADER_SIZE
@@ -202,20 +202,14 @@ class NixlReceiver(ReceiverBackend):
 
     def _poll_loop(self) -> None:
         """Background progress while transfers are active and no consumer is polling."""
-        backoff = Backoff(spin=0, max_sleep=100e-6, idle_after=IDLE_AFTER_S, idle_sleep=IDLE_SLEEP_S)
-        while not self._closed.is_set():
-            if self._active == 0 and not self._wake.wait(0.05):
-                continue
-            if self._wake.is_set():                   # a new grant: its chunks may come at once
-                self._wake.clear()
-                backoff.reset()
-            if time.monotonic() - self._consumer_polled < CONSUMER_GRACE_S:
-                time.sleep(CONSUMER_GRACE_S)          # a consumer is driving progress
-                continue
-            if self._drain():
-                backoff.reset()
-            else:
-                backoff.wait()
+        progress_loop(self._closed, self._wake, lambda: self._active > 0, self._background_step,
+                      Backoff(spin=0, max_sleep=100e-6, idle_after=IDLE_AFTER_S, idle_sleep=IDLE_SLEEP_S))
+
+    def _background_step(self) -> bool | None:
+        if time.monotonic() - self._consumer_polled < CONSUMER_GRACE_S:
+            time.sleep(CONSUMER_GRACE_S)              # a consumer is driving progress
+            return None
+        return self._drain() > 0
 
     def _on_notif(self, agent_name: str, raw: bytes) -> None:
         if len(raw) != NOTIF.size + HEADER_SIZE or raw[:4] != NOTIF_MAGIC:

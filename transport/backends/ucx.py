@@ -40,7 +40,7 @@ from transport.backends.base import (
     host_buffers,
 )
 from transport.errors import HandshakeError, TransportError
-from transport.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff
+from transport.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff, progress_loop
 from transport.pool import ReceivePool, SlotRef
 from transport.protocol import Grant
 from transport.wire import HEADER_SIZE, transfer_tag
@@ -140,24 +140,19 @@ class UcxReceiver(ReceiverBackend):
                                      else [s, c, r, k, h, p] for s, c, r, k, h, p in entries]
 
     def _poll_loop(self) -> None:
-        backoff = Backoff(spin=50, max_sleep=100e-6, idle_after=IDLE_AFTER_S, idle_sleep=IDLE_SLEEP_S)
-        while not self._closed.is_set():
-            if not self._posted and not self._wake.wait(0.05):
-                continue
-            if self._wake.is_set():                   # new receives posted: their chunks may come at once
-                self._wake.clear()
-                backoff.reset()
-            with self._lock:
-                self.worker.progress()
-                done, failed = self._collect()
-            for sender, chunk, ref, token, tid in done:
-                self._hooks.deliver(sender, transfer_tag(tid), chunk, ref, token)
-            for sender, chunk, ref, tid, reason in failed:
-                self._hooks.chunk_failed(sender, transfer_tag(tid), chunk, ref, reason)
-            if done:
-                backoff.reset()
-            else:
-                backoff.wait()
+        progress_loop(self._closed, self._wake, lambda: bool(self._posted), self._progress,
+                      Backoff(spin=50, max_sleep=100e-6, idle_after=IDLE_AFTER_S, idle_sleep=IDLE_SLEEP_S))
+
+    def _progress(self) -> bool:
+        """One progress pass: complete chunks are delivered, failed ones reported."""
+        with self._lock:
+            self.worker.progress()
+            done, failed = self._collect()
+        for sender, chunk, ref, token, tid in done:
+            self._hooks.deliver(sender, transfer_tag(tid), chunk, ref, token)
+        for sender, chunk, ref, tid, reason in failed:
+            self._hooks.chunk_failed(sender, transfer_tag(tid), chunk, ref, reason)
+        return bool(done)
 
     def _collect(self) -> tuple[list[tuple[str, int, SlotRef, bytes, str]], list[tuple[str, int, SlotRef, str, str]]]:
         done: list[tuple[str, int, SlotRef, bytes, str]] = []
