@@ -52,7 +52,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.75, help="body and answer lengths vary by +- this fraction")
     p.add_argument("--slo-ttft-ms", type=float, default=400.0, help="SLO: time to first token")
     p.add_argument("--slo-tpot-ms", type=float, default=30.0, help="SLO: time per output token after the first")
-    p.add_argument("--prefill-batch-tokens", type=int, default=512, help="P's --max-num-batched-tokens (0 = vLLM's)")
+    p.add_argument("--prefill-batch-tokens", type=int, default=0,
+                   help="P's --max-num-batched-tokens for both PD systems (0 = vLLM's, as the single baseline and `kvrelay up`)")
     p.add_argument("--base-port", type=int, default=19300)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--quick", action="store_true", help="rates 1,3 and 16 prompts each")
