@@ -73,6 +73,7 @@ class Backoff:
 # not at tens of kHz - that cost ~23 % of a core per decode node on a 2-core host.
 IDLE_AFTER_S, IDLE_SLEEP_S = 5e-3, 1e-3
 
+
 def progress_loop(closed: threading.Event, wake: threading.Event, busy: Callable[[], bool],
                   step: Callable[[], bool | None], backoff: Backoff) -> None:
     """A receiver backend's progress thread; returns once ``closed`` is set.

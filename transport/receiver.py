@@ -47,7 +47,6 @@ import zmq
 from transport import protocol as P
 from transport.backends.base import ReceiverBackend, ReceiverHooks
 from transport.config import TimeoutConfig, TransportConfig
-from transport.control import ControlSocket
 from transport.errors import (
     ChecksumError,
     ChunkError,
@@ -66,6 +65,7 @@ from transport.events import (
     TransferDone,
     TransferFailed,
 )
+from transport.listen import ListeningSocket
 from transport.polling import poll_queue, wait_queue
 from transport.pool import ReceivePool, SlotRef
 from transport.secrets import load_secret, same
@@ -141,7 +141,8 @@ class Receiver:
         self._peers: dict[str, float] = {}                          # sender id -> last seen
         self._pending: list[_Pending] = []
         try:
-            self._control = ControlSocket(transport.host, transport.control_port, transport.max_message_bytes)
+            self._control = ListeningSocket(zmq.ROUTER, "the control endpoint", transport.host, transport.control_port,
+                                            {zmq.ROUTER_MANDATORY: 0, zmq.MAXMSGSIZE: transport.max_message_bytes + 4096})
         except TransportError:
             self.pool.close()
             raise

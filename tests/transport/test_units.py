@@ -223,3 +223,31 @@ def test_progress_loop_idles_until_woken_and_backs_off_only_without_progress():
     t.join(5)
     assert not t.is_alive()
     assert backoff.log == ["reset", "step:True", "reset", "step:False", "wait", "step:None"]
+
+
+def test_the_store_event_publishers_port_binds_again_at_once_after_close():
+    """The store's event publisher listens on a fixed port too: closing it frees the port at
+    once (a prefill node's store restarted in the same process), and a taken port is a clear
+    TransportError."""
+    import socket
+
+    import zmq
+
+    from transport.store.events import Publisher
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    router = zmq.Context.instance().socket(zmq.SUB)           # a subscriber that keeps reconnecting
+    router.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        for _ in range(30):
+            Publisher("127.0.0.1", port).close()
+    finally:
+        router.close(linger=0)
+    first = Publisher("127.0.0.1", port)
+    try:
+        with pytest.raises(TransportError, match=f"cannot bind the store event publisher tcp://127.0.0.1:{port}"):
+            Publisher("127.0.0.1", port)
+    finally:
+        first.close()

@@ -13,6 +13,8 @@ import threading
 import msgspec
 import zmq
 
+from transport.listen import ListeningSocket
+
 STORE_EVENT_VERSION = 1
 
 
@@ -46,10 +48,8 @@ class Publisher:
     Nothing is published until :meth:`bind_engine` names the fingerprint and chunk size."""
 
     def __init__(self, host: str, port: int) -> None:
-        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 10000)
-        self._sock.bind(f"tcp://{host}:{port}")
+        self._listening = ListeningSocket(zmq.PUB, "the store event publisher", host, port, {zmq.SNDHWM: 10000})
+        self._sock = self._listening.sock
         self._lock = threading.Lock()
         self.fingerprint = b""
         self.chunk_tokens = 0
@@ -67,4 +67,4 @@ class Publisher:
 
     def close(self) -> None:
         with self._lock:
-            self._sock.close(linger=0)
+            self._listening.close()
