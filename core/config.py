@@ -94,7 +94,7 @@ class RouterConfig(Section, frozen=True):
     port: Port = 8000
     policy: RoutingPolicy = RoutingPolicy.ROUND_ROBIN
     tokenizer: str = ""              # cache_aware: tokenizer (model path) used to compute chunk keys
-    load_weight: float = 1.0         # cache_aware: chunks of cache hit one outstanding request is worth
+    load_weight: float = 1.0         # cache_aware: cost of one queued prompt token on a node, in cached tokens
     prefill: list[str] = msgspec.field(default_factory=list)   # http://host:port of prefill servers
     decode: list[str] = msgspec.field(default_factory=list)    # "http://host:port=tcp://host:kvport"
     health_interval_s: Seconds = 2.0
@@ -241,7 +241,7 @@ FIELD_HELP: dict[str, str] = {
     'router.port': 'router port (OpenAI API at /v1)',
     'router.policy': 'node choice: round_robin, least_outstanding or cache_aware (prefill: longest cached prefix, weighed by load)',
     'router.tokenizer': 'cache_aware: tokenizer (model path) for computing chunk keys (kvrelay up sets it)',
-    'router.load_weight': 'cache_aware: how many cached chunks one outstanding request on a node is worth',
+    'router.load_weight': 'cache_aware: what one prompt token queued on a prefill node costs, in cached tokens',
     'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]', or 'http://h1:8100=tcp://h1:9300' with the node's store event port (kvrelay up fills this in); 'dns+http://name:port' stands for every address the name resolves to",
     'router.decode': "decode nodes as 'http://host:port=tcp://host:kvport' (kvrelay up fills this in), or 'dns+http://name:port=tcp://name:kvport' for every address of a headless Service",
     'router.health_interval_s': 'health-check period; failed nodes leave rotation until healthy',

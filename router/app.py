@@ -55,7 +55,16 @@ from router.cache_index import ChunkIndex, PromptTokenizer
 from router.discovery import Discovery, parse_dns
 from router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from router.metrics import RouterMetrics
-from router.pools import Node, NoHealthyNode, Pool, health_loop, is_dns, pools_from_config
+from router.pools import (
+    Node,
+    NoHealthyNode,
+    Pool,
+    PrefillWork,
+    PrefixHint,
+    health_loop,
+    is_dns,
+    pools_from_config,
+)
 from router.upstream import Upstream, note_draining
 from transport.errors import ConfigError
 from transport.secrets import load_secret
@@ -85,7 +94,7 @@ class _SplitMixin(Upstream):
         return with_traceparent(params_dict(self.signer.sign(params)))
 
     async def _split(self, request: web.Request, endpoint: str, body: dict[str, Any], p_node: Node,
-                     d_node: Node, tid: str, rid: str, t0: float) -> web.StreamResponse:
+                     d_node: Node, tid: str, rid: str, t0: float, work: PrefillWork) -> web.StreamResponse:
         budget = split.max_new(endpoint, body)
         pbody = split.prefill_body(body)
         if budget != 1:                               # token 1 may be all the answer: then nothing is pushed
@@ -96,6 +105,7 @@ class _SplitMixin(Upstream):
             with contextlib.suppress(NoHealthyNode):
                 p_node = self.prefill.pick(exclude=(p_node,))
                 status, answer = await self._ask(p_node, endpoint, pbody, f"{rid}-p")
+        work.done()                                   # P answered: its prefill no longer queues others
         if status != 200 or not isinstance(answer, dict):
             if status is not None and status < 500:   # P refused the request: the client's error, as vLLM says it
                 return web.json_response(answer, status=status, headers={"X-Request-Id": rid})
@@ -384,8 +394,9 @@ class Router(_SplitMixin):
             self.metrics.errors.labels("no_healthy_node").inc()
             return error_response(503, str(exc), "service_unavailable", rid)
         t0 = time.monotonic()
+        hint = await self._prefix_hint(body)
         try:
-            p_node = self.prefill.pick(hits=await self._cache_hits(body), load_weight=self.cfg.router.load_weight)
+            p_node = self.prefill.pick(hint=hint, load_weight=self.cfg.router.load_weight)
         except NoHealthyNode:                   # no prefill node: the decode node serves the request alone
             self.metrics.errors.labels("no_prefill_decode_only").inc()
             resp = await self._decode(request, endpoint, body, d_node, "", rid, t0, "")
@@ -394,15 +405,20 @@ class Router(_SplitMixin):
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
         set_ids(transfer_id=tid)
         annotate(request_id=rid, transfer_id=tid, prefill=p_node.url, decode=d_node.url)
+        work = PrefillWork(p_node, hint.work(self.prefill.nodes.index(p_node)) if hint else 0)
         if self.cfg.router.first_token is FirstToken.PREFILL:
             why = split.fallback_reason(endpoint, body)
             if why is None:
-                resp = await self._split(request, endpoint, body, p_node, d_node, tid, rid, t0)
+                try:
+                    resp = await self._split(request, endpoint, body, p_node, d_node, tid, rid, t0, work)
+                finally:
+                    work.done()
                 self.metrics.latency.observe(time.monotonic() - t0)
                 return resp
             self.metrics.errors.labels("first_token_fallback").inc()
             log.debug("request %s takes the decode path: %s", rid, why)
         prefill = asyncio.create_task(self._prefill(endpoint, body, p_node, d_node, tid, rid))
+        prefill.add_done_callback(work.done)
         try:
             resp = await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)
         except asyncio.CancelledError:          # client went away: abort both sides
@@ -416,7 +432,7 @@ class Router(_SplitMixin):
         self.metrics.latency.observe(time.monotonic() - t0)
         return resp
 
-    async def _cache_hits(self, body: dict[str, Any]) -> list[int] | None:
+    async def _prefix_hint(self, body: dict[str, Any]) -> PrefixHint | None:
         if self.index is None or self.tokenizer is None or not self.index.fingerprint:
             return None
         tok = self.tokenizer
@@ -425,7 +441,7 @@ class Router(_SplitMixin):
         except Exception as exc:  # noqa: BLE001 - a prompt we cannot tokenise is routed without hints
             log.info("cache_aware: cannot tokenise request (%s); routing by load", exc)
             return None
-        return self.index.prefix_hits(ids) if ids else None
+        return self.index.hint(ids) if ids else None
 
     async def _prefill(self, endpoint: str, body: dict[str, Any], node: Node, d_node: Node,
                        tid: str, rid: str) -> None:

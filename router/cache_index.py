@@ -5,8 +5,9 @@ PUB socket; the router subscribes to every node and keeps ``key -> {nodes}``. To
 request it tokenises the prompt with the model's tokenizer exactly as vLLM does
 (completions: the prompt; chat: the chat template with the generation prompt), computes
 the chunk keys with the fingerprint the nodes announced, and asks which node holds the
-longest run of leading keys. The pick weighs that against load:
-``score = cached_chunks - load_weight * outstanding``.
+longest run of leading keys. The pick (:meth:`router.pools.Pool.pick`) weighs that against
+load, both in prompt tokens: the node with the least ``prompt - cached + load_weight *
+pending`` wins, ``pending`` being the prompt tokens sent to that node and not yet answered.
 
 Events are hints: a lost or late event only costs a less optimal pick, never a wrong
 answer (the chosen node verifies everything it loads).
@@ -24,7 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.pools import Node
+from router.pools import Node, PrefixHint
 from transport.keys import chunk_keys_from_digest
 from transport.store.events import StoreEvent, decode_event
 
@@ -98,6 +99,10 @@ class ChunkIndex:
             for i in alive:
                 hits[i] = depth
         return hits
+
+    def hint(self, token_ids: list[int]) -> PrefixHint:
+        """The prompt's length and each node's cached leading tokens, for the pick."""
+        return PrefixHint(len(token_ids), tuple(h * self.chunk_tokens for h in self.prefix_hits(token_ids)))
 
 
 class PromptTokenizer:

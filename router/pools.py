@@ -22,12 +22,39 @@ class Node:
     events_endpoint: str = ""     # prefill nodes: tcp://host:port of their store events (cache_aware)
     healthy: bool = False
     outstanding: int = 0
+    pending_tokens: int = 0       # prefill nodes (cache_aware): prompt tokens sent and not yet answered
     failures: int = 0
     timeouts: int = 0             # consecutive /health timeouts
 
 
 class NoHealthyNode(KVRelayError):
     """Every node of a pool is out of rotation (failed health checks)."""
+
+
+@dataclass(frozen=True)
+class PrefixHint:
+    """What cache-aware routing knows of one prompt: its length and, per pool node (in the
+    pool's order), how many of its leading tokens that node holds (whole chunks)."""
+
+    prompt_tokens: int
+    cached_tokens: tuple[int, ...]
+
+    def work(self, i: int) -> int:
+        """Prompt tokens node ``i`` would have to compute."""
+        return self.prompt_tokens - self.cached_tokens[i]
+
+
+class PrefillWork:
+    """Prompt tokens a prefill node was given and has not answered yet, counted on the node
+    from construction until :meth:`done` (idempotent), so picks made meanwhile see the queue."""
+
+    def __init__(self, node: Node, tokens: int) -> None:
+        self.node, self.tokens = node, tokens
+        node.pending_tokens += tokens
+
+    def done(self, *_: object) -> None:
+        self.node.pending_tokens -= self.tokens
+        self.tokens = 0
 
 
 class Pool:
@@ -40,19 +67,25 @@ class Pool:
         self.policy = policy
         self._rr = itertools.count()
 
-    def pick(self, exclude: tuple[Node, ...] = (), hits: list[int] | None = None,
+    def pick(self, exclude: tuple[Node, ...] = (), hint: PrefixHint | None = None,
              load_weight: float = 1.0) -> Node:
-        """``hits[i]``: cached leading chunks on node i (cache_aware); without hits, cache_aware
-        falls back to least outstanding. Nodes that tie on the policy's score take turns, so
-        an idle pool spreads new prefixes over every node instead of piling them on the
-        first one (whose engine cache would then hold them all)."""
+        """The node for the next request (out of ``exclude``).
+
+        ``cache_aware`` with a ``hint``: the node with the least prefill work ahead of this
+        prompt's first token, in tokens - ``work = prompt - cached here`` plus ``load_weight``
+        times the prompt tokens already sent there and not yet answered. A node holding a
+        shared system prompt wins while idle and stops attracting new conversations once its
+        queue outweighs what its cache saves (a per-request count cannot tell a queued 4k-token
+        prompt from a 40-token one). Without a hint, ``cache_aware`` and ``least_outstanding``
+        pick the fewest outstanding requests. Nodes that tie take turns, so an idle pool spreads
+        new prefixes over every node instead of piling them on the first one."""
         live = [n for n in self.nodes if n.healthy and n not in exclude]
         if not live:
             raise NoHealthyNode(f"no healthy {self.name} node")
-        if self.policy is RoutingPolicy.CACHE_AWARE and hits and any(hits):
-            scores = [(hits[self.nodes.index(n)] - load_weight * n.outstanding, -n.outstanding) for n in live]
-            best = max(scores)
-            return self._turn([n for n, sc in zip(live, scores, strict=True) if sc == best])
+        if self.policy is RoutingPolicy.CACHE_AWARE and hint is not None:
+            costs = [(hint.work(self.nodes.index(n)) + load_weight * n.pending_tokens, n.outstanding) for n in live]
+            best = min(costs)
+            return self._turn([n for n, c in zip(live, costs, strict=True) if c == best])
         if self.policy in (RoutingPolicy.LEAST_OUTSTANDING, RoutingPolicy.CACHE_AWARE):
             low = min(n.outstanding for n in live)
             return self._turn([n for n in live if n.outstanding == low])

@@ -346,15 +346,41 @@ def test_ties_take_turns_and_the_longest_cached_prefix_wins():
     # (a first-index tie-break piles every new conversation on node 0, whose engine cache
     # then holds them all); a node holding more of the prompt still wins over a tie.
     from core.config import RoutingPolicy
+    from router.pools import PrefixHint
 
     for policy in (RoutingPolicy.CACHE_AWARE, RoutingPolicy.LEAST_OUTSTANDING):
         pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], policy)
-        hits = [4, 4, 4] if policy is RoutingPolicy.CACHE_AWARE else None
-        assert {pool.pick(hits=hits).url for _ in range(3)} == {"http://n0", "http://n1", "http://n2"}
+        hint = PrefixHint(1100, (1024, 1024, 1024)) if policy is RoutingPolicy.CACHE_AWARE else None
+        assert {pool.pick(hint=hint).url for _ in range(3)} == {"http://n0", "http://n1", "http://n2"}
     pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], RoutingPolicy.CACHE_AWARE)
-    assert {pool.pick(hits=[4, 6, 4]).url for _ in range(4)} == {"http://n1"}
-    pool.nodes[1].outstanding = 3                 # the load weight outweighs a 2-chunk advantage
-    assert pool.pick(hits=[4, 6, 4], load_weight=1.0).url in {"http://n0", "http://n2"}
+    assert {pool.pick(hint=PrefixHint(1600, (1024, 1536, 1024))).url for _ in range(4)} == {"http://n1"}
+
+
+def test_a_node_holding_a_shared_prefix_stops_attracting_work_once_its_queue_outweighs_it():
+    # n0 holds a 1,024-token system prompt: idle, it wins every new conversation. Once the
+    # prompt tokens queued on it (sent, not yet answered) exceed what its cache saves, the
+    # idle nodes win - whatever the number of requests (one 4k-token prompt queues more than
+    # three 40-token ones). The queue is counted from the pick until P answers.
+    from core.config import RoutingPolicy
+    from router.pools import PrefillWork, PrefixHint
+
+    pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], RoutingPolicy.CACHE_AWARE)
+    n0 = pool.nodes[0]
+    conv = PrefixHint(1100, (1024, 0, 0))
+    assert [pool.pick(hint=conv).url for _ in range(3)] == ["http://n0"] * 3
+    small = [PrefillWork(n0, 40) for _ in range(3)]          # three short prompts queued on n0
+    n0.outstanding = 3
+    assert pool.pick(hint=conv) is n0                        # 76 + 120 < 1,100: still n0
+    big = PrefillWork(n0, 3000)                              # one long prompt queued on n0
+    assert pool.pick(hint=conv).url in {"http://n1", "http://n2"}
+    assert pool.pick(hint=conv, load_weight=0.25) is n0      # queued tokens weigh less: n0 again
+    big.done()
+    big.done()                                               # idempotent: counted off once
+    for w in small:
+        w.done()
+    assert n0.pending_tokens == 0 and pool.pick(hint=conv) is n0
+    pool.nodes[0].healthy = False                            # out of rotation: never picked
+    assert pool.pick(hint=conv).url in {"http://n1", "http://n2"}
 
 
 def test_cache_aware_without_store_events_is_refused_and_kvrelay_up_assigns_them():

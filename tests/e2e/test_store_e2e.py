@@ -192,27 +192,48 @@ def _prefill_of(url: str, prompt: str) -> str:
         return r.headers["X-Kvrelay-Prefill"]
 
 
+def _prefill_nodes(stack) -> list[str]:
+    return [stack.stack.url(s) for s in stack.stack.specs if s.role is Role.PREFILL]
+
+
+def _warm(stack, node: str, prefix: str, tmp_path) -> None:
+    """Store ``prefix``'s 4 chunks on ``node`` with `kvrelay warmup` (counted from its worker
+    metrics) and give the store events time to reach the router."""
+    import sys
+
+    prompts = tmp_path / "hot.jsonl"
+    prompts.write_text(json.dumps({"prompt": prefix}) + "\n")
+    index = _prefill_nodes(stack).index(node)
+    metrics = f"http://127.0.0.1:{stack.cfg.connector.metrics_port + index}/"
+    warm = subprocess.run([sys.executable, "-m", "kvrelay.cli", "warmup", "--prompts", str(prompts), "--url", node,
+                           "--metrics", metrics], capture_output=True, text=True, timeout=300)
+    assert warm.returncode == 0, warm.stderr
+    assert f"1 prompts, {len(prefix)} prompt tokens, 4 chunks stored" in warm.stderr, warm.stderr
+    time.sleep(1.0)                                          # store events reach the router
+
+
+def _pending_tokens(router_url: str, node: str) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{router_url}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(f'kvrelay_router_prefill_pending_tokens{{node="{node}"}}'):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no pending-tokens series for {node}")
+
+
 def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_stack, tmp_path):
     import subprocess
     import sys
-    import time
 
     from core import config as kcfg
-    from deploy.launch import Role, wait_healthy
+    from deploy.launch import wait_healthy
     from tests.e2e.harness import Case
 
     stack = two_prefill_stack
-    node_b = stack.stack.url([s for s in stack.stack.specs if s.role is Role.PREFILL][1])
+    node_b = _prefill_nodes(stack)[1]
     prefix = Case("warm", "completion", False, 1100, 77).text()
-    # Warm the prefix on node B with `kvrelay warmup` (counting stored chunks from B's worker metrics).
-    prompts = tmp_path / "hot.jsonl"
-    prompts.write_text(json.dumps({"prompt": prefix}) + "\n")
-    metrics_b = f"http://127.0.0.1:{stack.cfg.connector.metrics_port + 1}/"
-    warm = subprocess.run([sys.executable, "-m", "kvrelay.cli", "warmup", "--prompts", str(prompts), "--url", node_b,
-                           "--metrics", metrics_b], capture_output=True, text=True, timeout=300)
-    assert warm.returncode == 0, warm.stderr
-    assert "1 prompts, 1100 prompt tokens, 4 chunks stored" in warm.stderr, warm.stderr
-    time.sleep(1.0)                                          # store events reach the router
+    _warm(stack, node_b, prefix, tmp_path)
     picks = [_prefill_of(stack.router_url, prefix + Case(f"q{i}", "completion", False, 40, i).text())
              for i in range(4)]
     assert picks == [node_b] * 4, picks
@@ -233,3 +254,33 @@ def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_sta
         proc.terminate()
         proc.wait(10)
     assert len(set(picks_rr)) == 2 and picks_rr.count(node_b) == 2, picks_rr
+
+
+def test_a_busy_prefix_holder_stops_attracting_new_conversations(two_prefill_stack, tmp_path):
+    # Node A holds a shared 1,024-token prefix. A long prompt with that prefix goes to A
+    # (2,576 tokens to compute there, 3,600 elsewhere); while A prefills it, a short new
+    # conversation with the same prefix must go to idle B (1,140 tokens there against A's
+    # 76 + the 2,576 queued). A per-request load count keeps sending it to A (4 cached chunks
+    # outweigh 1 outstanding request). Once A has answered, A (holding the long prompt's
+    # chunks now) wins its continuations again.
+    import concurrent.futures
+
+    from tests.e2e.harness import Case
+
+    stack = two_prefill_stack
+    node_a, node_b = _prefill_nodes(stack)
+    prefix = Case("shared", "completion", False, 1100, 78).text()
+    _warm(stack, node_a, prefix, tmp_path)
+    long_prompt = prefix + Case("long", "completion", False, 2500, 79).text()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        long_pick = pool.submit(_prefill_of, stack.router_url, long_prompt)
+        deadline = time.monotonic() + 60
+        while _pending_tokens(stack.router_url, node_a) < 2576:
+            assert not long_pick.done() and time.monotonic() < deadline, "the long prompt was never queued on A"
+            time.sleep(0.002)
+        short_pick = _prefill_of(stack.router_url, prefix + Case("new", "completion", False, 40, 80).text())
+        assert long_pick.result() == node_a
+    assert short_pick == node_b
+    assert _pending_tokens(stack.router_url, node_a) == 0 and _pending_tokens(stack.router_url, node_b) == 0
+    time.sleep(1.0)                                          # A's store events for the long prompt
+    assert _prefill_of(stack.router_url, long_prompt[:3000] + Case("idle", "completion", False, 40, 81).text()) == node_a
