@@ -127,6 +127,14 @@ class _Child:
         self.allocs[tid] = a
         return {"grants": sorted(a.grants), "held": a.held}
 
+    def give_up_alloc(self, tid: str, keys: list[bytes], sizes: list[int], wait_s: float) -> bool:
+        """Send an Alloc, then give up on it as a failing push does (``Sender.abandon``) without
+        reading any later reply. True if D had answered it before the give-up."""
+        pending = self.sender.alloc_async(tid, keys, sizes, wait_s)
+        answered = self.sender.poll_alloc(pending) is not None
+        self.sender.abandon(pending)
+        return answered
+
     def _regions(self, name: str, offset: int, nbytes: int, regions: int) -> list[memoryview]:
         mv = memoryview(self.sources[name])[offset:offset + nbytes]
         step = -(-nbytes // regions)

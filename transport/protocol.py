@@ -15,7 +15,7 @@ Conversation (sender = prefill node P, receiver = decode node D)::
     P ─ Alloc(transfer_id, keys, chunk_bytes, wait_s) ─▶ D     sealed: session, seq, mac
     P ◀─ Slots(transfer_id, grants, held) | Refused ──── D     each grant carries the transfer's token
     P ═ data plane: write(chunk, slot, token) ═════════▶ D     (nixl / tcp / shm / ucx)
-    P ─ Abort(transfer_id, reason) ─────────────────────▶ D     sealed
+    P ─ Abort(transfer_id, reason) ─────────────────────▶ D     sealed; also withdraws a parked Alloc
     P ─ Heartbeat() ────────────────────────────────────▶ D     sealed, own socket and sequence
     P ─ Bye() ──────────────────────────────────────────▶ D     sealed
 

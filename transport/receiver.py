@@ -24,7 +24,8 @@ Lifecycle of one transfer on the receiver (decode node D)::
        ``release``s the slot. When every chunk is resolved, TransferDone follows.
     5. Abort, an expired lease or a dead sender (heartbeat silence or a broken
        data connection) frees the transfer's unfilled slots and publishes
-       ChunkRejected / TransferFailed. Nothing leaks and nothing hangs.
+       ChunkRejected / TransferFailed; an Abort of a parked Alloc withdraws it before
+       it takes a slot. Nothing leaks and nothing hangs.
 
 The control loop runs on one thread that owns the ZeroMQ ROUTER socket; data
 plane callbacks come from backend threads. Shared state sits behind one lock.
@@ -40,7 +41,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import zmq
 
@@ -65,6 +65,7 @@ from transport.events import (
     TransferDone,
     TransferFailed,
 )
+from transport.ledger import GrantedTransfer, ParkedAlloc, Parking
 from transport.listen import ListeningSocket
 from transport.polling import poll_queue, wait_queue
 from transport.pool import ReceivePool, SlotRef
@@ -75,36 +76,6 @@ from transport.wire import HEADER_SIZE, transfer_tag, verify_chunk
 log = logging.getLogger(__name__)
 MAX_TRANSFER_ID = 256
 TOKEN_BYTES = 16
-
-
-@dataclass
-class _Transfer:
-    transfer_id: str
-    sender_id: str
-    keys: list[bytes]
-    held: tuple[int, ...]
-    tag: bytes
-    token: bytes = b""                                           # writes must present it
-    slots: dict[int, SlotRef] = field(default_factory=dict)      # chunk index -> slot
-    resolved: set[int] = field(default_factory=set)
-    rejected: int = 0
-    done: bool = False
-    ended: float = 0.0           # clock() when it became done
-    landed: set[int] = field(default_factory=set)                # chunks that arrived intact
-
-    @property
-    def arrived(self) -> int:
-        return len(self.landed)
-
-
-@dataclass
-class _Pending:
-    ident: bytes
-    sender_id: str
-    msg: P.Alloc
-    deadline: float
-    arrived: float = 0.0
-    also_held: frozenset[int] = frozenset()     # takeover: chunks the previous sender already delivered
 
 
 class Receiver:
@@ -135,11 +106,11 @@ class Receiver:
         secret = load_secret(transport) if secret is None else secret
         self._gate = Gatekeeper(secret, timeouts.connect_s, self._refused, clock)
         self._lock = threading.RLock()
-        self._transfers: dict[str, _Transfer] = {}
+        self._transfers: dict[str, GrantedTransfer] = {}
         self._by_tag: dict[bytes, str] = {}
         self._queues: dict[str, queue.SimpleQueue[Event]] = {}
         self._peers: dict[str, float] = {}                          # sender id -> last seen
-        self._pending: list[_Pending] = []
+        self._parked = Parking()                                    # Allocs waiting for slots or a consumer
         try:
             self._control = ListeningSocket(zmq.ROUTER, "the control endpoint", transport.host, transport.control_port,
                                             {zmq.ROUTER_MANDATORY: 0, zmq.MAXMSGSIZE: transport.max_message_bytes + 4096})
@@ -203,7 +174,7 @@ class Receiver:
         """How many entries each per-transfer map holds (all zero when nothing is in flight)."""
         with self._lock:
             return {"transfers": len(self._transfers), "queues": len(self._queues), "tags": len(self._by_tag),
-                    "held": len(self._held), "consumers": len(self._consumers), "pending": len(self._pending)}
+                    "held": len(self._held), "consumers": len(self._consumers), "pending": len(self._parked)}
 
     def abort(self, transfer_id: str, reason: str = "aborted by consumer") -> None:
         with self._lock:
@@ -273,15 +244,27 @@ class Receiver:
         if isinstance(msg, P.Alloc):
             self._on_alloc(ident, sender, msg)
         elif isinstance(msg, P.Abort):
-            with self._lock:
-                t = self._transfers.get(msg.transfer_id)
-                if t is None or t.sender_id != sender:    # e.g. a sender that was taken over
-                    self.stats.foreign_aborts += 1
-                    self._refused(Refusal.FOREIGN, f"Abort of {msg.transfer_id!r} from {sender!r}")
-                    return None
-                self.stats.aborts += 1
-                self._fail_transfer(msg.transfer_id, FailReason.ABORTED, msg.reason or "aborted by sender")
+            self._on_abort(sender, msg)
         return None
+
+    def _on_abort(self, sender: str, msg: P.Abort) -> None:
+        """The sender gives up: a parked Alloc leaves the queue before it takes a slot; a granted
+        transfer's unfilled slots are freed. Either way its consumer sees TransferFailed."""
+        reason = msg.reason or "aborted by sender"
+        if self._parked.withdraw(sender, msg.transfer_id) is not None:
+            self.stats.aborts += 1
+            self._notify(msg.transfer_id, TransferFailed(msg.transfer_id, FailReason.ABORTED, reason))
+            return
+        with self._lock:
+            t = self._transfers.get(msg.transfer_id)
+            if t is None:                                 # already ended (e.g. refused just before)
+                self._refused(Refusal.STALE, f"Abort of {msg.transfer_id!r} from {sender!r}")
+            elif t.sender_id != sender:                   # e.g. a sender that was taken over
+                self.stats.foreign_aborts += 1
+                self._refused(Refusal.FOREIGN, f"Abort of {msg.transfer_id!r} from {sender!r}")
+            else:
+                self.stats.aborts += 1
+                self._fail_transfer(msg.transfer_id, FailReason.ABORTED, reason)
 
     def _refused(self, cause: Refusal, detail: str) -> None:
         """Count a refusal by cause (any thread)."""
@@ -338,14 +321,14 @@ class Receiver:
                 also_held = self._take_over(t, sender)
         wait = min(msg.wait_s, self.timeouts.alloc_wait_s)
         now = self._clock()
-        pending = _Pending(ident, sender, msg, now + max(wait, 0.0), now, also_held)
+        pending = ParkedAlloc(ident, sender, msg, now + max(wait, 0.0), now, also_held)
         if why := (self._closing() if self._closing is not None else ""):
             self._refuse(pending, why)
         elif not self._try_grant(pending):
             self.stats.alloc_parked += 1
-            self._pending.append(pending)
+            self._parked.park(pending)
 
-    def _try_grant(self, p: _Pending) -> bool:
+    def _try_grant(self, p: ParkedAlloc) -> bool:
         msg = p.msg
         if (self._consumer_wait_s and not msg.early and msg.transfer_id not in self._consumers
                 and self._clock() < p.arrived + self._consumer_wait_s):
@@ -362,7 +345,7 @@ class Receiver:
         if refs is None:
             return False
         held = tuple(i for i, h in enumerate(held_flags) if h)
-        t = _Transfer(msg.transfer_id, p.sender_id, list(msg.keys), held, transfer_tag(msg.transfer_id),
+        t = GrantedTransfer(msg.transfer_id, p.sender_id, list(msg.keys), held, transfer_tag(msg.transfer_id),
                       os.urandom(TOKEN_BYTES))
         with self._lock:
             for i, ref in zip(want, refs, strict=True):
@@ -379,7 +362,7 @@ class Receiver:
                 self._maybe_done(t)
         return True
 
-    def _take_over(self, t: _Transfer, sender: str) -> frozenset[int]:
+    def _take_over(self, t: GrantedTransfer, sender: str) -> frozenset[int]:
         """Another sender allocates a live transfer with the same keys: the router retried the
         prefill on another node after the first failed. The first sender's unfilled slots are
         freed (quarantined: its writes may still land), what it delivered stays, and the new
@@ -393,13 +376,21 @@ class Receiver:
         self.backend.on_release(t.sender_id, t.transfer_id)
         return frozenset(t.landed | set(t.held))
 
-    def _refuse(self, p: _Pending, reason: str) -> None:
+    def _refuse(self, p: ParkedAlloc, reason: str) -> None:
         self.stats.alloc_refused += 1
         self._reply(p.ident, P.Refused(transfer_id=p.msg.transfer_id, reason=reason))
+        self._notify(p.msg.transfer_id, TransferFailed(p.msg.transfer_id, FailReason.POOL_FULL, reason))
+
+    def _refuse_late(self, p: ParkedAlloc) -> None:
+        self._refuse(p, f"receive pool full: {len(p.msg.keys)} chunks did not fit "
+                        f"within {p.msg.wait_s:.3g}s ({self.pool.stats().free} slots free)")
+
+    def _notify(self, transfer_id: str, ev: TransferFailed) -> None:
+        """Tell a registered consumer of a transfer that never got slots."""
         with self._lock:
-            q = self._queues.get(p.msg.transfer_id)
+            q = self._queues.get(transfer_id)
         if q is not None:
-            q.put(TransferFailed(p.msg.transfer_id, FailReason.POOL_FULL, reason))
+            q.put(ev)
 
     # ------------------------------------------------------------------ data-plane callbacks
     def _admit(self, sender: str, tag: bytes, chunk_index: int, ref: SlotRef, token: bytes) -> Refusal | None:
@@ -450,7 +441,7 @@ class Receiver:
             self._publish(t.transfer_id, ChunkArrival(t.transfer_id, chunk_index, key, ref, hdr, t_arr, verified))
             self._maybe_done(t)
 
-    def _current(self, t: _Transfer) -> bool:
+    def _current(self, t: GrantedTransfer) -> bool:
         """``t`` is still the live record of its transfer (lock held)."""
         return self._transfers.get(t.transfer_id) is t
 
@@ -471,7 +462,7 @@ class Receiver:
         if t is not None:
             self._reject(t, chunk_index, ChunkError(f"receive failed: {reason}"))
 
-    def _awaiting(self, tag: bytes, chunk_index: int, ref: SlotRef) -> _Transfer | None:
+    def _awaiting(self, tag: bytes, chunk_index: int, ref: SlotRef) -> GrantedTransfer | None:
         """The live transfer still waiting for ``chunk_index`` in slot ``ref``, or None (a stale,
         misrouted or repeated report: counted). Lock held."""
         tid = self._by_tag.get(tag)
@@ -481,7 +472,7 @@ class Receiver:
             return None
         return t
 
-    def _reject(self, t: _Transfer, chunk_index: int, exc: TransportError) -> None:
+    def _reject(self, t: GrantedTransfer, chunk_index: int, exc: TransportError) -> None:
         reason = FailReason.CHECKSUM if isinstance(exc, ChecksumError) else FailReason.INVALID_CHUNK
         if isinstance(exc, ChecksumError):
             self.stats.checksum_failures += 1
@@ -514,7 +505,7 @@ class Receiver:
                 self._fail_transfer(tid, FailReason.PEER_DEAD, f"sender {sender!r} lost: {reason}")
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
-    def _maybe_done(self, t: _Transfer) -> None:
+    def _maybe_done(self, t: GrantedTransfer) -> None:
         if not t.done and len(t.resolved) == len(t.slots):
             t.done, t.ended = True, self._clock()
             self._publish(t.transfer_id, TransferDone(t.transfer_id, t.arrived, t.rejected, t.held))
@@ -543,15 +534,7 @@ class Receiver:
 
     def _housekeeping(self) -> None:
         now = self._clock()
-        still = []
-        for p in self._pending:
-            if not self._try_grant(p):
-                if now >= p.deadline:
-                    self._refuse(p, f"receive pool full: {len(p.msg.keys)} chunks did not fit "
-                                    f"within {p.msg.wait_s:.3g}s ({self.pool.stats().free} slots free)")
-                else:
-                    still.append(p)
-        self._pending = still
+        self._parked.sweep(now, self._try_grant, self._refuse_late)
         for ref, owner, _state in self.pool.reap_expired():
             with self._lock:
                 t = self._transfers.get(owner)

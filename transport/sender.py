@@ -138,10 +138,8 @@ class Sender:
                 self._failure = ProtocolError(f"receiver rejected a request: [{reply.code}] {reply.reason}", code)
                 raise self._failure
             ref = getattr(reply, "transfer_id", "")
-            if ref in self._abandoned:               # its push gave up while D parked the Alloc
+            if ref in self._abandoned:               # its push gave up (and aborted) while D parked the Alloc
                 self._abandoned.discard(ref)
-                if isinstance(reply, P.Slots):
-                    self.abort(ref, "the push gave up before its slots were granted")
                 continue
             self._replies[ref] = reply
 
@@ -217,7 +215,7 @@ class Sender:
         reply = self._replies.pop(pending.transfer_id, None)
         if reply is None:
             if time.monotonic() > pending.deadline:
-                self._abandoned.add(pending.transfer_id)
+                self.abandon(pending)
                 raise PeerDeadError(f"receiver {self.endpoint} did not answer Alloc of {pending.transfer_id!r} "
                                     f"within {pending.deadline - pending.sent:.3g}s")
             return None
@@ -229,13 +227,14 @@ class Sender:
                           list(reply.held))
 
     def abandon(self, pending: PendingAlloc) -> None:
-        """The push gave up on an Alloc D has not answered: if D grants it later, its slots are
-        given back (Abort) as soon as the grant comes in; a refusal is dropped."""
-        reply = self._replies.pop(pending.transfer_id, None)
-        if isinstance(reply, P.Slots):
-            self.abort(pending.transfer_id, "the push gave up on its slots")
-        elif reply is None:
+        """The push gave up on an Alloc: an Abort goes out at once (non-blocking). D drops the
+        Alloc if it still parks it, or frees the slots if it granted them meanwhile (the Abort
+        follows the Alloc on one ordered socket, so one of the two holds); a late answer is dropped."""
+        if pending.transfer_id in self._abandoned:
+            return                                   # given up on already (poll_alloc's deadline)
+        if self._replies.pop(pending.transfer_id, None) is None:
             self._abandoned.add(pending.transfer_id)
+        self.abort(pending.transfer_id, "the push gave up on its slots")
 
     def abort(self, transfer_id: str, reason: str = "") -> None:
         with contextlib.suppress(zmq.ZMQError):

@@ -183,6 +183,37 @@ def test_full_pool_applies_backpressure_then_refuses(backend):
         assert_no_leases(receiver)
 
 
+def test_a_parked_alloc_given_up_on_leaves_the_queue_at_once_and_never_takes_a_slot():
+    """A push that gives up on an Alloc D parks (pool full) sends an Abort at once: D drops the
+    parked Alloc (its consumer sees TransferFailed ABORTED) instead of granting it slots when
+    they free up - slots nobody would write and, with no further reply read by that sender,
+    nobody would give back before the lease (``timeouts.lease_s``) runs out."""
+    cfg = make_cfg("tcp", **{"transport.pool_bytes": 4 * SLOT + 4096 * 4})
+    with open_pair(cfg) as (receiver, peer):
+        peer.call("prepare", "src", 4096, 1)
+        peer.call("alloc", "fill", keys_for("fill", 4), [HEADER_SIZE + 4096] * 4)
+        receiver.expect("gave-up")
+        answered = peer.call("give_up_alloc", "gave-up", keys_for("gave-up", 4), [HEADER_SIZE + 4096] * 4, 20.0)
+        assert not answered
+        events = drain(receiver, "gave-up", timeout=2.0)          # not the Alloc's 20 s
+        assert isinstance(events[-1][0], TransferFailed) and events[-1][0].reason is FailReason.ABORTED, events
+        assert receiver.tracked()["pending"] == 0 and receiver.stats.aborts == 1
+        receiver.finish("gave-up")
+        receiver.abort("fill", "consumer gave up")                 # the slots free up: nobody takes them
+        time.sleep(0.3)
+        st = receiver.pool.stats()
+        assert st.free == st.slots, st
+        # a grant that crosses the Abort: D grants, then frees the slots when the Abort comes
+        drain(receiver, "fill")
+        assert peer.call("give_up_alloc", "crossed", keys_for("crossed", 2), [HEADER_SIZE + 4096] * 2, 5.0) in (True, False)
+        deadline = time.monotonic() + 2
+        while receiver.pool.stats().free != receiver.pool.stats().slots and time.monotonic() < deadline:
+            time.sleep(0.02)
+        receiver.finish("crossed")
+        assert receiver.stats.foreign_aborts == 0 and receiver.stats.refusals["foreign"] == 0
+        assert_no_leases(receiver)
+
+
 def test_alloc_skips_keys_the_receiver_holds(backend):
     keys = keys_for("skip", 4)
     with open_pair(make_cfg(backend)) as (receiver, peer):

@@ -1,0 +1,78 @@
+"""The receiver's records of transfers: granted ones, and Allocs it cannot grant yet.
+
+A :class:`GrantedTransfer` holds a transfer's slots and what became of each chunk. An Alloc parks when the pool is full, or while it waits for its consumer to register
+(``consumer_wait_s``). Every housekeeping tick :meth:`Parking.sweep` grants what fits now
+and refuses what passed its deadline; a sender that gives up on a parked Alloc (an Abort)
+takes it out with :meth:`Parking.withdraw` before it can take a slot. Owned by the
+receiver's control thread: not thread-safe, and nothing here blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from transport import protocol as P
+from transport.pool import SlotRef
+
+
+@dataclass
+class GrantedTransfer:
+    transfer_id: str
+    sender_id: str
+    keys: list[bytes]
+    held: tuple[int, ...]
+    tag: bytes
+    token: bytes = b""                                           # writes must present it
+    slots: dict[int, SlotRef] = field(default_factory=dict)      # chunk index -> slot
+    resolved: set[int] = field(default_factory=set)
+    rejected: int = 0
+    done: bool = False
+    ended: float = 0.0           # clock() when it became done
+    landed: set[int] = field(default_factory=set)                # chunks that arrived intact
+
+    @property
+    def arrived(self) -> int:
+        return len(self.landed)
+
+
+@dataclass
+class ParkedAlloc:
+    ident: bytes                                # the sender's control socket identity (to reply)
+    sender_id: str
+    msg: P.Alloc
+    deadline: float                             # clock() after which it is refused
+    arrived: float = 0.0
+    also_held: frozenset[int] = frozenset()     # takeover: chunks the previous sender already delivered
+
+
+class Parking:
+    def __init__(self) -> None:
+        self._queue: list[ParkedAlloc] = []
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def park(self, p: ParkedAlloc) -> None:
+        self._queue.append(p)
+
+    def withdraw(self, sender_id: str, transfer_id: str) -> ParkedAlloc | None:
+        """Take out ``sender_id``'s parked Alloc of ``transfer_id`` (None if there is none)."""
+        for i, p in enumerate(self._queue):
+            if p.sender_id == sender_id and p.msg.transfer_id == transfer_id:
+                return self._queue.pop(i)
+        return None
+
+    def sweep(self, now: float, try_grant: Callable[[ParkedAlloc], bool],
+              refuse: Callable[[ParkedAlloc], None]) -> None:
+        """Offer each parked Alloc, oldest first, to ``try_grant`` (True: answered, it leaves
+        the queue); one still unanswered at its deadline goes to ``refuse``."""
+        still = []
+        for p in self._queue:
+            if try_grant(p):
+                continue
+            if now >= p.deadline:
+                refuse(p)
+            else:
+                still.append(p)
+        self._queue = still
