@@ -251,3 +251,32 @@ def test_the_store_event_publishers_port_binds_again_at_once_after_close():
             Publisher("127.0.0.1", port)
     finally:
         first.close()
+
+
+def test_parking_grants_oldest_first_refuses_late_and_withdraws_by_sender():
+    from transport import protocol as P
+    from transport.ledger import ParkedAlloc, Parking
+
+    def parked(sender: str, tid: str, deadline: float) -> ParkedAlloc:
+        return ParkedAlloc(b"", sender, P.Alloc(transfer_id=tid, keys=[], chunk_bytes=[], wait_s=1.0), deadline)
+
+    parking = Parking()
+    for sender, tid, deadline in (("a", "t1", 5.0), ("b", "t2", 1.0), ("a", "t3", 5.0), ("b", "t1", 5.0)):
+        parking.park(parked(sender, tid, deadline))
+    assert parking.withdraw("b", "t3") is None                # not b's
+    assert parking.withdraw("a", "t1").sender_id == "a" and len(parking) == 3
+    offered, refused = [], []
+    budget = [1]                                               # room for one grant
+
+    def grant(p: ParkedAlloc) -> bool:
+        offered.append(p.msg.transfer_id)
+        if budget[0]:
+            budget[0] -= 1
+            return True
+        return False
+
+    parking.sweep(2.0, grant, lambda p: refused.append(p.msg.transfer_id))
+    assert offered == ["t2", "t3", "t1"]                       # arrival order
+    assert refused == [] and len(parking) == 2                 # t2 granted before its deadline mattered
+    parking.sweep(6.0, lambda p: False, lambda p: refused.append(p.msg.transfer_id))
+    assert refused == ["t3", "t1"] and len(parking) == 0
