@@ -11,3 +11,25 @@ logging.getLogger("nixl").setLevel(logging.WARNING)
 # One shared secret per test session (nodes refuse to start without one); child processes
 # inherit it. Tests of the secret handling itself pass their own environment.
 os.environ.setdefault("KVRELAY_SECRET", os.urandom(24).hex())
+
+
+def mount_small_fs(path, size: str):
+    """A real tmpfs of ``size`` (e.g. "16k", "1m") mounted on ``path`` - a filesystem that
+    really fills up. A context manager; the test is skipped where mounting needs root."""
+    import contextlib
+    import subprocess
+
+    import pytest
+
+    @contextlib.contextmanager
+    def mounted():
+        path.mkdir(exist_ok=True)
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+        if res.returncode:
+            pytest.skip(f"cannot mount a small tmpfs (needs root): {res.stderr.decode().strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+    return mounted()

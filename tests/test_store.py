@@ -71,6 +71,27 @@ def test_deferred_writes_flush_in_batches_and_on_close(tmp_path: Path):
     assert DiskTier(tmp_path, 100 * size, seal=SEAL).get([k for k, _ in recs]) == [r for _, r in recs]
 
 
+def test_a_full_filesystem_below_the_cap_evicts_the_oldest_records_and_keeps_storing(tmp_path: Path):
+    # disk_bytes (64 MiB) is far above what the filesystem holds (a real 1 MiB tmpfs): once
+    # it is full, each write evicts the oldest records and is tried again, so the newest
+    # chunks are on disk (byte-identical), no temp file is left behind, and the tier's
+    # accounting matches the directory. Before, every write after the first ENOSPC failed.
+    from tests.conftest import mount_small_fs
+
+    with mount_small_fs(tmp_path / "small", "1m") as root:
+        tier = DiskTier(root, 64 << 20, seal=SEAL)
+        recs = [record(i, 64 << 10) for i in range(40)]          # 2.5 MiB in all
+        assert sum(tier.put([r]) for r in recs) == 40
+        files = {p.name: p.stat().st_size for p in root.iterdir()}
+        assert not [n for n in files if n.endswith(".tmp")], files
+        assert tier.used == sum(files.values()) and 8 <= len(files) < 16, files
+        got = tier.get([k for k, _ in recs])
+        kept = [i for i, g in enumerate(got) if g is not None]
+        assert kept == list(range(40 - len(kept), 40))          # the newest, in one run
+        assert all(got[i] == recs[i][1] for i in kept)
+        assert tier.failed_writes == 0
+
+
 def test_corrupt_disk_file_is_a_miss(tmp_path: Path):
     disk = DiskTier(tmp_path, 1 << 20, seal=SEAL)
     (k1, r1), (k2, r2) = record(1), record(2)

@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 
 from core.telemetry import EventLog, read_events
+from tests.conftest import mount_small_fs
 
 
 @pytest.fixture
 def small_fs(tmp_path: Path):
-    d = tmp_path / "small"
-    d.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(d)], capture_output=True)
-    if res.returncode:
-        pytest.skip(f"cannot mount a small tmpfs (needs root): {res.stderr.decode().strip()}")
-    try:
+    with mount_small_fs(tmp_path / "small", "16k") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def test_full_disk_drops_lines_and_never_raises(small_fs: Path):

@@ -6,7 +6,10 @@ disk, a truncated Redis value, a record stored under the wrong key) is dropped a
 reported as a miss, never returned.
 
 * :class:`DiskTier` - one file per key, written to a temp file then renamed (a crash
-  never leaves a half-written record under a real name), with a byte cap.
+  never leaves a half-written record under a real name), with a byte cap. The
+  filesystem may fill below the cap (it is shared, or the cap is set too high): a write
+  that finds it full evicts the tier's oldest records and is tried once more, so the
+  tier keeps taking new chunks instead of keeping old ones for good.
 * :class:`RedisTier` - a real Redis server (binary-safe values, optional TTL, a
   connection pool, one pipelined round trip per batch). A server that goes away
   degrades to misses with a logged warning; it never fails a request. After an outage
@@ -19,6 +22,7 @@ The CPU tier lives in :mod:`transport.store.store` (it owns the reference-counte
 from __future__ import annotations
 
 import abc
+import errno
 import logging
 import os
 import threading
@@ -86,6 +90,7 @@ class DiskTier(Tier):
         self._sizes: dict[bytes, int] = {}
         self._policy: Policy = make_policy(policy)
         self.corrupt = 0
+        self.failed_writes = 0   # consecutive writes that failed (a full or broken filesystem)
         for f in sorted(self.root.glob("*.kvc"), key=lambda p: p.stat().st_mtime):   # survive restarts
             key = bytes.fromhex(f.stem)
             self._sizes[key] = f.stat().st_size
@@ -132,15 +137,8 @@ class DiskTier(Tier):
                 if key in self._sizes:
                     self._policy.access(key)
                     continue
-                self._make_room(n)
-            tmp = self.root / f"{key.hex()}.{threading.get_ident()}.tmp"
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(self.seal.seal(key, record))
-                os.replace(tmp, self._file(key))
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                log.warning("disk tier: cannot write %s: %s", key.hex()[:16], exc)
+                self._evict(self.used + n - self.capacity)
+            if not self._write(key, self.seal.seal(key, record)):
                 continue
             with self._lock:
                 self._sizes[key] = n
@@ -148,14 +146,48 @@ class DiskTier(Tier):
             stored += 1
         return stored
 
-    def _make_room(self, n: int) -> None:
-        while self._sizes and self.used + n > self.capacity:
+    def _write(self, key: bytes, sealed: bytes) -> bool:
+        """Write one record (temp file, then rename). A full filesystem (ENOSPC, EDQUOT) evicts
+        the oldest records - as many bytes as this one - and tries once more."""
+        tmp = self.root / f"{key.hex()}.{threading.get_ident()}.tmp"
+        for attempt in (1, 2):
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(sealed)
+                os.replace(tmp, self._file(key))
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                with self._lock:
+                    if full and attempt == 1 and self._evict(len(sealed)):
+                        continue
+                self._failed(key, exc)
+                return False
+            if self.failed_writes:
+                log.warning("disk tier: writing again after %d failed writes", self.failed_writes)
+                self.failed_writes = 0
+            return True
+        return False
+
+    def _failed(self, key: bytes, exc: OSError) -> None:
+        """Log the first failure of a streak (a full disk fails every write until room is made)."""
+        self.failed_writes += 1
+        if self.failed_writes == 1:
+            log.warning("disk tier: cannot write %s: %s (further failures are counted, not logged)",
+                        key.hex()[:16], exc)
+
+    def _evict(self, nbytes: int) -> int:
+        """Evict records, the policy's victims first, until ``nbytes`` are freed (lock held).
+        Returns the bytes freed."""
+        freed = 0
+        while self._sizes and freed < nbytes:
             victim = self._policy.victim(lambda k: True)
             if victim is None:
-                return
+                break
             self._file(victim).unlink(missing_ok=True)
-            self._sizes.pop(victim, None)
+            freed += self._sizes.pop(victim, 0)
             self._policy.remove(victim)
+        return freed
 
     def _drop(self, key: bytes) -> None:
         self._file(key).unlink(missing_ok=True)
