@@ -37,6 +37,7 @@ PART_OF = "kvrelay"
 CONFIG_DIR, SECRET_DIR = "/etc/kvrelay/config", "/etc/kvrelay/secret"
 HTTP_PORT = 8100          # every engine pod serves vLLM on this port
 KV_PORT = 9100            # decode pods: transfer control port (tcp data on KV_PORT + 100)
+EVENTS_PORT = 9400        # prefill pods (store on, cache_aware): store events for the router
 K8S_VERSION = "1.33.0"    # what the tests validate against
 
 
@@ -64,10 +65,16 @@ def cluster_config(cfg: kcfg.KVRelayConfig, ns: str, gpus: int, redis: bool) -> 
     """The tree every pod reads: pools by DNS, the secret from the mounted Secret."""
     data = kcfg.to_dict(cfg)
     svc = f"{ns}.svc.cluster.local"
-    data["router"].update(host="0.0.0.0", prefill=[f"dns+http://kvrelay-prefill.{svc}:{HTTP_PORT}"],
+    prefill = f"dns+http://kvrelay-prefill.{svc}:{HTTP_PORT}"
+    if data["router"]["policy"] == "cache_aware" and data["store"]["enabled"]:
+        # the router follows every prefill pod's store events (router/cache_index.py)
+        data["store"]["publish_port"] = EVENTS_PORT
+        prefill += f"=tcp://kvrelay-prefill.{svc}:{EVENTS_PORT}"
+        data["router"]["tokenizer"] = data["router"]["tokenizer"] or data["engine"]["model"]
+    elif data["router"]["policy"] == "cache_aware":
+        data["router"]["policy"] = "least_outstanding"      # no store, no events to route by
+    data["router"].update(host="0.0.0.0", prefill=[prefill],
                           decode=[f"dns+http://kvrelay-decode.{svc}:{HTTP_PORT}=tcp://kvrelay-decode.{svc}:{KV_PORT}"])
-    if data["router"]["policy"] == "cache_aware":
-        data["router"]["policy"] = "least_outstanding"      # cache_aware needs a fixed prefill list (README)
     data["transport"].update(secret_file=f"{SECRET_DIR}/secret", host="0.0.0.0", allowed_decode=[])
     data["deploy"].update(host="0.0.0.0", base_port=HTTP_PORT, kv_base_port=KV_PORT)
     data["engine"]["cpu_bind"] = "vllm"

@@ -52,7 +52,7 @@ from core.params import ParamsSigner, PullParams, PushParams, params_dict
 from core.tracing import annotate, request_span, tracer, with_traceparent
 from router import split, validate
 from router.cache_index import ChunkIndex, PromptTokenizer
-from router.discovery import Discovery, parse_dns
+from router.discovery import Discovery, Resolver, parse_dns, system_resolver
 from router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from router.metrics import RouterMetrics
 from router.pools import (
@@ -225,8 +225,10 @@ async def _open_stream(request: web.Request, headers: dict[str, str]) -> web.Str
 
 class Router(_SplitMixin):
     def __init__(self, cfg: KVRelayConfig, prefill: Pool | None = None, decode: Pool | None = None, *,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, resolver: Resolver = system_resolver) -> None:
+        """``resolver``: how ``dns+`` pool entries are looked up (the system resolver by default)."""
         self.cfg = cfg
+        self._resolver = resolver
         if prefill is None or decode is None:
             prefill, decode = pools_from_config(cfg.router)
         self.prefill, self.decode = prefill, decode
@@ -244,35 +246,40 @@ class Router(_SplitMixin):
         self.index: ChunkIndex | None = None
         self.tokenizer: PromptTokenizer | None = None
         if cfg.router.policy is RoutingPolicy.CACHE_AWARE:
-            if any(is_dns(e) for e in rc.prefill):
-                raise ConfigError("router.policy cache_aware follows a fixed list of prefill nodes; "
-                                  "dns+ prefill entries are not supported with it yet (use least_outstanding)")
-            missing = [n.url for n in self.prefill.nodes if not n.events_endpoint]
-            if len(missing) == len(self.prefill.nodes):
-                raise ConfigError("router.policy cache_aware needs the prefill nodes' store events: list each "
-                                  "as URL=tcp://HOST:PORT in router.prefill, PORT being that node's "
-                                  "store.publish_port (kvrelay up assigns them when store.enabled is true)")
-            if missing:
-                log.warning("cache_aware: %s publish no store events; they are picked by load only", missing)
-            self.index = ChunkIndex(self.prefill.nodes)
-            if not cfg.router.tokenizer:
-                raise ConfigError("router.policy cache_aware needs router.tokenizer (the model path)")
-            self.tokenizer = PromptTokenizer(cfg.router.tokenizer)
+            self.index, self.tokenizer = self._cache_aware()
         self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
+    def _cache_aware(self) -> tuple[ChunkIndex, PromptTokenizer]:
+        """The chunk index over the prefill pool (static and DNS-discovered nodes) and the tokenizer."""
+        rc = self.cfg.router
+        silent = [e for e in rc.prefill if "=" not in e]
+        if len(silent) == len(rc.prefill):
+            raise ConfigError("router.policy cache_aware needs the prefill nodes' store events: list each "
+                              "as URL=tcp://HOST:PORT (or dns+http://NAME:PORT=tcp://NAME:PORT) in "
+                              "router.prefill, PORT being the nodes' store.publish_port (kvrelay up "
+                              "assigns them when store.enabled is true)")
+        if silent:
+            log.warning("cache_aware: %s publish no store events; they are picked by load only", silent)
+        if not rc.tokenizer:
+            raise ConfigError("router.policy cache_aware needs router.tokenizer (the model path)")
+        return ChunkIndex(self.prefill), PromptTokenizer(rc.tokenizer)
+
     def _discoveries(self) -> list[Discovery]:
-        """One DNS discovery per pool with ``dns+`` entries; admission follows the decode pool's size."""
+        """One DNS discovery per pool with ``dns+`` entries; admission follows the decode pool's
+        size, and the chunk index (cache_aware) the prefill pool's members."""
         rc = self.cfg.router
 
         def resize() -> None:
             self.admission.capacity = rc.max_inflight * max(1, len(self.decode.nodes))
+            if self.index is not None:
+                self.index.sync()
         out = []
         for pool, entries, decode in ((self.prefill, rc.prefill, False), (self.decode, rc.decode, True)):
             dns = [parse_dns(e, decode) for e in entries if is_dns(e)]
             if dns:
-                out.append(Discovery(pool, dns, decode=decode, on_change=resize))
+                out.append(Discovery(pool, dns, decode=decode, resolver=self._resolver, on_change=resize))
         return out
 
     def app(self) -> web.Application:
@@ -405,7 +412,7 @@ class Router(_SplitMixin):
         tid = f"{rid}-{uuid.uuid4().hex[:8]}"
         set_ids(transfer_id=tid)
         annotate(request_id=rid, transfer_id=tid, prefill=p_node.url, decode=d_node.url)
-        work = PrefillWork(p_node, hint.work(self.prefill.nodes.index(p_node)) if hint else 0)
+        work = PrefillWork(p_node, hint.work(p_node) if hint else 0)
         if self.cfg.router.first_token is FirstToken.PREFILL:
             why = split.fallback_reason(endpoint, body)
             if why is None:

@@ -25,7 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.pools import Node, PrefixHint
+from router.pools import Pool, PrefixHint
 from transport.keys import chunk_keys_from_digest
 from transport.store.events import StoreEvent, decode_event
 
@@ -33,28 +33,42 @@ log = logging.getLogger("kvrelay.router")
 
 
 class ChunkIndex:
-    def __init__(self, nodes: list[Node]) -> None:
-        self.nodes = nodes
-        self.holders: dict[bytes, set[int]] = defaultdict(set)
+    """``chunk key -> prefill node urls`` from the nodes' store events, following the pool:
+    :meth:`sync` (at start, and whenever DNS discovery changes the pool) subscribes to every
+    node that lists an events endpoint and forgets nodes that left, with their keys."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.holders: dict[bytes, set[str]] = defaultdict(set)
         self.fingerprint = b""
         self.chunk_tokens = 0
         self.events = 0
-        self._tasks: list[asyncio.Task[None]] = []
+        self._followers: dict[str, asyncio.Task[None]] = {}    # node url -> its subscriber task
         self._ctx = zmq.asyncio.Context.instance()
 
     def start(self) -> None:
-        for i, node in enumerate(self.nodes):
-            if node.events_endpoint:
-                self._tasks.append(asyncio.create_task(self._follow(i, node.events_endpoint)))
+        self.sync()
+
+    def sync(self) -> None:
+        """Follow the pool's current nodes (needs a running event loop). Non-blocking."""
+        wanted = {n.url: n.events_endpoint for n in self.pool.nodes if n.events_endpoint}
+        for url in [u for u in self._followers if u not in wanted]:
+            self._followers.pop(url).cancel()
+            self.forget(url)
+        for url, endpoint in wanted.items():
+            if url not in self._followers:
+                self._followers[url] = asyncio.create_task(self._follow(url, endpoint))
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = list(self._followers.values())
+        self._followers.clear()
+        for t in tasks:
             t.cancel()
-        for t in self._tasks:
+        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
 
-    async def _follow(self, i: int, endpoint: str) -> None:
+    async def _follow(self, url: str, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
@@ -67,42 +81,51 @@ class ChunkIndex:
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     log.warning("bad store event from %s: %s", endpoint, exc)
                     continue
-                self.apply(i, ev)
+                self.apply(url, ev)
         finally:
             sock.close(linger=0)
 
-    def apply(self, i: int, ev: StoreEvent) -> None:
+    def apply(self, url: str, ev: StoreEvent) -> None:
         self.events += 1
         if self.fingerprint and ev.fingerprint != self.fingerprint:
-            log.warning("node %s announces a different engine fingerprint; ignoring its events", self.nodes[i].url)
+            log.warning("node %s announces a different engine fingerprint; ignoring its events", url)
             return
         self.fingerprint, self.chunk_tokens = ev.fingerprint, ev.chunk_tokens
         for k in ev.keys:
             if ev.kind == "stored":
-                self.holders[k].add(i)
-            elif (held := self.holders.get(k)) is not None:
-                held.discard(i)
-                if not held:
-                    del self.holders[k]             # an evicted key leaves no empty entry behind
+                self.holders[k].add(url)
+            else:
+                self._drop(k, url)
 
-    def prefix_hits(self, token_ids: list[int]) -> list[int]:
-        """Per node: how many leading full chunks of ``token_ids`` it holds."""
-        hits = [0] * len(self.nodes)
+    def forget(self, url: str) -> None:
+        """A node left the pool: it holds nothing any more."""
+        for k in [k for k, held in self.holders.items() if url in held]:
+            self._drop(k, url)
+
+    def _drop(self, key: bytes, url: str) -> None:
+        if (held := self.holders.get(key)) is not None:
+            held.discard(url)
+            if not held:
+                del self.holders[key]                # an evicted key leaves no empty entry behind
+
+    def prefix_hits(self, token_ids: list[int]) -> dict[str, int]:
+        """Per node url: how many leading full chunks of ``token_ids`` it holds (0: absent)."""
+        hits: dict[str, int] = {}
         if not self.fingerprint:
             return hits
-        alive = set(range(len(self.nodes)))
-        for depth, key in enumerate(chunk_keys_from_digest(token_ids[: len(token_ids) // self.chunk_tokens * self.chunk_tokens],
-                                                                 self.fingerprint, self.chunk_tokens), 1):
-            alive &= self.holders.get(key, set())
+        alive: set[str] | None = None
+        whole = token_ids[: len(token_ids) // self.chunk_tokens * self.chunk_tokens]
+        for depth, key in enumerate(chunk_keys_from_digest(whole, self.fingerprint, self.chunk_tokens), 1):
+            alive = set(self.holders.get(key, ())) if alive is None else alive & self.holders.get(key, set())
             if not alive:
                 break
-            for i in alive:
-                hits[i] = depth
+            for url in alive:
+                hits[url] = depth
         return hits
 
     def hint(self, token_ids: list[int]) -> PrefixHint:
         """The prompt's length and each node's cached leading tokens, for the pick."""
-        return PrefixHint(len(token_ids), tuple(h * self.chunk_tokens for h in self.prefix_hits(token_ids)))
+        return PrefixHint(len(token_ids), {u: h * self.chunk_tokens for u, h in self.prefix_hits(token_ids).items()})
 
 
 class PromptTokenizer:

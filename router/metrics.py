@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from router.pools import Node, Pool
+from router.pools import Pool
 
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -24,9 +27,6 @@ class RouterMetrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram("kvrelay_router_ttft_seconds", "Time to the first token the client gets",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.pending = Gauge("kvrelay_router_prefill_pending_tokens",
-                             "cache_aware: prompt tokens sent to a prefill node and not yet answered",
-                             ["node"], registry=self.registry)
         self.itl = Histogram("kvrelay_router_itl_seconds", "Time between streamed pieces the client gets",
                              buckets=ITL_BUCKETS, registry=self.registry)
 
@@ -37,9 +37,20 @@ class RouterMetrics:
         for pool in pools:
             self.nodes.labels(pool.name, "healthy").set_function(functools.partial(count, pool, True))
             self.nodes.labels(pool.name, "out").set_function(functools.partial(count, pool, False))
-        for node in pools[0].nodes:               # the prefill pool (fixed under cache_aware)
-            self.pending.labels(node.url).set_function(functools.partial(_pending, node))
+        self.registry.register(_PendingTokens(pools[0]))     # the prefill pool
 
 
-def _pending(node: Node) -> float:
-    return float(node.pending_tokens)
+class _PendingTokens(Collector):
+    """``kvrelay_router_prefill_pending_tokens{node}``, read from the pool at scrape time (its
+    members change under DNS discovery)."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily("kvrelay_router_prefill_pending_tokens",
+                              "cache_aware: prompt tokens sent to a prefill node and not yet answered",
+                              labels=["node"])
+        for n in list(self.pool.nodes):
+            g.add_metric([n.url], float(n.pending_tokens))
+        yield g

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -33,15 +34,15 @@ class NoHealthyNode(KVRelayError):
 
 @dataclass(frozen=True)
 class PrefixHint:
-    """What cache-aware routing knows of one prompt: its length and, per pool node (in the
-    pool's order), how many of its leading tokens that node holds (whole chunks)."""
+    """What cache-aware routing knows of one prompt: its length and, per node url, how many
+    of its leading tokens that node holds (whole chunks; a node not named holds none)."""
 
     prompt_tokens: int
-    cached_tokens: tuple[int, ...]
+    cached_tokens: Mapping[str, int]
 
-    def work(self, i: int) -> int:
-        """Prompt tokens node ``i`` would have to compute."""
-        return self.prompt_tokens - self.cached_tokens[i]
+    def work(self, node: Node) -> int:
+        """Prompt tokens ``node`` would have to compute."""
+        return self.prompt_tokens - self.cached_tokens.get(node.url, 0)
 
 
 class PrefillWork:
@@ -83,7 +84,7 @@ class Pool:
         if not live:
             raise NoHealthyNode(f"no healthy {self.name} node")
         if self.policy is RoutingPolicy.CACHE_AWARE and hint is not None:
-            costs = [(hint.work(self.nodes.index(n)) + load_weight * n.pending_tokens, n.outstanding) for n in live]
+            costs = [(hint.work(n) + load_weight * n.pending_tokens, n.outstanding) for n in live]
             best = min(costs)
             return self._turn([n for n, c in zip(live, costs, strict=True) if c == best])
         if self.policy in (RoutingPolicy.LEAST_OUTSTANDING, RoutingPolicy.CACHE_AWARE):

@@ -93,6 +93,67 @@ def test_router_serves_through_dns_discovered_pools():
     run(go())
 
 
+def test_cache_aware_routing_follows_dns_discovered_prefill_pods_and_their_store_events(tiny_model):
+    # Two prefill "pods" behind one name (127.0.0.1 and 127.0.0.2, same ports), each with a
+    # real ZeroMQ store-event publisher; the router discovers them, subscribes to both, and
+    # sends a prompt to the pod that announced its chunks. When that pod's address stops
+    # resolving, the router forgets what it held and routes to the other.
+    from bench.local_redis import free_port
+    from transport.keys import chunk_keys_from_digest
+    from transport.store.events import Publisher
+
+    answers = {"kv-prefill": ["127.0.0.1", "127.0.0.2"], "kv-decode": ["127.0.0.1"]}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return list(answers[host])
+
+    async def go() -> None:
+        p_port, e_port = free_port(), free_port()
+        p1, p2, dn = Fake(), Fake(), Fake()
+        pubs = [Publisher(host, e_port) for host in ("127.0.0.1", "127.0.0.2")]
+        fp = b"f" * 32
+        for pub in pubs:
+            pub.bind_engine(fp, 256)
+        async with fake_node(p1, "127.0.0.1", p_port), fake_node(p2, "127.0.0.2", p_port), fake_node(dn):
+            d_port = int(dn.url.rsplit(":", 1)[1])
+            cfg = kcfg.from_dict({"router": {
+                "policy": "cache_aware", "tokenizer": str(tiny_model), "first_token": "decode",
+                "prefill": [f"dns+http://kv-prefill:{p_port}=tcp://kv-prefill:{e_port}"],
+                "decode": [f"dns+http://kv-decode:{d_port}=tcp://kv-decode:9100"],
+                "health_interval_s": 0.1, "dns_refresh_s": 0.1}})
+            router = Router(cfg, secret=b"k" * 32, resolver=resolver)
+            prompt = "".join(chr(97 + i % 26) for i in range(600))
+            assert router.tokenizer is not None and router.index is not None
+            keys = chunk_keys_from_digest(router.tokenizer({"prompt": prompt})[:512], fp, 256)
+            async with serve(router.app()) as url, aiohttp.ClientSession() as s:
+                await _until(lambda: sum(n.healthy for n in router.prefill.nodes) == 2)
+                await _until(lambda: router.index.events > 0, lambda: pubs[1]("stored", keys))
+                assert await _prefill_of(s, url, prompt) == p2.url
+                answers["kv-prefill"] = ["127.0.0.1"]                  # pod 2 is gone
+                await _until(lambda: [n.url for n in router.prefill.nodes] == [p1.url])
+                assert all(p2.url not in held for held in router.index.holders.values())
+                assert await _prefill_of(s, url, prompt) == p1.url
+        for pub in pubs:
+            pub.close()
+    run(go())
+
+
+async def _until(cond, action=None, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if cond():
+            return
+        if action is not None:
+            action()
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+async def _prefill_of(s: aiohttp.ClientSession, url: str, prompt: str) -> str:
+    async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": prompt, "stream": True}) as r:
+        assert r.status == 200 and b"[DONE]" in await r.read()
+        return r.headers["X-Kvrelay-Prefill"]
+
+
 def test_a_named_push_target_allows_every_address_of_the_name_and_nothing_else():
     now = [0.0]
     calls = []

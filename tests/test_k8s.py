@@ -73,6 +73,22 @@ def test_manifests_validate_strictly_and_carry_the_deployment(tmp_path: Path) ->
         assert objs[f"PodDisruptionBudget/kvrelay-{role}"]["spec"]["maxUnavailable"] == 1
 
 
+def test_cache_aware_routing_follows_the_prefill_pods_store_events(tmp_path: Path) -> None:
+    # With the store on, every prefill pod publishes its store events on one port and the
+    # router's DNS entry names it, so the router subscribes to each pod it discovers; without
+    # the store there is nothing to route by, and the router balances by load.
+    objs = _render(tmp_path, "--store.enabled", "true", "--router.policy", "cache_aware",
+                   "--engine.model", "meta-llama/Llama-3.1-8B-Instruct")
+    cfg = kcfg.from_dict(yaml.safe_load(objs["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]))
+    name = "kvrelay-prefill.llm.svc.cluster.local"
+    assert cfg.router.policy is kcfg.RoutingPolicy.CACHE_AWARE and cfg.store.publish_port == k8s.EVENTS_PORT
+    assert cfg.router.prefill == [f"dns+http://{name}:{k8s.HTTP_PORT}=tcp://{name}:{k8s.EVENTS_PORT}"]
+    assert cfg.router.tokenizer == "meta-llama/Llama-3.1-8B-Instruct"
+    objs = _render(tmp_path / "nostore", "--router.policy", "cache_aware")
+    cfg = kcfg.from_dict(yaml.safe_load(objs["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]))
+    assert cfg.router.policy is kcfg.RoutingPolicy.LEAST_OUTSTANDING and "=" not in cfg.router.prefill[0]
+
+
 def test_a_broken_manifest_is_caught_by_the_validator(tmp_path: Path) -> None:
     # The check must be able to fail: an unknown field and a wrong type in the rendered pod.
     dep = _render(tmp_path)["Deployment/kvrelay-decode"]

@@ -79,25 +79,25 @@ class Fake:
 
 
 @asynccontextmanager
-async def serve(app: web.Application):
+async def serve(app: web.Application, host: str = "127.0.0.1", port: int = 0):
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, host, port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
 
 
 @asynccontextmanager
-async def fake_node(fake: Fake):
+async def fake_node(fake: Fake, host: str = "127.0.0.1", port: int = 0):
     app = web.Application()
     app.router.add_get("/health", fake.health)
     app.router.add_post("/v1/completions", fake.complete)
     app.router.add_post("/v1/chat/completions", fake.complete)
-    async with serve(app) as url:
+    async with serve(app, host, port) as url:
         fake.url = url
         yield fake
 
@@ -328,17 +328,22 @@ def test_a_stream_longer_than_the_timeout_is_fine_while_it_keeps_talking():
 
 
 def test_cache_index_drops_keys_no_node_holds():
+    from core.config import RoutingPolicy
     from router.cache_index import ChunkIndex
     from transport.store.events import StoreEvent, StoreEventKind
 
-    index = ChunkIndex([Node("http://a"), Node("http://b")])
+    index = ChunkIndex(Pool("prefill", [Node("http://a"), Node("http://b")], RoutingPolicy.CACHE_AWARE))
     keys = [bytes([i]) * 32 for i in range(3)]
-    index.apply(0, StoreEvent(StoreEventKind.STORED, keys, b"f" * 32, 256))
-    index.apply(1, StoreEvent(StoreEventKind.STORED, keys[:1], b"f" * 32, 256))
-    index.apply(0, StoreEvent(StoreEventKind.EVICTED, keys, b"f" * 32, 256))
-    assert set(index.holders) == {keys[0]} and index.holders[keys[0]] == {1}
-    index.apply(1, StoreEvent(StoreEventKind.EVICTED, keys[:1], b"f" * 32, 256))
+    index.apply("http://a", StoreEvent(StoreEventKind.STORED, keys, b"f" * 32, 256))
+    index.apply("http://b", StoreEvent(StoreEventKind.STORED, keys[:1], b"f" * 32, 256))
+    index.apply("http://a", StoreEvent(StoreEventKind.EVICTED, keys, b"f" * 32, 256))
+    assert set(index.holders) == {keys[0]} and index.holders[keys[0]] == {"http://b"}
+    index.apply("http://b", StoreEvent(StoreEventKind.EVICTED, keys[:1], b"f" * 32, 256))
     assert not index.holders
+    index.apply("http://a", StoreEvent(StoreEventKind.STORED, keys, b"f" * 32, 256))
+    index.apply("http://b", StoreEvent(StoreEventKind.STORED, keys[:1], b"f" * 32, 256))
+    index.forget("http://a")                                 # a node that left the pool holds nothing
+    assert index.holders == {keys[0]: {"http://b"}}
 
 
 def test_ties_take_turns_and_the_longest_cached_prefix_wins():
@@ -350,10 +355,11 @@ def test_ties_take_turns_and_the_longest_cached_prefix_wins():
 
     for policy in (RoutingPolicy.CACHE_AWARE, RoutingPolicy.LEAST_OUTSTANDING):
         pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], policy)
-        hint = PrefixHint(1100, (1024, 1024, 1024)) if policy is RoutingPolicy.CACHE_AWARE else None
+        hint = PrefixHint(1100, {f"http://n{i}": 1024 for i in range(3)}) if policy is RoutingPolicy.CACHE_AWARE else None
         assert {pool.pick(hint=hint).url for _ in range(3)} == {"http://n0", "http://n1", "http://n2"}
     pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], RoutingPolicy.CACHE_AWARE)
-    assert {pool.pick(hint=PrefixHint(1600, (1024, 1536, 1024))).url for _ in range(4)} == {"http://n1"}
+    hint = PrefixHint(1600, {"http://n0": 1024, "http://n1": 1536, "http://n2": 1024})
+    assert {pool.pick(hint=hint).url for _ in range(4)} == {"http://n1"}
 
 
 def test_a_node_holding_a_shared_prefix_stops_attracting_work_once_its_queue_outweighs_it():
@@ -366,7 +372,7 @@ def test_a_node_holding_a_shared_prefix_stops_attracting_work_once_its_queue_out
 
     pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], RoutingPolicy.CACHE_AWARE)
     n0 = pool.nodes[0]
-    conv = PrefixHint(1100, (1024, 0, 0))
+    conv = PrefixHint(1100, {"http://n0": 1024})
     assert [pool.pick(hint=conv).url for _ in range(3)] == ["http://n0"] * 3
     small = [PrefillWork(n0, 40) for _ in range(3)]          # three short prompts queued on n0
     n0.outstanding = 3
