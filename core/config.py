@@ -239,10 +239,10 @@ FIELD_HELP: dict[str, str] = {
                               "message before they sleep (vLLM: 1 s; -1 keeps vLLM's)"),
     'router.host': 'router listen address',
     'router.port': 'router port (OpenAI API at /v1)',
-    'router.policy': 'node choice: round_robin, least_outstanding or cache_aware (prefill: longest cached prefix, weighed by load)',
+    'router.policy': 'node choice: round_robin, least_outstanding or cache_aware (prefill: least prompt work ahead of the first token - tokens not cached there plus tokens queued there)',
     'router.tokenizer': 'cache_aware: tokenizer (model path) for computing chunk keys (kvrelay up sets it)',
     'router.load_weight': 'cache_aware: what one prompt token queued on a prefill node costs, in cached tokens',
-    'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]', or 'http://h1:8100=tcp://h1:9300' with the node's store event port (kvrelay up fills this in); 'dns+http://name:port' stands for every address the name resolves to",
+    'router.prefill': "prefill node URLs, e.g. '[http://h1:8100]', or 'http://h1:8100=tcp://h1:9300' with the node's store event port (kvrelay up fills this in); 'dns+http://name:port[=tcp://name:eventport]' stands for every address the name resolves to",
     'router.decode': "decode nodes as 'http://host:port=tcp://host:kvport' (kvrelay up fills this in), or 'dns+http://name:port=tcp://name:kvport' for every address of a headless Service",
     'router.health_interval_s': 'health-check period; failed nodes leave rotation until healthy',
     'router.upstream_keepalive_s': ("idle connections to engines are closed after this; keep it below the engines' "
