@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import msgspec.inspect
 import yaml
 
 from core.logs import LogFormat
@@ -151,9 +153,28 @@ class KVRelayConfig(Section, frozen=True):
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
 
 
+@functools.cache
+def _schema() -> Any:
+    return msgspec.inspect.type_info(KVRelayConfig)
+
+
+def _as_text(data: Any, info: Any) -> Any:
+    """Scalars YAML reads as numbers or booleans, given where the field is text, become that
+    text (``--connector.helper_cpus 3``, ``--engine.prefill_args '[--max-num-seqs, 8]'``)."""
+    mi = msgspec.inspect
+    if isinstance(info, mi.StrType) and isinstance(data, bool | int | float):
+        return str(data).lower() if isinstance(data, bool) else str(data)
+    if isinstance(info, mi.ListType) and isinstance(data, list):
+        return [_as_text(v, info.item_type) for v in data]
+    if isinstance(info, mi.StructType) and isinstance(data, Mapping):
+        fields = {f.name: f.type for f in info.fields}
+        return {k: _as_text(v, fields[k]) if k in fields else v for k, v in data.items()}
+    return data
+
+
 def _convert(data: Mapping[str, Any]) -> KVRelayConfig:
     try:
-        return msgspec.convert(dict(data), KVRelayConfig, strict=False)
+        return msgspec.convert(_as_text(dict(data), _schema()), KVRelayConfig, strict=False)
     except msgspec.ValidationError as exc:
         msg = str(exc).replace("`$.", "`").replace("`$`", "`<root>`")
         if "shared_secret" in msg:

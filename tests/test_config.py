@@ -89,3 +89,17 @@ def test_a_decode_node_binding_every_address_must_say_which_one_to_announce():
     finally:
         rx.close()
     assert TransportConfig(host="10.0.0.5").advertised_host() == "10.0.0.5"
+
+
+def test_numbers_given_where_the_field_is_text_are_taken_as_text():
+    # `--connector.helper_cpus 3` and a numeric vLLM argument in a list used to fail with
+    # "Expected `str`, got `int`": YAML reads 3 as a number; the field wants the text.
+    from core import config as kcfg
+
+    cfg = kcfg.load(overrides=["connector.helper_cpus=3", "engine.prefill_args=[--max-num-seqs, 8]",
+                               "engine.served_model_name=true"])
+    assert cfg.connector.helper_cpus == "3" and cfg.engine.prefill_args == ["--max-num-seqs", "8"]
+    assert cfg.engine.served_model_name == "true"
+    assert kcfg.load(overrides=["router.port=9000"]).router.port == 9000      # numbers stay numbers
+    with pytest.raises(kcfg.ConfigError, match="router.port"):
+        kcfg.load(overrides=["router.port=abc"])                                # and text is no number
