@@ -254,8 +254,10 @@ class Router(_SplitMixin):
     def _cache_aware(self) -> tuple[ChunkIndex, PromptTokenizer]:
         """The chunk index over the prefill pool (static and DNS-discovered nodes) and the tokenizer."""
         rc = self.cfg.router
-        silent = [e for e in rc.prefill if "=" not in e]
-        if len(silent) == len(rc.prefill):
+        dns = [e for d in self.discovery if d.pool is self.prefill for e in d.entries]
+        silent = ([n.url for n in self.prefill.nodes if not n.events_endpoint]
+                  + [f"dns+{e.scheme}://{e.host}:{e.port}" for e in dns if not e.side_port])
+        if not any(n.events_endpoint for n in self.prefill.nodes) and not any(e.side_port for e in dns):
             raise ConfigError("router.policy cache_aware needs the prefill nodes' store events: list each "
                               "as URL=tcp://HOST:PORT (or dns+http://NAME:PORT=tcp://NAME:PORT) in "
                               "router.prefill, PORT being the nodes' store.publish_port (kvrelay up "

@@ -389,6 +389,17 @@ def test_a_node_holding_a_shared_prefix_stops_attracting_work_once_its_queue_out
     assert pool.pick(hint=conv).url in {"http://n1", "http://n2"}
 
 
+def test_cache_aware_takes_the_events_endpoints_from_the_pool_it_is_given(tiny_model):
+    # Pools handed to the Router directly (router.prefill empty in the config) count: a node
+    # listing its events endpoint makes cache_aware valid; one without is routed by load.
+    cfg = kcfg.from_dict({"router": {"policy": "cache_aware", "tokenizer": str(tiny_model)}})
+    pool_p = Pool("prefill", [Node("http://127.0.0.1:1", events_endpoint="tcp://127.0.0.1:9"),
+                              Node("http://127.0.0.1:2")], cfg.router.policy)
+    pool_d = Pool("decode", [Node("http://127.0.0.1:3", "tcp://127.0.0.1:4")], cfg.router.policy)
+    router = Router(cfg, pool_p, pool_d, secret=b"k" * 32)
+    assert router.index is not None and router.index.pool is pool_p
+
+
 def test_cache_aware_without_store_events_is_refused_and_kvrelay_up_assigns_them():
     # Without the prefill nodes' store events the chunk index stays empty and cache_aware
     # silently routes by load only: refuse it with the fix in the message.

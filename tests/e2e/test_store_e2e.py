@@ -26,6 +26,7 @@ from tests.e2e.harness import (
     run_case,
     run_chat,
     run_turn2,
+    scrape,
     start_stack,
 )
 
@@ -213,13 +214,10 @@ def _warm(stack, node: str, prefix: str, tmp_path) -> None:
 
 
 def _pending_tokens(router_url: str, node: str) -> float:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{router_url}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(f'kvrelay_router_prefill_pending_tokens{{node="{node}"}}'):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no pending-tokens series for {node}")
+    series = f'kvrelay_router_prefill_pending_tokens{{node="{node}"}}'
+    value = scrape(f"{router_url}/metrics").get(series)
+    assert value is not None, f"no pending-tokens series for {node}"
+    return value
 
 
 def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_stack, tmp_path):
