@@ -14,6 +14,14 @@ random prompt so no system profits from prefix caching):
 * ``nixl-fair``   - the same with :class:`bench.fair_nixl.FairNixlConnector` (no core pinning,
                     no busy progress thread): the fair peer.
 
+Interleaved (the default): every system is started first and then the same prompt goes to
+each system in turn, the order rotating from one repetition to the next, so a drift in this
+shared host's speed (it moves by 2x within minutes) hits every system alike. Besides the ratios
+of medians, the table gives the median of *paired* ratios (each request against the same
+prompt's request to ``single-p`` / ``nixl-fair`` in the same round). ``nixl-stock`` pins cores
+and spins even when idle, so it always runs alone, after the others. ``--sequential`` runs
+one system after the other, as earlier versions did.
+
 Exposed transfer time (kvrelay only, from the connectors' event log): from the later
 of "D installs chunk 0" and "P's KV is complete" (P starts pushing the last chunk) to
 "D finished installing the last chunk" - the part of the transfer that did not
@@ -33,6 +41,8 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +63,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-batch-tokens", type=int, default=0,
                    help="P's --max-num-batched-tokens (0 = vLLM's, as the single baselines run; a smaller "
                         "batch lets a long prompt's pushes overlap its later chunks but costs TTFT)")
+    p.add_argument("--sequential", action="store_true",
+                   help="run one system after the other instead of interleaving their requests")
+    p.add_argument("--pause-ms", type=float, default=50.0,
+                   help="idle time between two requests (lets the previous system settle)")
     p.add_argument("--base-port", type=int, default=19100)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--quick", action="store_true", help="chunks 1,4,16, 1 rep")
@@ -115,12 +129,13 @@ class Servers:
         self.procs.clear()
 
 
-def base_cfg(args: argparse.Namespace, out: Path, **over: Any) -> kcfg.KVRelayConfig:
+def base_cfg(args: argparse.Namespace, out: Path, port: int = 0, **over: Any) -> kcfg.KVRelayConfig:
+    """One system's config; ``port`` (default ``--base-port``) is the first of the 1,000 it may use."""
+    port = port or args.base_port
     data: dict[str, Any] = {
         "engine": {"max_model_len": 8192, "served_model_name": launch.TINY_NAME},
-        "deploy": {"base_port": args.base_port, "kv_base_port": args.base_port + 500,
-                   "log_dir": str(out / "logs")},
-        "router": {"port": args.base_port + 50},
+        "deploy": {"base_port": port, "kv_base_port": port + 500, "log_dir": str(out / "logs")},
+        "router": {"port": port + 50},
         "connector": {"events_path": str(out / "events.jsonl")},
     }
     if args.prefill_batch_tokens:
@@ -131,24 +146,94 @@ def base_cfg(args: argparse.Namespace, out: Path, **over: Any) -> kcfg.KVRelayCo
     return kcfg.from_dict(data)
 
 
-def _measure(label: str, lengths: list[int], reps: int, fn: Callable[[str, str], tuple[float, list[float]]],
-             rows: list[dict], bar: Any) -> None:
+Flow = Callable[[str, str], tuple[float, list[float]]]     # (prompt, request id) -> (TTFT s, gaps s)
+
+
+@dataclass
+class System:
+    """One running system under test: how to send it a request, how to stop it, and (kvrelay)
+    how to read its exposed transfer time afterwards."""
+
+    label: str
+    flow: Flow
+    stop: Callable[[], None]
+    transfer: Callable[[], dict] | None = None
+    reps: int = 0                                            # 0: --reps
+
+
+@dataclass
+class Samples:
+    """Every request's TTFT and gaps, by (system, prompt tokens, repetition)."""
+
+    ttft: dict[tuple[str, int], dict[int, float]] = field(default_factory=dict)
+    gaps: dict[tuple[str, int], dict[int, list[float]]] = field(default_factory=dict)
+
+    def add(self, label: str, n: int, rep: int, ttft: float, gaps: list[float]) -> None:
+        self.ttft.setdefault((label, n), {})[rep] = ttft
+        self.gaps.setdefault((label, n), {})[rep] = gaps
+
+
+def rotation(labels: list[str], rep: int) -> list[str]:
+    """The order of round ``rep``: each system goes first (and last) equally often."""
+    k = rep % len(labels) if labels else 0
+    return labels[k:] + labels[:k]
+
+
+def paired_ratio(samples: Samples, label: str, peer: str, n: int) -> float:
+    """Median over the rounds both ran of ``label``'s TTFT / ``peer``'s for the same prompt."""
+    mine, theirs = samples.ttft.get((label, n), {}), samples.ttft.get((peer, n), {})
+    ratios = [mine[r] / theirs[r] for r in mine if r in theirs and theirs[r] > 0]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def _one(system: System, n: int, rep: int, samples: Samples, pause_s: float) -> None:
+    rid = f"b-{system.label}-{n}-{rep}-{uuid.uuid4().hex[:6]}"
+    ttft, gaps = system.flow(_prompt(n, 1000 * n + rep), rid)      # same prompts for every system
+    samples.add(system.label, n, rep, ttft, gaps)
+    time.sleep(pause_s)
+
+
+def measure_interleaved(systems: list[System], lengths: list[int], reps: int, samples: Samples,
+                        bar: Any, pause_s: float = 0.05) -> None:
+    """Round ``rep`` of length ``n`` sends the same prompt to every system, in a rotating order."""
+    by_label = {s.label: s for s in systems}
     for n in lengths:
-        ttfts, itls, totals = [], [], []
         for rep in range(reps):
-            rid = f"b-{label}-{n}-{rep}-{uuid.uuid4().hex[:6]}"
-            ttft, gaps = fn(_prompt(n, 1000 * n + rep), rid)     # same prompts for every system
-            ttfts.append(ttft)
-            itls.extend(gaps)
-            totals.append(ttft + sum(gaps))                      # request sent -> last token
+            for label in rotation(list(by_label), rep):
+                _one(by_label[label], n, rep, samples, pause_s)
+                bar.update(1)
+
+
+def measure_one(system: System, lengths: list[int], reps: int, samples: Samples, bar: Any,
+                pause_s: float = 0.05) -> None:
+    for n in lengths:
+        for rep in range(system.reps or reps):
+            _one(system, n, rep, samples, pause_s)
             bar.update(1)
-        q = sorted(ttfts)
-        rows.append({"system": label, "prompt_tokens": n, "ttft_ms": 1e3 * statistics.median(ttfts),
-                     "ttft_p90_ms": 1e3 * q[min(len(q) - 1, int(0.9 * len(q)))],
-                     "ttft_p99_ms": 1e3 * q[min(len(q) - 1, int(0.99 * len(q)))],
-                     "itl_ms": 1e3 * statistics.median(itls) if itls else float("nan"),
-                     "total_ms": 1e3 * statistics.median(totals),
-                     "ttft_all_ms": [round(1e3 * t, 2) for t in ttfts]})
+
+
+def rows_of(samples: Samples, labels: list[str], lengths: list[int]) -> list[dict]:
+    """One row per (system, length): medians, tail quantiles, and paired ratios."""
+    rows = []
+    for label in labels:
+        for n in lengths:
+            ttft_by_rep = samples.ttft.get((label, n))
+            if not ttft_by_rep:
+                continue
+            ttfts = list(ttft_by_rep.values())
+            gaps_by_rep = samples.gaps[(label, n)]
+            itls = [g for r in gaps_by_rep for g in gaps_by_rep[r]]
+            totals = [ttft_by_rep[r] + sum(gaps_by_rep[r]) for r in ttft_by_rep]   # request sent -> last token
+            q = sorted(ttfts)
+            rows.append({"system": label, "prompt_tokens": n, "ttft_ms": 1e3 * statistics.median(ttfts),
+                         "ttft_p90_ms": 1e3 * q[min(len(q) - 1, int(0.9 * len(q)))],
+                         "ttft_p99_ms": 1e3 * q[min(len(q) - 1, int(0.99 * len(q)))],
+                         "itl_ms": 1e3 * statistics.median(itls) if itls else float("nan"),
+                         "total_ms": 1e3 * statistics.median(totals),
+                         "paired_vs_single_p": paired_ratio(samples, label, "single-p", n),
+                         "paired_vs_nixl_fair": paired_ratio(samples, label, "nixl-fair", n),
+                         "ttft_all_ms": [round(1e3 * t, 2) for t in ttfts]})
+    return rows
 
 
 def start_single(cfg: kcfg.KVRelayConfig, servers: Servers, base_port: int) -> str:
@@ -160,39 +245,36 @@ def start_single(cfg: kcfg.KVRelayConfig, servers: Servers, base_port: int) -> s
     return url
 
 
-def _run_single(args: argparse.Namespace, out: Path, lengths: list[int], rows: list[dict], bar: Any,
-                label: str = "single") -> None:
+def up_single(args: argparse.Namespace, out: Path, label: str, port: int) -> System:
     over = {}
     if label == "single-p":                      # the cores `kvrelay up` gives prefill node 0 of a 1P1D stack
         over["engine__cpu_bind"] = ",".join(map(str, launch.split_cores(0, 2)))
-    cfg = base_cfg(args, out / label, **over)
+    cfg = base_cfg(args, out / label, port, **over)
     servers = Servers(out / label / "logs")
     try:
-        url = start_single(cfg, servers, args.base_port)
-        _measure(label, lengths, args.reps,
-                 lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens), rows, bar)
-    finally:
+        url = start_single(cfg, servers, port)
+    except BaseException:
         servers.stop()
+        raise
+    return System(label, lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens), servers.stop)
 
 
-def _run_kvrelay(args: argparse.Namespace, out: Path, backend: str, lengths: list[int], rows: list[dict],
-                 bar: Any, first_token: str = "prefill") -> dict:
+def up_kvrelay(args: argparse.Namespace, out: Path, backend: str, first_token: str, port: int) -> System:
     label = f"kvrelay-{backend}" + ("-d" if first_token == "decode" else "")
     sub = out / label
     sub.mkdir(parents=True, exist_ok=True)
     (sub / "events.jsonl").unlink(missing_ok=True)
-    cfg = base_cfg(args, sub, transport__backend=backend, router__first_token=first_token)
+    cfg = base_cfg(args, sub, port, transport__backend=backend, router__first_token=first_token)
     stack = launch.Stack(cfg)
     try:
         stack.start(progress=False)
-        url = f"http://127.0.0.1:{cfg.router.port}"
-        _measure(label, lengths, args.reps,
-                 lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens, headers={"X-Request-Id": rid}),
-                 rows, bar)
-        time.sleep(1.0)
-    finally:
+    except BaseException:
         stack.stop()
-    return exposed_transfer(sub / "events.jsonl", cfg.chunk_tokens)
+        raise
+    url = f"http://127.0.0.1:{cfg.router.port}"
+    return System(label,
+                  lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens, headers={"X-Request-Id": rid}),
+                  stack.stop, lambda: exposed_transfer(sub / "events.jsonl", cfg.chunk_tokens))
 
 
 def exposed_transfer(events_path: Path, chunk_tokens: int) -> dict:
@@ -247,34 +329,35 @@ NIXL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "re
                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
-def _nixl_pair(args: argparse.Namespace, out: Path, label: str, fair: bool, lengths: list[int],
-               rows: list[dict], bar: Any) -> None:
-    cfg = base_cfg(args, out / label)
+def up_nixl(args: argparse.Namespace, out: Path, label: str, fair: bool, port: int) -> System:
+    cfg = base_cfg(args, out / label, port)
     servers = Servers(out / label / "logs")
     try:
-        p_url, d_url = start_nixl_pair(cfg, servers, label, fair, args.base_port)
-
-        def flow(prompt: str, rid: str) -> tuple[float, list[float]]:
-            t0 = time.perf_counter()
-            pre = _post(f"{p_url}/v1/completions", {
-                "model": launch.TINY_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": NIXL_PREFILL_PARAMS})
-            return _stream(d_url, launch.TINY_NAME, prompt, args.max_tokens,
-                           extra={"kv_transfer_params": pre.get("kv_transfer_params")}, t0=t0)
-
-        _measure(label, lengths, 1 if label == "nixl-stock" else args.reps, flow, rows, bar)
-    finally:
+        p_url, d_url = start_nixl_pair(cfg, servers, label, fair, port)
+    except BaseException:
         servers.stop()
+        raise
+
+    def flow(prompt: str, rid: str) -> tuple[float, list[float]]:
+        t0 = time.perf_counter()
+        pre = _post(f"{p_url}/v1/completions", {
+            "model": launch.TINY_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": NIXL_PREFILL_PARAMS})
+        return _stream(d_url, launch.TINY_NAME, prompt, args.max_tokens,
+                       extra={"kv_transfer_params": pre.get("kv_transfer_params")}, t0=t0)
+
+    return System(label, flow, servers.stop, reps=1 if label == "nixl-stock" else 0)
 
 
-def _table(rows: list[dict], transfer: dict[str, dict]) -> str:
+def _table(rows: list[dict], transfer: dict[str, dict], interleaved: bool) -> str:
     single = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "single"}
     single_p = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "single-p"}
     fair = {r["prompt_tokens"]: r["ttft_ms"] for r in rows if r["system"] == "nixl-fair"}
     fair_total = {r["prompt_tokens"]: r["total_ms"] for r in rows if r["system"] == "nixl-fair"}
+    nan = float("nan")
     lines = [f"{'system':<14} {'tokens':>6} {'TTFT ms':>9} {'p90/p50':>7} {'ITL ms':>7} {'TTFT/single':>11} "
-             f"{'TTFT/single-p':>13} {'TTFT/nixl-fair':>14} {'total ms':>9} {'total/fair':>10} "
-             f"{'exposed ms':>10} {'exposed/chunk':>13}"]
+             f"{'TTFT/single-p':>13} {'TTFT/nixl-fair':>14} {'paired/sp':>9} {'paired/fair':>11} "
+             f"{'total ms':>9} {'total/fair':>10} {'exposed ms':>10} {'exposed/chunk':>13}"]
     for r in rows:
         n = r["prompt_tokens"]
         x = transfer.get(r["system"], {})
@@ -282,15 +365,19 @@ def _table(rows: list[dict], transfer: dict[str, dict]) -> str:
         chunk = x.get("one_chunk_ms")
         lines.append(f"{r['system']:<14} {n:>6} {r['ttft_ms']:>9.1f} {r['ttft_p90_ms'] / r['ttft_ms']:>7.2f} "
                      f"{r['itl_ms']:>7.2f} "
-                     f"{r['ttft_ms'] / single[n] if n in single else float('nan'):>11.2f} "
-                     f"{r['ttft_ms'] / single_p[n] if n in single_p else float('nan'):>13.2f} "
-                     f"{r['ttft_ms'] / fair[n] if n in fair else float('nan'):>14.2f} "
-                     f"{r['total_ms']:>9.1f} {r['total_ms'] / fair_total[n] if n in fair_total else float('nan'):>10.2f} "
-                     f"{exp if exp is not None else float('nan'):>10.1f} "
-                     f"{exp / chunk if exp is not None and chunk else float('nan'):>13.2f}")
+                     f"{r['ttft_ms'] / single[n] if n in single else nan:>11.2f} "
+                     f"{r['ttft_ms'] / single_p[n] if n in single_p else nan:>13.2f} "
+                     f"{r['ttft_ms'] / fair[n] if n in fair else nan:>14.2f} "
+                     f"{r['paired_vs_single_p']:>9.2f} {r['paired_vs_nixl_fair']:>11.2f} "
+                     f"{r['total_ms']:>9.1f} {r['total_ms'] / fair_total[n] if n in fair_total else nan:>10.2f} "
+                     f"{exp if exp is not None else nan:>10.1f} "
+                     f"{exp / chunk if exp is not None and chunk else nan:>13.2f}")
     for name, x in transfer.items():
         lines.append(f"{name}: one chunk's transfer (push start -> installed) = {x['one_chunk_ms']:.2f} ms")
     lines.append("medians over the requests of each length; total = request sent -> last of the answer's tokens")
+    lines.append("paired/sp, paired/fair: median over rounds of TTFT / the same prompt's TTFT on single-p, "
+                 "nixl-fair" + (" (interleaved: the same round, back to back)" if interleaved
+                                else " (sequential: systems measured minutes apart)"))
     return "\n".join(lines)
 
 
@@ -313,6 +400,51 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _plan(args: argparse.Namespace) -> list[tuple[str, Callable[[int], System]]]:
+    """(label, start(port)) of every system asked for, nixl-stock last."""
+    out, systems = args.out_dir, args.systems.split(",")
+    plan: list[tuple[str, Callable[[int], System]]] = []
+    for label in ("single", "single-p"):
+        if label in systems:
+            plan.append((label, partial(up_single, args, out, label)))
+    if "kvrelay" in systems:
+        for b in args.backends.split(","):
+            for mode in args.first_token.split(","):
+                label = f"kvrelay-{b}" + ("-d" if mode == "decode" else "")
+                plan.append((label, partial(up_kvrelay, args, out, b, mode)))
+    for label in ("nixl-fair", "nixl-stock"):
+        if label in systems:
+            plan.append((label, partial(up_nixl, args, out, label, label == "nixl-fair")))
+    return plan
+
+
+def _run(args: argparse.Namespace, lengths: list[int], samples: Samples, bar: Any) -> dict[str, dict]:
+    """Run every system (interleaved unless --sequential); return kvrelay's transfer figures."""
+    plan = _plan(args)
+    pause = args.pause_ms / 1e3
+    transfer: dict[str, dict] = {}
+    together = [] if args.sequential else [up for label, up in plan if label != "nixl-stock"]
+    alone = [up for label, up in plan if args.sequential or label == "nixl-stock"]
+    running: list[System] = []
+    try:
+        for i, up in enumerate(together):
+            running.append(up(args.base_port + 1000 * i))
+        measure_interleaved(running, lengths, args.reps, samples, bar, pause)
+    finally:
+        for s in running:
+            transfer.update({s.label: s.transfer()} if s.transfer else {})
+            s.stop()
+    for up in alone:
+        system = up(args.base_port)
+        try:
+            measure_one(system, lengths, args.reps, samples, bar, pause)
+        finally:
+            system.stop()
+        if system.transfer:
+            transfer[system.label] = system.transfer()
+    return transfer
+
+
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -321,32 +453,19 @@ def main(args: argparse.Namespace) -> int:
     chunks = [int(c) for c in args.chunks.split(",")]
     lengths = [256 * c - (0 if c > 1 else 16) for c in chunks]
     lengths[-1] = min(lengths[-1], 4096)
-    systems = args.systems.split(",")
-    backends = args.backends.split(",") if "kvrelay" in systems else []
-    out = Path(args.out) / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    args.out_dir = Path(args.out) / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
     launch.model_path(kcfg.from_dict({}))
-    modes = args.first_token.split(",")
-    n_req = len(lengths) * (args.reps * (("single" in systems) + ("single-p" in systems) + len(backends) * len(modes)
-                                         + ("nixl-fair" in systems))
-                            + ("nixl-stock" in systems))
+    labels = [label for label, _ in _plan(args)]
+    n_req = len(lengths) * sum(1 if label == "nixl-stock" else args.reps for label in labels)
     bar = tqdm(total=n_req, desc="bench e2e", unit="req")
-    rows: list[dict] = []
-    transfer: dict[str, dict] = {}
-    for label in ("single", "single-p"):
-        if label in systems:
-            _run_single(args, out, lengths, rows, bar, label)
-    for b in backends:
-        for mode in modes:
-            transfer[f"kvrelay-{b}" + ("-d" if mode == "decode" else "")] = _run_kvrelay(args, out, b, lengths, rows,
-                                                                                       bar, mode)
-    if "nixl-fair" in systems:
-        _nixl_pair(args, out, "nixl-fair", True, lengths, rows, bar)
-    if "nixl-stock" in systems:
-        _nixl_pair(args, out, "nixl-stock", False, lengths, rows, bar)
+    samples = Samples()
+    transfer = _run(args, lengths, samples, bar)
     bar.close()
-    table = _table(rows, transfer)
+    rows = rows_of(samples, labels, lengths)
+    table = _table(rows, transfer, not args.sequential)
     print(table)
+    out = args.out_dir
     (out / "table.txt").write_text(table + "\n")
     (out / "e2e.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
                                               "rows": rows, "transfer": transfer,

@@ -1,0 +1,61 @@
+"""`kvrelay bench e2e`'s interleaving and paired ratios (pure logic; the benchmark itself runs real stacks)."""
+
+from __future__ import annotations
+
+import math
+
+from bench.e2e import Samples, System, measure_interleaved, paired_ratio, rotation, rows_of
+
+
+class _Bar:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def update(self, k: int) -> None:
+        self.n += k
+
+
+def test_each_system_leads_a_round_equally_often() -> None:
+    labels = ["a", "b", "c"]
+    firsts = [rotation(labels, rep)[0] for rep in range(6)]
+    assert sorted(firsts) == ["a", "a", "b", "b", "c", "c"]
+    assert all(sorted(rotation(labels, rep)) == labels for rep in range(6))
+
+
+def test_paired_ratios_cancel_a_drift_that_ratios_of_medians_do_not() -> None:
+    # the host slows down 3x halfway through: run one system after the other and its
+    # median moves; interleave and the same round's pair sees the same slowdown
+    sent: list[tuple[str, int, str]] = []
+    clock = {"n": 0}
+
+    def system(label: str, cost: float) -> System:
+        def flow(prompt: str, rid: str) -> tuple[float, list[float]]:
+            clock["n"] += 1
+            slow = 3.0 if clock["n"] > 12 else 1.0
+            sent.append((label, len(prompt), rid))
+            return cost * slow, [0.001]
+        return System(label, flow, lambda: None)
+
+    samples = Samples()
+    bar = _Bar()
+    systems = [system("single-p", 0.010), system("kvrelay-tcp", 0.012)]
+    measure_interleaved(systems, [240], 12, samples, bar, pause_s=0)
+    assert bar.n == 24
+    # the same prompt went to both systems in every round
+    prompts = {(label, n) for label, n, _ in sent}
+    assert prompts == {("single-p", 240), ("kvrelay-tcp", 240)}
+    assert math.isclose(paired_ratio(samples, "kvrelay-tcp", "single-p", 240), 1.2)
+    rows = rows_of(samples, ["single-p", "kvrelay-tcp"], [240])
+    assert [r["system"] for r in rows] == ["single-p", "kvrelay-tcp"]
+    assert math.isclose(rows[1]["paired_vs_single_p"], 1.2)
+    assert math.isnan(rows[1]["paired_vs_nixl_fair"])          # no such peer in this run
+    assert len(rows[0]["ttft_all_ms"]) == 12
+
+
+def test_a_round_one_system_missed_is_left_out_of_its_pairs() -> None:
+    samples = Samples()
+    for rep, (a, b) in enumerate([(1.0, 2.0), (1.0, 4.0), (1.0, 3.0)]):
+        samples.add("single-p", 240, rep, a, [])
+        if rep != 1:
+            samples.add("kvrelay-nixl", 240, rep, b, [])
+    assert paired_ratio(samples, "kvrelay-nixl", "single-p", 240) == 2.5
