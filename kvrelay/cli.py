@@ -221,6 +221,12 @@ def _add_bench_commands(b: argparse.ArgumentParser) -> None:
                         description=(e2e.__doc__ or "").split("\n\n")[0])
     e2e.add_args(e)
     e.set_defaults(func=e2e.main)
+    from bench import breakdown
+
+    bd = bsub.add_parser("breakdown", help="where kvrelay's first token spends its time over one vLLM's, step by step",
+                         description=(breakdown.__doc__ or "").split("\n\n")[0])
+    breakdown.add_args(bd)
+    bd.set_defaults(func=breakdown.main)
     from bench import proxy
 
     r = bsub.add_parser("router", help="router overhead: added latency and streamed req/s vs direct and a toy proxy",

@@ -59,3 +59,16 @@ def test_a_round_one_system_missed_is_left_out_of_its_pairs() -> None:
         if rep != 1:
             samples.add("kvrelay-nixl", 240, rep, b, [])
     assert paired_ratio(samples, "kvrelay-nixl", "single-p", 240) == 2.5
+
+
+def test_the_breakdown_charges_each_step_with_what_it_adds_over_the_previous_one() -> None:
+    from bench.breakdown import STEPS, summarize
+
+    # single-p drifts 10 -> 30 ms over the rounds; each later step adds 1 ms more in every round
+    base = [0.010, 0.020, 0.030]
+    took = {name: [b + 0.001 * k for b in base] for k, name in enumerate(STEPS)}
+    rows = summarize(took)
+    assert [r["step"] for r in rows] == list(STEPS)
+    assert [round(r["added_ms"], 6) for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [round(r["vs_single_p_ms"], 6) for r in rows] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert rows[0]["vs_single_p"] == 1.0
