@@ -418,11 +418,36 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, Callable[[int], System]]]
     return plan
 
 
+ENGINE_GIB = 2.3          # one tiny-model vLLM server's resident memory here (1 GiB KV cache + the process)
+
+
+def engines_of(label: str) -> int:
+    return 1 if label.startswith("single") else 2
+
+
+def fits_together(labels: list[str], meminfo: str = "/proc/meminfo") -> bool:
+    """Whether every system can be up at once (interleaving); if not, say so on stderr."""
+    need = ENGINE_GIB * sum(engines_of(label) for label in labels)
+    try:
+        avail = next(int(line.split()[1]) for line in Path(meminfo).read_text().splitlines()
+                     if line.startswith("MemAvailable:")) / 2**20
+    except (OSError, StopIteration, ValueError, IndexError):
+        return True
+    if need <= 0.9 * avail:
+        return True
+    print(f"bench e2e: {len(labels)} systems need about {need:.0f} GiB up at once and {avail:.0f} GiB is free: "
+          "running them one after the other (--sequential); the paired ratios then pair requests minutes apart",
+          file=sys.stderr)
+    return False
+
+
 def _run(args: argparse.Namespace, lengths: list[int], samples: Samples, bar: Any) -> dict[str, dict]:
     """Run every system (interleaved unless --sequential); return kvrelay's transfer figures."""
     plan = _plan(args)
     pause = args.pause_ms / 1e3
     transfer: dict[str, dict] = {}
+    if not args.sequential and not fits_together([label for label, _ in plan if label != "nixl-stock"]):
+        args.sequential = True
     together = [] if args.sequential else [up for label, up in plan if label != "nixl-stock"]
     alone = [up for label, up in plan if args.sequential or label == "nixl-stock"]
     running: list[System] = []

@@ -72,3 +72,16 @@ def test_the_breakdown_charges_each_step_with_what_it_adds_over_the_previous_one
     assert [round(r["added_ms"], 6) for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert [round(r["vs_single_p_ms"], 6) for r in rows] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert rows[0]["vs_single_p"] == 1.0
+
+
+def test_systems_that_do_not_fit_in_memory_together_run_one_after_the_other(tmp_path, capsys) -> None:
+    from bench.e2e import fits_together
+
+    labels = ["single", "single-p", "kvrelay-tcp", "kvrelay-nixl", "nixl-fair"]     # 8 engines
+    roomy, tight = tmp_path / "roomy", tmp_path / "tight"
+    roomy.write_text("MemTotal: 25000000 kB\nMemAvailable:   24000000 kB\n")
+    tight.write_text("MemTotal: 16000000 kB\nMemAvailable:   12000000 kB\n")
+    assert fits_together(labels, str(roomy))
+    assert not fits_together(labels, str(tight))
+    assert "--sequential" in capsys.readouterr().err
+    assert fits_together(labels[:2], str(tight))
