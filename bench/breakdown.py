@@ -43,7 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", default="240,1024", help="prompt lengths (comma list)")
     p.add_argument("--reps", type=int, default=30, help="rounds per length")
     p.add_argument("--backend", default="tcp", help="kvrelay transport")
-    p.add_argument("--base-port", type=int, default=21000)
+    p.add_argument("--base-port", type=int, default=21000,
+                   help="first port: single-p uses base + 90, the 1P1D stack the 1,000 ports from base + 1000")
     p.add_argument("--out", default="bench_results")
 
 

@@ -67,7 +67,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="run one system after the other instead of interleaving their requests")
     p.add_argument("--pause-ms", type=float, default=50.0,
                    help="idle time between two requests (lets the previous system settle)")
-    p.add_argument("--base-port", type=int, default=19100)
+    p.add_argument("--base-port", type=int, default=19100,
+                   help="first port; interleaved, system i uses the 1,000 ports from base + 1000 i")
     p.add_argument("--out", default="bench_results")
     p.add_argument("--quick", action="store_true", help="chunks 1,4,16, 1 rep")
 
