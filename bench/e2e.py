@@ -20,7 +20,8 @@ shared host's speed (it moves by 2x within minutes) hits every system alike. Bes
 of medians, the table gives the median of *paired* ratios (each request against the same
 prompt's request to ``single-p`` / ``nixl-fair`` in the same round). ``nixl-stock`` pins cores
 and spins even when idle, so it always runs alone, after the others. ``--sequential`` runs
-one system after the other, as earlier versions did.
+one system after the other, as earlier versions did. Every system first gets one untimed request per
+length (a prompt no round uses), so no round pays the first request's one-time costs.
 
 Exposed transfer time (kvrelay only, from the connectors' event log): from the later
 of "D installs chunk 0" and "P's KV is complete" (P starts pushing the last chunk) to
@@ -194,10 +195,19 @@ def _one(system: System, n: int, rep: int, samples: Samples, pause_s: float) -> 
     time.sleep(pause_s)
 
 
+def warm_up(system: System, lengths: list[int]) -> None:
+    """One untimed request per length (a prompt no round uses): the first request of each shape
+    pays one-time costs (allocations, connections) that no later one does."""
+    for n in lengths:
+        system.flow(_prompt(n, 999_999 + n), f"warm-{system.label}-{n}-{uuid.uuid4().hex[:6]}")
+
+
 def measure_interleaved(systems: list[System], lengths: list[int], reps: int, samples: Samples,
                         bar: Any, pause_s: float = 0.05) -> None:
     """Round ``rep`` of length ``n`` sends the same prompt to every system, in a rotating order."""
     by_label = {s.label: s for s in systems}
+    for s in systems:
+        warm_up(s, lengths)
     for n in lengths:
         for rep in range(reps):
             for label in rotation(list(by_label), rep):
@@ -207,6 +217,7 @@ def measure_interleaved(systems: list[System], lengths: list[int], reps: int, sa
 
 def measure_one(system: System, lengths: list[int], reps: int, samples: Samples, bar: Any,
                 pause_s: float = 0.05) -> None:
+    warm_up(system, lengths)
     for n in lengths:
         for rep in range(system.reps or reps):
             _one(system, n, rep, samples, pause_s)
