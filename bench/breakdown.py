@@ -21,10 +21,8 @@ speed drifts by 2x within minutes. Writes ``breakdown.json``, ``table.txt`` and
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -165,10 +163,11 @@ def main(args: argparse.Namespace) -> int:
         raise
     results: dict[int, list[dict]] = {}
     try:
-        cfg = e2e.base_cfg(e2e_args, out, args.base_port + 1000)
-        host, port = "http://127.0.0.1", cfg.deploy.base_port
-        steps = Steps(f"{host}:{args.base_port + 90}", f"{host}:{port}", f"{host}:{port + 1}",
-                      f"{host}:{cfg.router.port}", f"tcp://127.0.0.1:{cfg.deploy.kv_base_port}",
+        cfg = kv.cfg
+        assert cfg is not None
+        host, port = f"http://{cfg.deploy.host}", cfg.deploy.base_port          # P, then D (a 1P1D stack)
+        steps = Steps(sp.url, f"{host}:{port}", f"{host}:{port + 1}", kv.url,
+                      f"tcp://{cfg.deploy.host}:{cfg.deploy.kv_base_port}",
                       ParamsSigner(load_secret(cfg.transport), 60.0))
         bar = tqdm(total=len(lengths) * args.reps * len(STEPS), desc="bench breakdown", unit="req")
         for n in lengths:
@@ -177,11 +176,8 @@ def main(args: argparse.Namespace) -> int:
     finally:
         kv.stop()
         sp.stop()
-    report = _report(results)
-    print(report)
-    (out / "table.txt").write_text(report + "\n")
-    (out / "breakdown.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
-                                                    "results": results}, indent=2))
-    _plot(results, out / "breakdown.png")
-    print(f"wrote {out}/breakdown.json, table.txt, breakdown.png", file=sys.stderr)
+    e2e.write_report(out, _report(results),
+                     ("breakdown.json", {"args": {k: v for k, v in vars(args).items() if k != "func"},
+                                         "results": results}),
+                     ("breakdown.png", lambda path: _plot(results, path)))
     return 0

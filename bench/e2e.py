@@ -161,6 +161,8 @@ class System:
     stop: Callable[[], None]
     transfer: Callable[[], dict] | None = None
     reps: int = 0                                            # 0: --reps
+    url: str = ""                                            # where clients send requests
+    cfg: kcfg.KVRelayConfig | None = None                    # the config it was started with
 
 
 @dataclass
@@ -217,11 +219,7 @@ def measure_interleaved(systems: list[System], lengths: list[int], reps: int, sa
 
 def measure_one(system: System, lengths: list[int], reps: int, samples: Samples, bar: Any,
                 pause_s: float = 0.05) -> None:
-    warm_up(system, lengths)
-    for n in lengths:
-        for rep in range(system.reps or reps):
-            _one(system, n, rep, samples, pause_s)
-            bar.update(1)
+    measure_interleaved([system], lengths, system.reps or reps, samples, bar, pause_s)
 
 
 def rows_of(samples: Samples, labels: list[str], lengths: list[int]) -> list[dict]:
@@ -268,7 +266,8 @@ def up_single(args: argparse.Namespace, out: Path, label: str, port: int) -> Sys
     except BaseException:
         servers.stop()
         raise
-    return System(label, lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens), servers.stop)
+    return System(label, lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens), servers.stop,
+                  url=url, cfg=cfg)
 
 
 def up_kvrelay(args: argparse.Namespace, out: Path, backend: str, first_token: str, port: int) -> System:
@@ -286,7 +285,7 @@ def up_kvrelay(args: argparse.Namespace, out: Path, backend: str, first_token: s
     url = f"http://127.0.0.1:{cfg.router.port}"
     return System(label,
                   lambda p, rid: _stream(url, launch.TINY_NAME, p, args.max_tokens, headers={"X-Request-Id": rid}),
-                  stack.stop, lambda: exposed_transfer(sub / "events.jsonl", cfg.chunk_tokens))
+                  stack.stop, lambda: exposed_transfer(sub / "events.jsonl", cfg.chunk_tokens), url=url, cfg=cfg)
 
 
 def exposed_transfer(events_path: Path, chunk_tokens: int) -> dict:
@@ -393,6 +392,17 @@ def _table(rows: list[dict], transfer: dict[str, dict], interleaved: bool) -> st
     return "\n".join(lines)
 
 
+def write_report(out: Path, text: str, data: tuple[str, dict[str, Any]],
+                 plot: tuple[str, Callable[[Path], None]]) -> None:
+    """What a benchmark leaves behind: the table printed and in ``table.txt``, ``data`` (file name,
+    figures) as JSON, and ``plot`` (file name, ``draw(path)``) as a PNG."""
+    print(text)
+    (out / "table.txt").write_text(text + "\n")
+    (out / data[0]).write_text(json.dumps(data[1], indent=2, default=str))
+    plot[1](out / plot[0])
+    print(f"wrote {out}/{data[0]}, table.txt, {plot[0]}", file=sys.stderr)
+
+
 def _plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -457,7 +467,6 @@ def _run(args: argparse.Namespace, lengths: list[int], samples: Samples, bar: An
     """Run every system (interleaved unless --sequential); return kvrelay's transfer figures."""
     plan = _plan(args)
     pause = args.pause_ms / 1e3
-    transfer: dict[str, dict] = {}
     if not args.sequential and not fits_together([label for label, _ in plan if label != "nixl-stock"]):
         args.sequential = True
     together = [] if args.sequential else [up for label, up in plan if label != "nixl-stock"]
@@ -468,18 +477,17 @@ def _run(args: argparse.Namespace, lengths: list[int], samples: Samples, bar: An
             running.append(up(args.base_port + 1000 * i))
         measure_interleaved(running, lengths, args.reps, samples, bar, pause)
     finally:
-        for s in running:
-            transfer.update({s.label: s.transfer()} if s.transfer else {})
-            s.stop()
+        for system in running:
+            system.stop()
+    done = list(running)
     for up in alone:
         system = up(args.base_port)
         try:
             measure_one(system, lengths, args.reps, samples, bar, pause)
         finally:
             system.stop()
-        if system.transfer:
-            transfer[system.label] = system.transfer()
-    return transfer
+        done.append(system)
+    return {s.label: s.transfer() for s in done if s.transfer}    # the event logs, once their writers stopped
 
 
 def main(args: argparse.Namespace) -> int:
@@ -501,12 +509,8 @@ def main(args: argparse.Namespace) -> int:
     bar.close()
     rows = rows_of(samples, labels, lengths)
     table = _table(rows, transfer, not args.sequential)
-    print(table)
-    out = args.out_dir
-    (out / "table.txt").write_text(table + "\n")
-    (out / "e2e.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
-                                              "rows": rows, "transfer": transfer,
-                                              "host": {"cpus": os.cpu_count()}}, indent=2, default=str))
-    _plot(rows, out / "e2e_ttft.png")
-    print(f"wrote {out}/e2e.json, table.txt, e2e_ttft.png", file=sys.stderr)
+    write_report(args.out_dir, table,
+                 ("e2e.json", {"args": {k: v for k, v in vars(args).items() if k != "func"}, "rows": rows,
+                               "transfer": transfer, "host": {"cpus": os.cpu_count()}}),
+                 ("e2e_ttft.png", partial(_plot, rows)))
     return 0

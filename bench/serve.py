@@ -254,12 +254,8 @@ def main(args: argparse.Namespace) -> int:
         finally:
             system.stop()
     bar.close()
-    text = table(rows)
-    print(text)
-    (out / "table.txt").write_text(text + "\n")
-    (out / "serve.json").write_text(json.dumps({"load": load, "slo": slo, "rates": rates, "rows": rows,
-                                                "vllm_results": results, "host": {"cpus": os.cpu_count()}},
-                                               indent=2, default=str))
-    plot(rows, slo, out / "serve.png")
-    print(f"wrote {out}/serve.json, table.txt, serve.png", file=sys.stderr)
+    e2e.write_report(out, table(rows),
+                     ("serve.json", {"load": load, "slo": slo, "rates": rates, "rows": rows,
+                                     "vllm_results": results, "host": {"cpus": os.cpu_count()}}),
+                     ("serve.png", lambda path: plot(rows, slo, path)))
     return 0
