@@ -124,6 +124,35 @@ def test_release_owner_keeps_held_slots():
         pool.close()
 
 
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_pool_is_resident_before_its_first_chunk(shared):
+    """A new pool has every page faulted in (private: anonymous RSS; shared: shmem RSS), so
+    no chunk pays for allocating and zeroing its slot's pages inside the transport's copy;
+    an attached view of a shared pool maps them at once too."""
+    from transport.pool import SharedArena
+
+    field = "RssShmem" if shared else "RssAnon"
+    before = _rss_kib(field)
+    pool = ReceivePool(64 << 20, 2 << 20, pin=False, shared=shared)
+    try:
+        assert pool.populated
+        assert _rss_kib(field) - before >= 60 << 10          # KiB: ~all of the 64 MiB
+        if shared:
+            peer = SharedArena(0, name=pool.arena.name, create=False)
+            try:
+                peer.buf[-1:] = b"x"                           # writable, no SIGBUS
+                assert pool.arena.buf[-1:] == b"x"
+            finally:
+                peer.close()
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_a_closed_receivers_port_binds_again_at_once_and_a_taken_port_fails_cleanly(backend):
     """close() returns only once the control endpoint is unbound (a decode node restarted in

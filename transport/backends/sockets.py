@@ -59,11 +59,10 @@ PREAMBLE_S = 5.0                # a connection must present its preamble within 
 KIND_HELLO, KIND_CHUNK = 0, 1
 MAX_SENDER_ID = 512
 _DRAIN = 1 << 20
-# Receive granularity: the hash is updated after each read. Every read returns to Python and
-# re-takes the GIL, and inside a vLLM worker (its message-queue reader spins in Python between
-# steps) each re-take can wait milliseconds: with 256 KiB pieces a decode node's reader
-# published 2 MiB chunks 5-8 ms apart although all had been sent, which put ~20 ms on the
-# token 1 -> 2 gap at 1,024 tokens; with 4 MiB pieces the same chunks were ready at once.
+# Receive granularity: the hash is updated after each read, and every read returns to Python and
+# re-takes the GIL (inside a vLLM worker, shared with the engine's own threads). 4 MiB: a chunk in
+# one or two reads. The 5-8 ms per 2 MiB chunk once blamed on those re-takes was page faults in a
+# fresh receive pool (see transport/pool.py: the pool is now populated at start-up).
 _PIECE = 4 << 20
 
 
