@@ -120,7 +120,8 @@ class Arena:
             log.warning("receive pool not populated (%s): its pages fault in on first use",
                         os.strerror(err))
             return False
-        log.debug("receive pool: %d bytes populated in %.3f s", self.buf.nbytes, time.monotonic() - t0)
+        log.info("receive pool: %d MiB faulted in at start-up in %.2f s", self.buf.nbytes >> 20,
+                 time.monotonic() - t0)
         return True
 
     def pin_if_cuda(self) -> bool:
