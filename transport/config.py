@@ -127,7 +127,8 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
 FIELD_HELP: dict[str, str] = {
     'transport.backend': 'data plane: nixl (UCX one-sided WRITE), tcp, shm (same host) or ucx',
     'transport.pool_bytes': ("decode node's pinned receive pool (e.g. 4GiB); 0 = auto: two prompts of "
-                             "max_model_len, at least 256MiB. Start-up fails if it cannot hold one such prompt"),
+                             "max_model_len, at least 256MiB. Start-up fails if it cannot hold one such prompt. Faulted in "
+                             "at start-up: all of it counts against the node's memory limit from the start"),
     'transport.host': "address the decode node's transfer endpoint binds to",
     'transport.advertise_host': ("the address the decode node announces to prefill nodes for its data plane (a "
                                  "pod IP, a NAT address); '' = transport.host. Required when host binds every "
