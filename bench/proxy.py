@@ -22,6 +22,13 @@ so "streamed requests per second" is per proxy core. Reported:
 * the most streamed requests per second (64 streams for ``--duration`` seconds), as a ratio
   to the toy proxy and to direct.
 
+Each latency is also taken **net of the upstream's own time**: the upstream adds up, per
+request (tagged in ``user``, which every path passes on to each leg), the time its handlers
+ran, and a request's overhead is its time to the last byte minus that. ``+net`` is a
+system's overhead minus direct's, quantile by quantile. The pacing sleeps' overshoot and
+the extra token the toy proxy's decode leg streams sit inside the upstream's time, so they
+drop out; what is left is the hops, the proxy's own work and its queueing.
+
 Prints a table; writes ``router.json`` and ``router.png`` under ``--out``.
 """
 
@@ -30,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -75,12 +83,18 @@ PREFILL_ANSWER = {"id": "cmpl-p", "object": "text_completion", "created": 176454
 PACED_USER = "bench-paced"     # a request with this ``user`` is streamed at the engine's pace
 
 
+def _user(paced: bool, tag: int) -> str:
+    """The ``user`` a request carries: whether it is paced, and its tag for the upstream's accounting."""
+    return f"{PACED_USER if paced else 'bench'}#{tag}"
+
+
 def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None:
     """A scripted engine: SSE tokens as fast as the loop can write them, or one every ``pace_s``
     for requests whose ``user`` is :data:`PACED_USER` (the router passes it on to the decode leg)."""
     from aiohttp import web
 
     _pin(core)
+    served: dict[str, float] = {}        # request tag -> seconds its legs' handlers ran, summed
 
     @functools.lru_cache(maxsize=8)
     def answer(n: int, with_usage: bool) -> tuple[list[bytes], bytes]:
@@ -92,8 +106,16 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
         return [_event(i, i == n - 1) for i in range(n)], tail
 
     async def complete(request: web.Request) -> web.StreamResponse:
+        t0 = time.perf_counter()
         body = await request.json()
-        paced = body.get("user") == PACED_USER
+        kind, _, tag = str(body.get("user") or "").partition("#")
+        try:
+            return await _answer(request, body, kind == PACED_USER)
+        finally:
+            if tag:
+                served[tag] = served.get(tag, 0.0) + time.perf_counter() - t0
+
+    async def _answer(request: web.Request, body: dict[str, Any], paced: bool) -> web.StreamResponse:
         if not body.get("stream"):           # the prefill leg: token 1 with its ids, as vLLM answers it
             if paced:
                 await asyncio.sleep(pace_s)  # token 1 costs one step on this path too
@@ -113,6 +135,12 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
     async def health(request: web.Request) -> web.Response:
         return web.json_response({})
 
+    async def service(request: web.Request) -> web.Response:
+        """The upstream's time per request tag since the last call (and forget it)."""
+        out = dict(served)
+        served.clear()
+        return web.json_response(out)
+
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "kvrelay-tiny", "max_model_len": 4096}]})
 
@@ -120,6 +148,7 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/bench/service", service)
     web.run_app(app, host=HOST, port=port, print=None, access_log=None)
 
 
@@ -163,11 +192,14 @@ def run_toy(port: int, upstream: str, core: int) -> None:
 
 
 # ------------------------------------------------------------------ the client
-async def _one(session: Any, url: str, paced: bool = False, tokens: int = 64) -> float:
+_TAGS = itertools.count(1)
+
+
+async def _one(session: Any, url: str, paced: bool = False, tokens: int = 64,
+               tag: int = 0) -> float:
     t0 = time.perf_counter()
-    body = {"model": "kvrelay-tiny", "prompt": "bench", "max_tokens": tokens, "stream": True}
-    if paced:
-        body["user"] = PACED_USER
+    body = {"model": "kvrelay-tiny", "prompt": "bench", "max_tokens": tokens, "stream": True,
+            "user": _user(paced, tag)}
     async with session.post(f"{url}/v1/completions", json=body) as r:
         data = await r.read()
         if r.status != 200 or not data.endswith(b"data: [DONE]\n\n") or b'"error"' in data:
@@ -175,26 +207,35 @@ async def _one(session: Any, url: str, paced: bool = False, tokens: int = 64) ->
     return time.perf_counter() - t0
 
 
-async def _latencies(url: str, concurrency: int, requests: int, pace_s: float = 0.0,
-                     tokens: int = 64) -> list[float]:
-    """Time to the last byte of ``requests`` answers over ``concurrency`` closed-loop streams.
-    Paced (``pace_s`` > 0): stream k starts k/concurrency of an answer later, so the streams
-    run at spread phases as independent users do, not in lock-step bursts."""
+async def _latencies(url: str, upstream: str, concurrency: int, requests: int, pace_s: float = 0.0,
+                     tokens: int = 64) -> tuple[list[float], list[float]]:
+    """(time to the last byte, that time net of the upstream's own) of ``requests`` answers over
+    ``concurrency`` closed-loop streams. Paced (``pace_s`` > 0): stream k starts k/concurrency of
+    an answer later, so the streams run at spread phases as independent users do, not in
+    lock-step bursts."""
     import aiohttp
 
-    out: list[float] = []
+    e2e: dict[str, float] = {}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
         for _ in range(3):
             await _one(s, url)                                  # warm connections
+        async with s.get(f"{upstream}/bench/service") as r:     # forget the warm-up's accounting
+            await r.read()
 
         async def worker(k: int, n: int) -> None:
             await asyncio.sleep(k * pace_s * tokens / concurrency)
             for _ in range(n):
-                out.append(await _one(s, url, pace_s > 0, tokens))
+                tag = next(_TAGS)
+                e2e[str(tag)] = await _one(s, url, pace_s > 0, tokens, tag)
         per = max(1, requests // concurrency)
         await asyncio.gather(*(worker(k, per) for k in range(concurrency)))
-    return out
+        async with s.get(f"{upstream}/bench/service") as r:
+            served: dict[str, float] = await r.json()
+    missing = set(e2e) - set(served)
+    if missing:
+        raise RuntimeError(f"the upstream saw no leg of {len(missing)} requests (tags lost on the way)")
+    return list(e2e.values()), [t - served[tag] for tag, t in e2e.items()]
 
 
 async def _throughput(url: str, concurrency: int, duration: float, tokens: int = 64) -> float:
@@ -299,8 +340,9 @@ def main(args: argparse.Namespace) -> int:
             rows[name] = {}
             for key, c, pace_s in (("c1", 1, 0.0), ("c64", 64, 0.0), ("c64paced", 64, args.pace_ms / 1e3)):
                 n = args.requests // 4 if c == 1 else args.requests
-                lat = asyncio.run(_latencies(url, c, n, pace_s, args.tokens))
-                rows[name][key] = {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * _pct(lat, 0.99)}
+                lat, net = asyncio.run(_latencies(url, up_url, c, n, pace_s, args.tokens))
+                rows[name][key] = {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * _pct(lat, 0.99),
+                                   "net_p50_ms": 1e3 * statistics.median(net), "net_p99_ms": 1e3 * _pct(net, 0.99)}
                 bar.update(1)
             pid = procs[busy_pid[name]].pid
             assert pid is not None
@@ -325,22 +367,29 @@ def main(args: argparse.Namespace) -> int:
 
 def _report(rows: dict[str, dict[str, Any]], pace_ms: float) -> str:
     d = rows["direct"]
+
+    def added(r: dict[str, Any], key: str, q: str) -> float:
+        return float(r[key][q] - d[key][q])
+
     lines = [f"{'system':<9} {'c1 p50':>8} {'c1 p99':>8} {'c64 p50':>8} {'c64 p99':>8} {'+c1 p50':>8} "
-             f"{'+c64 p50':>8} {'+c64 p99':>8} {'+paced p50':>10} {'+paced p99':>10} {'req/s':>7} {'vs toy':>7} "
-             f"{'vs direct':>9} {'core busy':>9}"]
+             f"{'+c64 p50':>8} {'+c64 p99':>8} {'+paced p50':>10} {'+paced p99':>10} {'net+c1':>7} "
+             f"{'net+pc50':>8} {'net+pc99':>8} {'req/s':>7} {'vs toy':>7} {'vs direct':>9} {'core busy':>9}"]
     for name, r in rows.items():
         lines.append(f"{name:<9} {r['c1']['p50_ms']:8.2f} {r['c1']['p99_ms']:8.2f} {r['c64']['p50_ms']:8.2f} "
-                     f"{r['c64']['p99_ms']:8.2f} {r['c1']['p50_ms'] - d['c1']['p50_ms']:8.2f} "
-                     f"{r['c64']['p50_ms'] - d['c64']['p50_ms']:8.2f} {r['c64']['p99_ms'] - d['c64']['p99_ms']:8.2f} "
-                     f"{r['c64paced']['p50_ms'] - d['c64paced']['p50_ms']:10.2f} "
-                     f"{r['c64paced']['p99_ms'] - d['c64paced']['p99_ms']:10.2f} "
+                     f"{r['c64']['p99_ms']:8.2f} {added(r, 'c1', 'p50_ms'):8.2f} "
+                     f"{added(r, 'c64', 'p50_ms'):8.2f} {added(r, 'c64', 'p99_ms'):8.2f} "
+                     f"{added(r, 'c64paced', 'p50_ms'):10.2f} {added(r, 'c64paced', 'p99_ms'):10.2f} "
+                     f"{added(r, 'c1', 'net_p50_ms'):7.2f} {added(r, 'c64paced', 'net_p50_ms'):8.2f} "
+                     f"{added(r, 'c64paced', 'net_p99_ms'):8.2f} "
                      f"{r['rps']:7.0f} {r['rps'] / rows['toy']['rps']:7.2f} {r['rps'] / d['rps']:9.2f} "
                      f"{100 * r['core_busy']:8.0f}%")
     lines.append("times in ms to the last byte; '+' = added over direct; c64 = 64 streams with the upstream as fast "
                  f"as it can; paced = 64 streams, the upstream writing a token every {pace_ms:g} ms like an engine "
-                 f"(direct: p50 {d['c64paced']['p50_ms']:.1f} ms); req/s = streamed requests per second "
-                 "with 64 streams, the proxy on one core; core busy = that proxy's CPU use during the req/s run "
-                 "(direct: the upstream's)")
+                 f"(direct: p50 {d['c64paced']['p50_ms']:.1f} ms); net+ = added over direct, each request's time "
+                 "net of the upstream's own (c1 p50; paced p50, p99; direct's net paced p50/p99: "
+                 f"{d['c64paced']['net_p50_ms']:.2f}/{d['c64paced']['net_p99_ms']:.2f} ms); req/s = streamed "
+                 "requests per second with 64 streams, the proxy on one core; core busy = that proxy's CPU use "
+                 "during the req/s run (direct: the upstream's)")
     return "\n".join(lines)
 
 
