@@ -213,6 +213,21 @@ def gather_to_host(layout: KVLayout, block_ids: list[int]) -> torch.Tensor:
     return gather(layout, ids, out).cpu()
 
 
+def gather_into_host(layout: KVLayout, block_ids: list[int], out: torch.Tensor) -> torch.Tensor:
+    """Blocks ``block_ids`` of every layer into ``out``, a host ``[L, n, bytes_per_block]`` uint8
+    buffer the caller owns (and reuses: see :mod:`prefill.staging`); returns ``out``.
+
+    A host cache gathers straight into ``out``; a device cache gathers on the device, then
+    copies once into ``out``.
+    """
+    ids = torch.tensor(block_ids, dtype=torch.int64, device=layout.device)
+    if layout.device.type == "cpu":
+        return gather(layout, ids, out)
+    dev = torch.empty(out.shape, dtype=torch.uint8, device=layout.device)
+    out.copy_(gather(layout, ids, dev))
+    return out
+
+
 def scatter(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:
     """Dispatch: the CUDA kernel where the layout allows it, else the reference."""
     if _fast_path(layout):

@@ -16,7 +16,8 @@ list. Its payload is ``[layer][block]`` whole blocks (opaque bytes).
 How a chunk leaves is the backend's call, not a branch on its name: a backend with
 ``capabilities.registered_layout`` gets the host KV cache registered once and each
 chunk named by its block ids (no copy); any other gets the chunk gathered into one
-host buffer. A chunk already gathered for the store is sent from that buffer.
+host buffer (a resident one lent by :mod:`prefill.staging`, taken back when the write is
+done). A chunk already gathered for the store is sent from that buffer.
 ``connector.push_hook`` (``"module:function"``) sees every chunk after its header
 (and checksum) is built and returns the bytes to send: tests install their fault
 injection this way.
@@ -39,7 +40,8 @@ from core.config import KVRelayConfig
 from core.connector_base import WorkerBase
 from core.logs import bind
 from core.placement import place_helper_thread
-from kernels.blocks import KVLayout, gather_to_host
+from kernels.blocks import KVLayout, gather_into_host, gather_to_host
+from prefill.staging import Staged, StagingPool, staging_slots
 from prefill.store_service import StoreService
 from transport.backends import make_sender_backend
 from transport.backends.base import (
@@ -125,7 +127,7 @@ class _Push:
     sender: Sender | None = None
     next_chunk: int = 0
     ready_chunks: int = 0
-    inflight: list[tuple[WriteHandle, Any, float]] = field(default_factory=list)
+    inflight: list[tuple[WriteHandle, Any, float]] = field(default_factory=list)   # (handle, buffer kept, t0)
     closing: bool = False        # the scheduler finished the request; report once settled
     failed: str = ""             # why the push failed ("" = it has not)
     span: Any = None             # kvrelay.push (tracing on)
@@ -142,6 +144,7 @@ class PushWorker(WorkerBase):
         self._lanes: dict[str, _Lane] = {}
         self._hook = load_hook(cfg.connector.push_hook)
         self._source: SourceLayout | None = None
+        self.staging: StagingPool | None = None      # made at register(): buffers for gathered chunks
         self.store: StoreService | None = None
         if cfg.store.active:
             self.store = StoreService(cfg, vllm_config, self.events)
@@ -156,6 +159,9 @@ class PushWorker(WorkerBase):
         if self.store is not None:
             self.store.bind(self.layout, self.fingerprint)
         self._source = source_layout(self.layout)
+        slot = self.layout.chunk_bytes(self.blocks_per_chunk)
+        self.staging = StagingPool(slot, staging_slots(slot, self.vllm_config.model_config.max_model_len,
+                                                       self.cfg.chunk_tokens))
         log.info("kvrelay prefill: %d layers, %d blocks x %d B, chunk %d tokens = %d B, backend %s",
                  self.layout.num_layers, self.layout.num_blocks, self.layout.bytes_per_block,
                  self.cfg.chunk_tokens, self.layout.chunk_bytes(self.blocks_per_chunk),
@@ -259,6 +265,7 @@ class PushWorker(WorkerBase):
                 raise TransportError(f"chunk {handle.chunk_index} write failed: {handle.error}")
             if state is WriteState.DONE:
                 p.inflight.remove(item)
+                self._release(_keep, done=True)
                 self._on_written(p, handle.chunk_index, t0)
 
     def _allocate(self, p: _Push) -> bool:
@@ -319,16 +326,33 @@ class PushWorker(WorkerBase):
         t0 = time.monotonic()
         self.events.write("push_start", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c)
         payload, header, keep = self._payload(p, c, layout, ids, gathered)
-        handle = p.sender.write_chunk(p.alloc, c, payload, num_layers=layout.num_layers, num_blocks=len(ids),
-                                      header=header)
+        try:
+            handle = p.sender.write_chunk(p.alloc, c, payload, num_layers=layout.num_layers, num_blocks=len(ids),
+                                          header=header)
+        except BaseException:
+            self._release(keep, done=False)             # the backend may hold it: never lend it again
+            raise
         if handle is not None:
             p.inflight.append((handle, keep, t0))
         else:                                                # receiver already holds it
+            self._release(keep, done=True)
             self._on_written(p, c, t0)
 
+    def _release(self, keep: Any, done: bool) -> None:
+        """A written (``done``) or abandoned chunk's buffer: a staged one goes back to the pool,
+        or, if its write may still read it, is retired."""
+        if isinstance(keep, tuple):                          # (staged, what the push hook returned)
+            keep = keep[0]
+        if isinstance(keep, Staged) and self.staging is not None:
+            if done:
+                self.staging.give_back(keep)
+            else:
+                self.staging.retire(keep)
+
     def _payload(self, p: _Push, c: int, layout: KVLayout, ids: list[int],
-                 gathered: torch.Tensor | None) -> tuple[Payload, bytes, torch.Tensor | None]:
-        """(payload, header, buffer to keep alive until written) for chunk ``c``."""
+                 gathered: torch.Tensor | None) -> tuple[Payload, bytes, Any]:
+        """(payload, header, buffer to keep alive until written: a tensor, a :class:`Staged`
+        or None) for chunk ``c``."""
         def header(regions: list[Any]) -> bytes:
             return make_header(p.keys[c], p.spec.transfer_id, c, regions, num_layers=layout.num_layers,
                                num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE)).pack()
@@ -337,11 +361,18 @@ class PushWorker(WorkerBase):
         if gathered is None and self._hook is None and p.sender.layout is not None:
             views = [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids]
             return BlockPayload(tuple(ids)), header(views), None     # straight from the KV cache
-        buf = gathered if gathered is not None else gather_to_host(layout, ids)     # [L, n, bpb] uint8
+        keep: Any = gathered
+        if gathered is None:
+            assert self.staging is not None
+            keep = self.staging.take((layout.num_layers, len(ids), layout.bytes_per_block))
+            buf = gather_into_host(layout, ids, keep.tensor)                        # [L, n, bpb] uint8
+        else:
+            buf = gathered
         hdr = header([buf.numpy().data])
         if self._hook is not None:
-            buf = self._hook(p.spec.transfer_id, c, buf)
-        return [buf.numpy().data], hdr, buf
+            hooked = self._hook(p.spec.transfer_id, c, buf)
+            return [hooked.numpy().data], hdr, (keep, hooked)
+        return [buf.numpy().data], hdr, keep
 
     def _on_written(self, p: _Push, c: int, t0: float) -> None:
         dt = time.monotonic() - t0
@@ -369,6 +400,8 @@ class PushWorker(WorkerBase):
             p.sender.abort(p.spec.transfer_id, reason)
             for handle, _keep, _t0 in p.inflight:
                 p.sender.cancel(handle)
+        for _handle, keep, _t0 in p.inflight:
+            self._release(keep, done=False)
         p.inflight.clear()
         if p.sender is not None and p.sender is p.lane.sender and session_lost(exc):
             self._drop_sender(p.lane)

@@ -42,7 +42,7 @@ T = 32                                        # chunk_tokens: 2 blocks
 
 
 def vllm_config() -> SimpleNamespace:
-    return SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), model_config=SimpleNamespace(model="t"),
+    return SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), model_config=SimpleNamespace(model="t", max_model_len=4096),
                            parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1),
                            kv_transfer_config=SimpleNamespace(engine_id="pusher-test"))
 
@@ -155,10 +155,35 @@ def test_failed_push_with_writes_in_flight_settles_and_goes_idle(caches):
         took = wait_settled(worker, rid, timeout=10)
         assert took >= 1.5                                     # failed at free_deadline_s (2 s), not at once
         assert not worker.busy()
+        assert worker.staging is not None and worker.staging.stats().lent == 0   # the stuck writes' buffers retired
         cpu0, t0 = time.process_time(), time.monotonic()
         time.sleep(1.0)
         cpu = (time.process_time() - cpu0) / (time.monotonic() - t0)
         assert cpu < 0.3, f"push threads spin at {cpu:.0%} of a core with nothing to do"
+    finally:
+        worker.close()
+        node.close()
+
+
+def test_concurrent_pushes_gather_into_reused_buffers_and_arrive_exact(caches):
+    """Three prompts pushed at once, three times over: every chunk D receives is byte-identical
+    to its blocks in P's cache although the gather buffers are lent again as soon as a write is
+    done, and none stays lent once the pushes settled."""
+    cfg = make_cfg()
+    worker = start_worker(cfg, caches)
+    node = Node(cfg, worker)
+    try:
+        for _ in range(3):
+            pushes = [push(worker, node.endpoint, 3, first) for first in (0, 8, 16)]
+            got = [node.expect(tid, blocks, 3) for _rid, tid, blocks in pushes]
+            for (rid, _tid, _blocks), g in zip(pushes, got, strict=True):
+                wait_settled(worker, rid, 15)
+                g["thread"].join(15)
+                assert isinstance(g["end"], TransferDone), g["end"]
+                assert g["arrived"] == {0: True, 1: True, 2: True}
+        assert worker.staging is not None
+        st = worker.staging.stats()
+        assert st.lent == 0 and st.made == st.free and st.made < 27 and st.reused + st.made + st.misses == 27
     finally:
         worker.close()
         node.close()
