@@ -37,10 +37,10 @@ from typing import Any
 from core.config import KVRelayConfig
 from core.placement import place_helper_thread
 from core.telemetry import EventLog, metrics
-from kernels.blocks import KVLayout, gather_to_host
+from kernels.blocks import KVLayout, gather_record
 from transport.keys import chunk_keys
 from transport.secrets import load_secret
-from transport.store.records import make_record, seal_for
+from transport.store.records import seal_for
 from transport.store.tiers import RedisTier
 
 log = logging.getLogger("vllm.kvrelay.decode")
@@ -117,13 +117,12 @@ class DecodeSaver:
         per = self.blocks_per_chunk
         keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)[spec.first_chunk:]
         have = self.redis.contains(keys)
-        batch: list[tuple[bytes, bytes]] = []
+        batch: list[tuple[bytes, bytes | bytearray]] = []
         size = written = 0
         for c, (key, present) in enumerate(zip(keys, have, strict=True), start=spec.first_chunk):
             if present:
                 continue
-            gathered = gather_to_host(self.layout, spec.block_ids[c * per:(c + 1) * per])   # [L, per, bpb]
-            record = make_record(key, c, gathered.numpy().data, num_layers=gathered.shape[0], num_blocks=per)
+            record = gather_record(self.layout, spec.block_ids[c * per:(c + 1) * per], key, c)
             batch.append((key, record))
             size += len(record)
             if size >= int(self.cfg.store.deferred_bytes):
@@ -131,7 +130,7 @@ class DecodeSaver:
                 batch, size = [], 0
         return written + self._put(batch)
 
-    def _put(self, batch: list[tuple[bytes, bytes]]) -> int:
+    def _put(self, batch: list[tuple[bytes, bytes | bytearray]]) -> int:
         n = self.redis.put(batch) if batch else 0
         self.metrics.store_stored.inc(n)
         return n

@@ -30,6 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from transport.store.records import build_record
+from transport.wire import HEADER_SIZE
+
 
 @dataclass
 class KVLayout:
@@ -226,6 +229,24 @@ def gather_into_host(layout: KVLayout, block_ids: list[int], out: torch.Tensor) 
     dev = torch.empty(out.shape, dtype=torch.uint8, device=layout.device)
     out.copy_(gather(layout, ids, dev))
     return out
+
+
+def gather_record(layout: KVLayout, block_ids: list[int], key: bytes, chunk_index: int) -> bytearray:
+    """Chunk ``chunk_index`` (blocks ``block_ids`` of every layer) gathered straight into a new
+    store record (:func:`transport.store.records.build_record`: one buffer, one copy)."""
+    shape = (layout.num_layers, len(block_ids), layout.bytes_per_block)
+
+    def fill(dst: memoryview) -> None:
+        gather_into_host(layout, block_ids, torch.frombuffer(dst, dtype=torch.uint8).view(shape))
+
+    return build_record(key, chunk_index, layout.chunk_bytes(len(block_ids)), fill, num_layers=shape[0],
+                        num_blocks=shape[1])
+
+
+def record_payload(layout: KVLayout, record: bytearray, n_blocks: int) -> torch.Tensor:
+    """The payload of a record made by :func:`gather_record`, ``[L, n, bytes_per_block]`` uint8 (a view)."""
+    view = torch.frombuffer(memoryview(record)[HEADER_SIZE:], dtype=torch.uint8)
+    return view.view(layout.num_layers, n_blocks, layout.bytes_per_block)
 
 
 def scatter(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ from core.config import KVRelayConfig
 from core.connector_base import WorkerBase
 from core.logs import bind
 from core.placement import place_helper_thread
-from kernels.blocks import KVLayout, gather_into_host, gather_to_host
+from kernels.blocks import KVLayout, gather_into_host
 from prefill.staging import Staged, StagingPool, staging_slots
 from prefill.store_service import StoreService
 from transport.backends import make_sender_backend
@@ -313,8 +313,7 @@ class PushWorker(WorkerBase):
         full = len(ids) == self.blocks_per_chunk and (c + 1) * self.cfg.chunk_tokens <= p.spec.prompt_len
         gathered = None
         if self.store is not None and full and 0 <= p.spec.store_from <= c * self.cfg.chunk_tokens:
-            gathered = gather_to_host(layout, ids)
-            self.store.save(p.keys[c], c, gathered)
+            gathered = self.store.save(p.keys[c], c, ids)     # a view of the stored record
         if p.spec.push_to:
             self._push(p, c, layout, ids, gathered)
 

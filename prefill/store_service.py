@@ -26,13 +26,13 @@ import zmq
 from core.config import KVRelayConfig
 from core.placement import place_helper_thread
 from core.telemetry import EventLog, metrics
-from kernels.blocks import KVLayout, scatter
+from kernels.blocks import KVLayout, gather_record, record_payload, scatter
 from prefill.lookup import SLOW_LOOKUP_S, Lookup, LookupReply, hit_limit, lookup_endpoint
 from transport.errors import KVRelayError
 from transport.keys import chunk_keys
 from transport.secrets import load_secret
 from transport.store.events import Publisher
-from transport.store.records import make_record, read_record, seal_for
+from transport.store.records import read_record, seal_for
 from transport.store.store import MultiTierStore
 
 log = logging.getLogger("vllm.kvrelay.prefill")
@@ -145,12 +145,15 @@ class StoreService:
         return failed
 
     # ---------------------------------------------------------------- save (push thread)
-    def save(self, key: bytes, c: int, gathered: torch.Tensor) -> None:
-        """Put one full chunk (``[L, blocks, bpb]`` uint8 on CPU) into the store."""
-        record = make_record(key, c, gathered.numpy().data, num_layers=gathered.shape[0],
-                             num_blocks=gathered.shape[1])
+    def save(self, key: bytes, c: int, block_ids: list[int]) -> torch.Tensor:
+        """Gather full chunk ``c`` (engine blocks ``block_ids``) straight into a new record and put
+        it into the store; return its payload, ``[L, blocks, bpb]`` uint8 - a view of the record
+        the store keeps, which the push may send but must not change."""
+        assert self.layout is not None
+        record = gather_record(self.layout, block_ids, key, c)
         if self.store.put(key, record):
             self.metrics.store_stored.inc()
+        return record_payload(self.layout, record, len(block_ids))
 
     def close(self) -> None:
         self._stop.set()

@@ -7,7 +7,18 @@ import pytest
 import torch
 
 from kernels import cuda
-from kernels.blocks import KVLayout, gather, gather_ref, gather_to_host, scatter, scatter_ref
+from kernels.blocks import (
+    KVLayout,
+    gather,
+    gather_into_host,
+    gather_record,
+    gather_ref,
+    gather_to_host,
+    record_payload,
+    scatter,
+    scatter_ref,
+)
+from transport.store.records import check_record, read_record
 
 L, NB, H, BS, D2 = 4, 12, 4, 128, 128        # layers, blocks, kv heads, block size, 2*head_size
 
@@ -43,6 +54,27 @@ def test_gather_matches_per_block_bytes(separate):
     assert out.numpy().tobytes() == expected_chunk(caches, ids)
     host = gather_to_host(lay, ids)
     assert host.device.type == "cpu" and host.numpy().tobytes() == expected_chunk(caches, ids)
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["one-buffer", "separate-tensors"])
+def test_gather_into_a_callers_buffer_and_into_a_store_record(separate):
+    caches = vllm_like_caches()
+    if separate:
+        caches = {k: v.clone() for k, v in caches.items()}
+    lay = KVLayout.from_caches(caches)
+    ids = [3, 9, 4]
+    slot = torch.full((lay.chunk_bytes(4),), 0xAB, dtype=torch.uint8)     # a reused, larger buffer
+    out = gather_into_host(lay, ids, slot[:lay.chunk_bytes(3)].view(L, 3, lay.bytes_per_block))
+    assert out.data_ptr() == slot.data_ptr() and out.numpy().tobytes() == expected_chunk(caches, ids)
+    key = bytes(range(32))
+    record = gather_record(lay, ids, key, 5)
+    assert check_record(key, record) and not check_record(bytes(32), record)   # its checksum covers the payload
+    hdr, payload = read_record(record)
+    assert (hdr.chunk_index, hdr.num_layers, hdr.num_blocks) == (5, L, 3)
+    assert bytes(payload) == expected_chunk(caches, ids)
+    view = record_payload(lay, record, 3)                      # the push sends this: the record's own bytes
+    assert view.numpy().tobytes() == expected_chunk(caches, ids)
+    assert view.data_ptr() == torch.frombuffer(record, dtype=torch.uint8).data_ptr() + len(record) - len(payload)
 
 
 @pytest.mark.parametrize("separate", [False, True], ids=["one-buffer", "separate-tensors"])

@@ -191,3 +191,23 @@ def test_referenced_chunk_is_never_evicted():
     assert view is not None and bytes(view) == r1
     view.release()
     cpu.release(k1)
+
+
+def test_the_cpu_tier_keeps_a_handed_over_record_without_copying_it():
+    """records.build_record hands a bytearray over (one buffer for gather, store and push): the
+    CPU tier serves that very buffer, and a bytes record as it is too."""
+    from transport.store.records import build_record, check_record
+
+    key = (7).to_bytes(4, "big") * (KEY_BYTES // 4)
+    payload = os.urandom(4096)
+
+    def fill(dst: memoryview) -> None:
+        dst[:] = payload
+
+    rec = build_record(key, 0, len(payload), fill, num_layers=1, num_blocks=1)
+    assert isinstance(rec, bytearray) and check_record(key, rec)
+    tier = CpuTier(1 << 20)
+    assert tier.put(key, rec)
+    view = tier.acquire(key)
+    assert view is not None and view.obj is rec and bytes(view[-4096:]) == payload
+    tier.release(key)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Callable
 
 from transport.errors import ChunkError, ProtocolError
 from transport.secrets import KeyUse, derive_key
@@ -60,6 +61,22 @@ def make_record(key: bytes, chunk_index: int, payload: Buffer, *, num_layers: in
     """One stored chunk: header + ``payload`` (``[num_layers][num_blocks]`` whole blocks)."""
     return make_header(key, RECORD_TAG, chunk_index, [payload], num_layers=num_layers,
                        num_blocks=num_blocks).pack() + bytes(payload)
+
+
+def build_record(key: bytes, chunk_index: int, payload_len: int, fill: Callable[[memoryview], None], *,
+                 num_layers: int, num_blocks: int) -> bytearray:
+    """One stored chunk made in place: ``fill`` writes the ``payload_len``-byte payload straight
+    into the record, then the header (with the payload's checksum) goes in front. One buffer and
+    one copy (the fill's), where gathering into a buffer of its own and :func:`make_record` take
+    three of each. The record is handed over: the store keeps it as is, so the caller must not
+    change it afterwards (reading it, e.g. to push the same chunk, is fine)."""
+    record = bytearray(HEADER_SIZE + payload_len)
+    payload = memoryview(record)[HEADER_SIZE:]
+    fill(payload)
+    record[:HEADER_SIZE] = make_header(key, RECORD_TAG, chunk_index, [payload], num_layers=num_layers,
+                                       num_blocks=num_blocks).pack()
+    payload.release()
+    return record
 
 
 def check_record(key: bytes, record: bytes | memoryview) -> bool:

@@ -37,7 +37,7 @@ EventFn = Callable[[str, list[bytes]], None]
 
 @dataclass
 class _Entry:
-    record: bytes
+    record: bytes | bytearray      # a bytearray was handed over by build_record: never changed
     refs: int = 0
 
 
@@ -58,7 +58,7 @@ class CpuTier:
     name = "cpu"
 
     def __init__(self, capacity_bytes: int, policy: str = "lru",
-                 on_evict: Callable[[bytes, bytes], None] | None = None) -> None:
+                 on_evict: Callable[[bytes, bytes | bytearray], None] | None = None) -> None:
         self.capacity = capacity_bytes
         self._entries: dict[bytes, _Entry] = {}
         self._policy = make_policy(policy)
@@ -74,20 +74,21 @@ class CpuTier:
         with self._lock:
             return [k in self._entries for k in keys]
 
-    def put(self, key: bytes, record: bytes) -> bool:
-        """Insert (False if it cannot fit even after evicting every unreferenced chunk)."""
+    def put(self, key: bytes, record: bytes | bytearray) -> bool:
+        """Insert (False if it cannot fit even after evicting every unreferenced chunk). The tier
+        keeps ``record`` itself, not a copy: a bytearray is handed over (records.build_record)."""
         with self._lock:
             if key in self._entries:
                 self._policy.access(key)
                 return True
             if not self._make_room(len(record)):
                 return False
-            self._entries[key] = _Entry(bytes(record))
+            self._entries[key] = _Entry(record)
             self._used += len(record)
             self._policy.insert(key)
             return True
 
-    def put_acquire(self, key: bytes, record: bytes) -> memoryview | None:
+    def put_acquire(self, key: bytes, record: bytes | bytearray) -> memoryview | None:
         """Insert (or find) and reference in one step, so no other insert can evict it between."""
         with self._lock:
             if not self.put(key, record):
@@ -155,8 +156,9 @@ class MultiTierStore:
         self._pending: list[Future[None]] = []
 
     # ---------------------------------------------------------------- store path
-    def put(self, key: bytes, record: bytes) -> bool:
-        """Acknowledge a chunk: in the CPU tier now, in the lower tiers at the next flush."""
+    def put(self, key: bytes, record: bytes | bytearray) -> bool:
+        """Acknowledge a chunk: in the CPU tier now, in the lower tiers at the next flush. The
+        record is handed over (see :meth:`CpuTier.put`)."""
         if not self.cpu.put(key, record):
             log.warning("store: CPU tier full of referenced chunks; %s not stored", key.hex()[:16])
             return False
@@ -202,10 +204,10 @@ class MultiTierStore:
                     v.release()
                     self.cpu.release(k)
 
-    def _evicted(self, key: bytes, record: bytes) -> None:
+    def _evicted(self, key: bytes, record: bytes | bytearray) -> None:
         self.stats.evicted += 1
         if self.disk is not None and not self.disk.contains([key])[0]:
-            self.disk.put([(key, record)])
+            self.disk.put([(key, memoryview(record))])
             self.stats.demoted += 1
         else:
             self._emit("evicted", [key])

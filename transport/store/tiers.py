@@ -69,7 +69,7 @@ class Tier(abc.ABC):
         """Verified records, None for missing or corrupt ones (corrupt ones are deleted)."""
 
     @abc.abstractmethod
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+    def put(self, items: Sequence[tuple[bytes, bytes | bytearray | memoryview]]) -> int:
         """Store records; returns how many were stored. Never raises for tier outages."""
 
     def close(self) -> None:  # noqa: B027 - optional
@@ -127,7 +127,7 @@ class DiskTier(Tier):
             out.append(data)
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+    def put(self, items: Sequence[tuple[bytes, bytes | bytearray | memoryview]]) -> int:
         stored = 0
         for key, record in items:
             n = memoryview(record).nbytes + RecordSeal.SIZE
@@ -272,7 +272,7 @@ class RedisTier(Tier):
         except self._redis.RedisError as exc:
             self._outage("delete", exc)
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+    def put(self, items: Sequence[tuple[bytes, bytes | bytearray | memoryview]]) -> int:
         if not items or self._down():
             return 0
         try:
