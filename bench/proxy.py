@@ -22,6 +22,10 @@ so "streamed requests per second" is per proxy core. Reported:
 * the most streamed requests per second (64 streams for ``--duration`` seconds), as a ratio
   to the toy proxy and to direct.
 
+The latency runs are split into ``--rounds`` rounds; each round runs every system in turn
+(rotating the order, a short settle between systems), so a slow spell of the shared host
+lands on all systems instead of on one system's whole run.
+
 Each latency is also taken **net of the upstream's own time**: the upstream adds up, per
 request (tagged in ``user``, which every path passes on to each leg), the time its handlers
 ran, and a request's overhead is its time to the last byte minus that. ``+net`` is a
@@ -219,7 +223,8 @@ async def _latencies(url: str, upstream: str, concurrency: int, requests: int, p
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
         for _ in range(3):
-            await _one(s, url)                                  # warm connections
+            await _one(s, url)                                  # warm the path
+        await asyncio.gather(*(_one(s, url) for _ in range(concurrency)))   # one open connection per stream
         async with s.get(f"{upstream}/bench/service") as r:     # forget the warm-up's accounting
             await r.read()
 
@@ -306,6 +311,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=64, help="SSE events per streamed answer")
     p.add_argument("--requests", type=int, default=512, help="requests per latency measurement")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of the throughput measurement")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="latency runs are split into this many rounds, the systems interleaved in each")
+    p.add_argument("--settle-s", type=float, default=1.0, help="idle seconds between two systems' latency runs")
     p.add_argument("--pace-ms", type=float, default=10.0,
                    help="paced run: ms between an answer's tokens (an engine's decode step)")
     p.add_argument("--base-port", type=int, default=18600)
@@ -335,15 +343,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         for url in systems.values():
             _wait_up(url)
-        bar = tqdm(total=4 * len(systems), desc="bench router", unit="run")
+        bar = tqdm(total=(3 * args.rounds + 1) * len(systems), desc="bench router", unit="run")
+        rows = _latency_rows(systems, up_url, args, bar)
         for name, url in systems.items():
-            rows[name] = {}
-            for key, c, pace_s in (("c1", 1, 0.0), ("c64", 64, 0.0), ("c64paced", 64, args.pace_ms / 1e3)):
-                n = args.requests // 4 if c == 1 else args.requests
-                lat, net = asyncio.run(_latencies(url, up_url, c, n, pace_s, args.tokens))
-                rows[name][key] = {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * _pct(lat, 0.99),
-                                   "net_p50_ms": 1e3 * statistics.median(net), "net_p99_ms": 1e3 * _pct(net, 0.99)}
-                bar.update(1)
             pid = procs[busy_pid[name]].pid
             assert pid is not None
             cpu0, t0 = _cpu_s(pid), time.perf_counter()
@@ -363,6 +365,30 @@ def main(args: argparse.Namespace) -> int:
     _plot(rows, out / "router.png")
     print(f"wrote {out}/router.json, table.txt, router.png", file=sys.stderr)
     return 0
+
+
+def _latency_rows(systems: dict[str, str], up_url: str, args: argparse.Namespace, bar: Any) -> dict[str, dict[str, Any]]:
+    """Latency quantiles per system and load, from ``args.rounds`` interleaved rounds: each round
+    runs every system in turn (the order rotating), so a slow spell of this shared host lands on
+    all of them rather than on whichever system it happened to meet."""
+    loads = (("c1", 1, 0.0), ("c64", 64, 0.0), ("c64paced", 64, args.pace_ms / 1e3))
+    samples: dict[tuple[str, str], tuple[list[float], list[float]]] = {(name, key): ([], []) for name in systems for key, _c, _p in loads}
+    names = list(systems)
+    for r in range(args.rounds):
+        for key, c, pace_s in loads:
+            n = max(c, (args.requests // 4 if c == 1 else args.requests) // args.rounds)
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                time.sleep(args.settle_s)     # the previous system's proxy finishes closing its connections
+                lat, net = asyncio.run(_latencies(systems[name], up_url, c, n, pace_s, args.tokens))
+                samples[name, key][0].extend(lat)
+                samples[name, key][1].extend(net)
+                bar.update(1)
+    rows: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for (name, key), (lat, net) in samples.items():
+        rows[name][key] = {"p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * _pct(lat, 0.99),
+                           "net_p50_ms": 1e3 * statistics.median(net), "net_p99_ms": 1e3 * _pct(net, 0.99),
+                           "n": len(lat)}
+    return rows
 
 
 def _report(rows: dict[str, dict[str, Any]], pace_ms: float) -> str:

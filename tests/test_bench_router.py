@@ -10,7 +10,8 @@ from pathlib import Path
 
 def test_bench_router_smoke(tmp_path: Path):
     r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "router", "--requests", "32", "--duration", "1",
-                        "--base-port", "18640", "--pace-ms", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
+                        "--base-port", "18640", "--pace-ms", "2", "--rounds", "2", "--settle-s", "0",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads((tmp_path / "router.json").read_text())["rows"]
     assert set(rows) == {"direct", "kvrelay", "toy"}
