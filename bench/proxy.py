@@ -92,6 +92,16 @@ def _user(paced: bool, tag: int) -> str:
     return f"{PACED_USER if paced else 'bench'}#{tag}"
 
 
+@functools.lru_cache(maxsize=8)
+def _answer_events(n: int, with_usage: bool) -> tuple[list[bytes], bytes]:
+    """(``n`` token events, the tail) as vLLM streams them: the last token carries
+    finish_reason; the tail is usage when asked for, then [DONE]. The decode leg behind the
+    router asks for one token fewer than the client did (token 1 came from the prefill leg):
+    every path delivers the same tokens."""
+    tail = (_usage_event(n) if with_usage else b"") + b"data: [DONE]\n\n"
+    return [_event(i, i == n - 1) for i in range(n)], tail
+
+
 def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None:
     """A scripted engine: SSE tokens as fast as the loop can write them, or one every ``pace_s``
     for requests whose ``user`` is :data:`PACED_USER` (the router passes it on to the decode leg)."""
@@ -99,15 +109,6 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
 
     _pin(core)
     served: dict[str, float] = {}        # request tag -> seconds its legs' handlers ran, summed
-
-    @functools.lru_cache(maxsize=8)
-    def answer(n: int, with_usage: bool) -> tuple[list[bytes], bytes]:
-        """(``n`` token events, the tail) as vLLM streams them: the last token carries
-        finish_reason; the tail is usage when asked for, then [DONE]. The decode leg behind the
-        router asks for one token fewer than the client did (token 1 came from the prefill leg):
-        every path delivers the same tokens."""
-        tail = (_usage_event(n) if with_usage else b"") + b"data: [DONE]\n\n"
-        return [_event(i, i == n - 1) for i in range(n)], tail
 
     async def complete(request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -127,7 +128,7 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = min(int(body.get("max_tokens") or tokens), tokens)
-        events, tail = answer(n, bool((body.get("stream_options") or {}).get("include_usage")))
+        events, tail = _answer_events(n, bool((body.get("stream_options") or {}).get("include_usage")))
         for ev in events:
             if paced:
                 await asyncio.sleep(pace_s)
