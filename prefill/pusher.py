@@ -259,13 +259,13 @@ class PushWorker(WorkerBase):
             p.next_chunk += 1
         for item in list(p.inflight):
             assert p.sender is not None
-            handle, _keep, t0 = item
+            handle, keep, t0 = item
             state = p.sender.poll(handle)
             if state is WriteState.FAILED:
                 raise TransportError(f"chunk {handle.chunk_index} write failed: {handle.error}")
             if state is WriteState.DONE:
                 p.inflight.remove(item)
-                self._release(_keep, done=True)
+                self._release(keep, done=True)
                 self._on_written(p, handle.chunk_index, t0)
 
     def _allocate(self, p: _Push) -> bool:
@@ -360,13 +360,20 @@ class PushWorker(WorkerBase):
         if gathered is None and self._hook is None and p.sender.layout is not None:
             views = [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids]
             return BlockPayload(tuple(ids)), header(views), None     # straight from the KV cache
-        keep: Any = gathered
-        if gathered is None:
-            assert self.staging is not None
-            keep = self.staging.take((layout.num_layers, len(ids), layout.bytes_per_block))
-            buf = gather_into_host(layout, ids, keep.tensor)                        # [L, n, bpb] uint8
-        else:
-            buf = gathered
+        if gathered is not None:
+            return self._finish_payload(p, c, gathered, header, gathered)
+        assert self.staging is not None
+        staged = self.staging.take((layout.num_layers, len(ids), layout.bytes_per_block))
+        try:
+            gather_into_host(layout, ids, staged.tensor)                            # [L, n, bpb] uint8
+            return self._finish_payload(p, c, staged.tensor, header, staged)
+        except BaseException:
+            self.staging.give_back(staged)          # nothing was sent from it
+            raise
+
+    def _finish_payload(self, p: _Push, c: int, buf: torch.Tensor, header: Callable[[list[Any]], bytes],
+                        keep: Any) -> tuple[Payload, bytes, Any]:
+        """The header over ``buf``, then the push hook (if any) on it."""
         hdr = header([buf.numpy().data])
         if self._hook is not None:
             hooked = self._hook(p.spec.transfer_id, c, buf)
