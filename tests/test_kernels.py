@@ -159,6 +159,16 @@ def test_dispatch_falls_back_to_the_reference_for_layouts_the_kernel_cannot_take
 needs_cuda = pytest.mark.skipif(not cuda.available(), reason="needs CUDA and Triton")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gather_into_a_host_buffer_from_a_device_cache():
+    caches = vllm_like_caches("cuda")
+    lay = KVLayout.from_caches(caches)
+    ids = [2, 8, 5]
+    out = torch.zeros((L, len(ids), lay.bytes_per_block), dtype=torch.uint8)      # host, reused by the push
+    assert gather_into_host(lay, ids, out) is out and out.device.type == "cpu"
+    assert out.numpy().tobytes() == expected_chunk({k: v.cpu() for k, v in caches.items()}, ids)
+
+
 @needs_cuda
 def test_cuda_gather_scatter_match_reference():
     caches = vllm_like_caches("cuda")
