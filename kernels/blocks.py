@@ -206,14 +206,10 @@ def gather(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torc
 
 
 def gather_to_host(layout: KVLayout, block_ids: list[int]) -> torch.Tensor:
-    """Blocks ``block_ids`` of every layer as one ``[L, n, bytes_per_block]`` uint8 CPU tensor.
-
-    Gathers on the cache's device (one kernel launch for CUDA caches), then copies to host.
-    """
-    ids = torch.tensor(block_ids, dtype=torch.int64, device=layout.device)
-    out = torch.empty((layout.num_layers, len(block_ids), layout.bytes_per_block), dtype=torch.uint8,
-                      device=layout.device)
-    return gather(layout, ids, out).cpu()
+    """Blocks ``block_ids`` of every layer as one new ``[L, n, bytes_per_block]`` uint8 CPU tensor
+    (:func:`gather_into_host` into a fresh buffer)."""
+    out = torch.empty((layout.num_layers, len(block_ids), layout.bytes_per_block), dtype=torch.uint8)
+    return gather_into_host(layout, block_ids, out)
 
 
 def gather_into_host(layout: KVLayout, block_ids: list[int], out: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,12 @@ def vllm_like_caches(device: str = "cpu", seed: int = 0) -> dict[str, torch.Tens
     return {f"model.layers.{i}.self_attn.attn": buf[i] for i in range(L)}
 
 
+def layout_caches(separate: bool) -> dict[str, torch.Tensor]:
+    """vLLM-like caches: one buffer (a stacked layout), or each layer its own tensor (``separate``)."""
+    caches = vllm_like_caches()
+    return {k: v.clone() for k, v in caches.items()} if separate else caches
+
+
 def expected_chunk(caches: dict[str, torch.Tensor], ids: list[int]) -> bytes:
     return b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in caches.values() for b in ids)
 
@@ -43,9 +49,7 @@ def test_layout_builds_single_strided_view():
 
 @pytest.mark.parametrize("separate", [False, True], ids=["one-buffer", "separate-tensors"])
 def test_gather_matches_per_block_bytes(separate):
-    caches = vllm_like_caches()
-    if separate:
-        caches = {k: v.clone() for k, v in caches.items()}
+    caches = layout_caches(separate)
     lay = KVLayout.from_caches(caches)
     assert (lay.stacked is None) == separate
     ids = [7, 1, 10]
@@ -58,9 +62,7 @@ def test_gather_matches_per_block_bytes(separate):
 
 @pytest.mark.parametrize("separate", [False, True], ids=["one-buffer", "separate-tensors"])
 def test_gather_into_a_callers_buffer_and_into_a_store_record(separate):
-    caches = vllm_like_caches()
-    if separate:
-        caches = {k: v.clone() for k, v in caches.items()}
+    caches = layout_caches(separate)
     lay = KVLayout.from_caches(caches)
     ids = [3, 9, 4]
     slot = torch.full((lay.chunk_bytes(4),), 0xAB, dtype=torch.uint8)     # a reused, larger buffer
