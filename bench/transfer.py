@@ -39,7 +39,7 @@ from core import config as kcfg
 from transport.config import parse_size
 from transport.events import ChunkArrival, TransferDone, TransferFailed
 from transport.secrets import SECRET_ENV, generate_secret
-from transport.wire import HEADER_SIZE, check_payload
+from transport.wire import HEADER_SIZE, copy_checked
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -130,9 +130,10 @@ class BackendRun:
                 ev = self.receiver.next_event(btid, 60)
                 if isinstance(ev, ChunkArrival):
                     payload = self.receiver.payload(ev)
-                    raw.copy_out(payload, self._scratch)           # the install's one copy out of the slot
-                    if not ev.verified:                              # verify-in-install: hash the copy
-                        check_payload(ev.header, self._scratch[:payload.nbytes].data)
+                    if ev.verified:                                  # hashed as it landed (tcp)
+                        raw.copy_out(payload, self._scratch)       # the install's one copy out of the slot
+                    else:                                            # verify-in-install: hashed in that copy
+                        copy_checked(ev.header, payload, self._scratch[:payload.nbytes].data)
                     arrivals.append(time.monotonic())
                     self.receiver.release(ev)
                 elif isinstance(ev, TransferDone | TransferFailed):

@@ -32,7 +32,7 @@ from transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone,
 from transport.keys import chunk_keys
 from transport.pool import PAGE, round_up
 from transport.receiver import Receiver
-from transport.wire import HEADER_SIZE, check_payload, check_regions
+from transport.wire import HEADER_SIZE, check_regions, copy_checked
 
 if TYPE_CHECKING:
     from decode.connector import LoadSpec
@@ -264,8 +264,9 @@ class InstallWorker(WorkerBase):
         src = torch.frombuffer(self.receiver.payload(ev), dtype=torch.uint8)
         src = src.view(layout.num_layers, len(blocks), layout.bytes_per_block)     # [L, n, bpb]
         if not ev.verified and layout.device.type != "cpu":
-            src = src.clone()
-            check_payload(ev.header, src.numpy().data)
+            private = torch.empty_like(src)
+            copy_checked(ev.header, src.numpy().data, private.numpy().data)     # verified in its copy
+            src = private
         ids = torch.tensor(blocks[skip:], dtype=torch.int64)
         if len(ids):
             scatter(layout, ids.to(layout.device), src[:, skip:].to(layout.device))

@@ -10,7 +10,7 @@ import pytest
 from transport.errors import ChecksumError, ChunkError, PoolFullError, TransportError
 from transport.keys import Fingerprint, chunk_keys
 from transport.pool import ReceivePool, SlotRef, SlotState
-from transport.wire import HEADER_SIZE, make_header, parse_header, verify_chunk
+from transport.wire import COPY_PIECE, FUSE_FROM, HEADER_SIZE, copy_checked, make_header, parse_header, verify_chunk
 
 FP = Fingerprint("tiny", "bf16", "cpu", 128, 4, 65536)
 
@@ -63,6 +63,24 @@ def test_wire_roundtrip_and_detection():
         verify_chunk(hdr_bad)
     with pytest.raises(ChunkError, match="magic"):
         verify_chunk(b"XXXX" + bytes(buf[4:]))
+
+
+
+@pytest.mark.parametrize("size", [1, FUSE_FROM - 1, FUSE_FROM, FUSE_FROM + COPY_PIECE // 3 + 7])
+def test_copy_checked_copies_every_byte_and_catches_a_flip_in_any_piece(size):
+    """Below FUSE_FROM one copy and one hash; from it on, pieces (the last one short here)."""
+    payload = bytearray(os.urandom(size))
+    hdr = make_header(b"k" * 32, "tid", 0, [payload])
+    dst = bytearray(size)
+    copy_checked(hdr, payload, dst)
+    assert dst == payload                                         # every byte, none left over
+    for at in {0, size // 2, size - 1}:                           # first, middle and last piece
+        bad = bytearray(payload)
+        bad[at] ^= 0x40
+        with pytest.raises(ChecksumError, match="chunk 0"):
+            copy_checked(hdr, bad, bytearray(size))
+    with pytest.raises(ValueError, match="destination"):
+        copy_checked(hdr, payload, bytearray(size + 1))
 
 
 class FakeClock:
