@@ -39,7 +39,7 @@ from core import config as kcfg
 from transport.config import parse_size
 from transport.events import ChunkArrival, TransferDone, TransferFailed
 from transport.secrets import SECRET_ENV, generate_secret
-from transport.wire import HEADER_SIZE, copy_checked
+from transport.wire import HEADER_SIZE, check_payload, copy_checked, make_header
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -225,6 +225,40 @@ def _measure_point(paths: dict[str, Path_], size: int, w: int, reps: int, quick:
     return out
 
 
+def consumer_cost(sizes: list[int], reps: int) -> list[dict[str, float]]:
+    """The consumer's own work on one chunk, in this process, interleaved per chunk (median us):
+    the ceilings' bare copy, a copy then a checksum pass, and ``wire.copy_checked`` (both in one
+    pass). Chunks stream from a DRAM-sized source, as in the paths above."""
+    rows = []
+    for size in sizes:
+        src = raw.source(size, 7)                                   # [n, size]
+        hdrs = [make_header(b"k" * 32, "c", i, [src[i].data]) for i in range(len(src))]
+        dst = np.empty(size, dtype=np.uint8)
+        t: dict[str, list[float]] = {"copy": [], "copy+hash": [], "copy_checked": []}
+        steps = {"copy": lambda i: raw.copy_out(src[i].data, dst),
+                 "copy+hash": lambda i: (raw.copy_out(src[i].data, dst), check_payload(hdrs[i], dst.data)),
+                 "copy_checked": lambda i: copy_checked(hdrs[i], src[i].data, dst.data)}
+        for _ in range(max(reps, 3)):              # each a full pass over the source: every read from DRAM
+            for name, step in steps.items():
+                for i in range(len(src)):
+                    t0 = time.perf_counter()
+                    step(i)
+                    t[name].append((time.perf_counter() - t0) * 1e6)
+        med = {k: float(np.median(v)) for k, v in t.items()}
+        rows.append({"size": size, **{f"{k}_us": v for k, v in med.items()},
+                     "fused_vs_two_pass": med["copy_checked"] / med["copy+hash"],
+                     "fused_vs_copy": med["copy_checked"] / med["copy"]})
+    return rows
+
+
+def consumer_table(rows: list[dict[str, float]]) -> str:
+    out = [f"{'consumer':<8} {'copy us':>9} {'copy+hash':>10} {'copy_checked':>13} {'/two-pass':>10} {'/copy':>7}"]
+    for r in rows:
+        out.append(f"{_fmt(int(r['size'])):<8} {r['copy_us']:9.1f} {r['copy+hash_us']:10.1f} "
+                   f"{r['copy_checked_us']:13.1f} {r['fused_vs_two_pass']:10.2f} {r['fused_vs_copy']:7.2f}")
+    return "\n".join(out)
+
+
 def check_targets(points: list[Point]) -> list[tuple[str, bool, str]]:
     out = []
     for backend, target in TARGETS.items():
@@ -319,12 +353,15 @@ def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     verdicts = check_targets(points)
+    consumer = consumer_cost(sizes, args.reps)
     doc = {"bench": "transfer", "host_cpus": os.cpu_count(), "seconds": round(time.time() - t0, 1),
-           "points": [asdict(p) for p in points],
+           "points": [asdict(p) for p in points], "consumer": consumer,
            "targets": [{"target": t, "met": ok, "detail": d} for t, ok, d in verdicts]}
     (out / "transfer.json").write_text(json.dumps(doc, indent=2))
     plot(points, out / "transfer.png")
     print(table(points))
+    print()
+    print(consumer_table(consumer))
     print()
     for t, ok, d in verdicts:
         print(f"[{'PASS' if ok else 'MISS'}] {t}: {d}")
