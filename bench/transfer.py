@@ -226,7 +226,7 @@ def _measure_point(paths: dict[str, Path_], size: int, w: int, reps: int, quick:
 
 
 def consumer_cost(sizes: list[int], reps: int) -> list[dict[str, float]]:
-    """The consumer's own work on one chunk, in this process, interleaved per chunk (median us):
+    """The consumer's own work on one chunk, in this process (median us; the three take turns, one full pass over the source each):
     the ceilings' bare copy, a copy then a checksum pass, and ``wire.copy_checked`` (both in one
     pass). Chunks stream from a DRAM-sized source, as in the paths above."""
     rows = []
@@ -235,20 +235,26 @@ def consumer_cost(sizes: list[int], reps: int) -> list[dict[str, float]]:
         hdrs = [make_header(b"k" * 32, "c", i, [src[i].data]) for i in range(len(src))]
         dst = np.empty(size, dtype=np.uint8)
         t: dict[str, list[float]] = {"copy": [], "copy+hash": [], "copy_checked": []}
-        steps = {"copy": lambda i: raw.copy_out(src[i].data, dst),
-                 "copy+hash": lambda i: (raw.copy_out(src[i].data, dst), check_payload(hdrs[i], dst.data)),
-                 "copy_checked": lambda i: copy_checked(hdrs[i], src[i].data, dst.data)}
         for _ in range(max(reps, 3)):              # each a full pass over the source: every read from DRAM
-            for name, step in steps.items():
+            for name in t:
                 for i in range(len(src)):
                     t0 = time.perf_counter()
-                    step(i)
+                    _consumer_step(name, src[i], hdrs[i], dst)
                     t[name].append((time.perf_counter() - t0) * 1e6)
         med = {k: float(np.median(v)) for k, v in t.items()}
         rows.append({"size": size, **{f"{k}_us": v for k, v in med.items()},
                      "fused_vs_two_pass": med["copy_checked"] / med["copy+hash"],
                      "fused_vs_copy": med["copy_checked"] / med["copy"]})
     return rows
+
+
+def _consumer_step(name: str, row: np.ndarray, hdr: Any, dst: np.ndarray) -> None:
+    if name == "copy_checked":
+        copy_checked(hdr, row.data, dst.data)
+        return
+    raw.copy_out(row.data, dst)
+    if name == "copy+hash":
+        check_payload(hdr, dst.data)
 
 
 def consumer_table(rows: list[dict[str, float]]) -> str:

@@ -10,7 +10,7 @@ def test_consumer_cost_times_every_step_and_states_the_ratios():
     rows = consumer_cost([64 << 10, FUSE_FROM], reps=1)
     assert [r["size"] for r in rows] == [64 << 10, FUSE_FROM]
     for r in rows:
-        assert 0 < r["copy_us"] and 0 < r["copy+hash_us"] and 0 < r["copy_checked_us"]
+        assert min(r["copy_us"], r["copy+hash_us"], r["copy_checked_us"]) > 0
         assert r["fused_vs_two_pass"] == r["copy_checked_us"] / r["copy+hash_us"]
         assert r["fused_vs_copy"] == r["copy_checked_us"] / r["copy_us"]
     text = consumer_table(rows)

@@ -10,7 +10,15 @@ import pytest
 from transport.errors import ChecksumError, ChunkError, PoolFullError, TransportError
 from transport.keys import Fingerprint, chunk_keys
 from transport.pool import ReceivePool, SlotRef, SlotState
-from transport.wire import COPY_PIECE, FUSE_FROM, HEADER_SIZE, copy_checked, make_header, parse_header, verify_chunk
+from transport.wire import (
+    COPY_PIECE,
+    FUSE_FROM,
+    HEADER_SIZE,
+    copy_checked,
+    make_header,
+    parse_header,
+    verify_chunk,
+)
 
 FP = Fingerprint("tiny", "bf16", "cpu", 128, 4, 65536)
 
