@@ -226,16 +226,16 @@ def _measure_point(paths: dict[str, Path_], size: int, w: int, reps: int, quick:
 
 
 def consumer_cost(sizes: list[int], reps: int) -> list[dict[str, float]]:
-    """The consumer's own work on one chunk, in this process (median us; the three take turns, one full pass over the source each):
-    the ceilings' bare copy, a copy then a checksum pass, and ``wire.copy_checked`` (both in one
-    pass). Chunks stream from a DRAM-sized source, as in the paths above."""
+    """The consumer's own work on one chunk, in this process (median us): the ceilings' bare
+    copy, a copy then a checksum pass, and ``wire.copy_checked`` (both in one pass). The three
+    take turns, one full pass over a DRAM-sized source each, so every read comes from DRAM."""
     rows = []
     for size in sizes:
         src = raw.source(size, 7)                                   # [n, size]
         hdrs = [make_header(b"k" * 32, "c", i, [src[i].data]) for i in range(len(src))]
         dst = np.empty(size, dtype=np.uint8)
         t: dict[str, list[float]] = {"copy": [], "copy+hash": [], "copy_checked": []}
-        for _ in range(max(reps, 3)):              # each a full pass over the source: every read from DRAM
+        for _ in range(max(reps, 3)):
             for name in t:
                 for i in range(len(src)):
                     t0 = time.perf_counter()

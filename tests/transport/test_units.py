@@ -73,7 +73,6 @@ def test_wire_roundtrip_and_detection():
         verify_chunk(b"XXXX" + bytes(buf[4:]))
 
 
-
 @pytest.mark.parametrize("size", [1, FUSE_FROM - 1, FUSE_FROM, FUSE_FROM + COPY_PIECE // 3 + 7])
 def test_copy_checked_copies_every_byte_and_catches_a_flip_in_any_piece(size):
     """Below FUSE_FROM one copy and one hash; from it on, pieces (the last one short here)."""
