@@ -13,5 +13,6 @@ def test_consumer_cost_times_every_step_and_states_the_ratios():
         assert min(r["copy_us"], r["copy+hash_us"], r["copy_checked_us"]) > 0
         assert r["fused_vs_two_pass"] == r["copy_checked_us"] / r["copy+hash_us"]
         assert r["fused_vs_copy"] == r["copy_checked_us"] / r["copy_us"]
+        assert r["verify_cap"] == r["copy_us"] / r["copy_checked_us"]
     text = consumer_table(rows)
-    assert "64 KiB" in text and "2 MiB" in text and "copy_checked" in text
+    assert "64 KiB" in text and "2 MiB" in text and "copy_checked" in text and "cap" in text
