@@ -115,8 +115,15 @@ class RouterConfig(Section, frozen=True):
     queue_timeout_s: Seconds = 30.0  # a queued request waits at most this long, then 429
     rate_limit_rps: float = 0.0      # per API key (or client address) token bucket; 0 = off
     rate_limit_burst: int = 0        # bucket size (0 = 2 x rate_limit_rps, at least 1)
-    params_ttl_s: Seconds = 300.0    # signed kv_transfer_params expire after this
+    params_ttl_s: Seconds = 900.0    # signed kv_transfer_params expire after this (>= request_timeout_s)
     first_token: FirstToken = FirstToken.PREFILL   # who emits the first output token (see router/split.py)
+    chat_parsers: bool = False       # the engines run a reasoning / tool-call parser: chat is never split
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.params_ttl_s < self.request_timeout_s:
+            raise ConfigError(f"router.params_ttl_s ({self.params_ttl_s:g}) must be at least router.request_timeout_s "
+                              f"({self.request_timeout_s:g}): a request queued that long would lose its transfer")
 
 
 class DeployConfig(Section, frozen=True):
@@ -285,7 +292,8 @@ FIELD_HELP: dict[str, str] = {
     'router.queue_timeout_s': 'admission control: a queued request waits at most this long, then 429',
     'router.rate_limit_rps': 'per API key (or client address) token-bucket rate in requests/s; 0 = off',
     'router.rate_limit_burst': 'token-bucket size (0 = twice the rate, at least 1)',
-    'router.params_ttl_s': 'the signed kv_transfer_params the router sends engines expire after this',
+    'router.params_ttl_s': 'the signed kv_transfer_params the router sends engines expire after this (>= request_timeout_s)',
+    'router.chat_parsers': 'the engines run a reasoning or tool-call parser: chat requests are not split (decode path)',
     'router.first_token': ("prefill: stream token 1 from the prefill node at once, D continues from prompt + token 1 "
                            "(requests with features that cannot be split fall back per request); decode: D emits "
                            "every token"),

@@ -15,9 +15,14 @@ Who gets in (:mod:`router.limits`): with API keys configured, ``/v1`` requests n
 decode node, a bounded FIFO queue behind it, then 429 with ``Retry-After``. The
 ``kv_transfer_params`` the router sends engines are signed (:class:`core.params.ParamsSigner`).
 
-Failures: malformed bodies, and fields PD cannot serve or the prefill rewrite would
-hide (:mod:`router.validate`), get an OpenAI-style 400 here, before any engine sees
-them; engine 4xx answers (e.g. a prompt over ``max_model_len``) pass through, and P's
+Ids (:mod:`router.job`): the client's ``X-Request-Id`` is echoed and logged; transfer ids
+are the router's own. The router never forwards a client's ``kv_transfer_params``.
+
+What goes to a decode node alone (no prefill, no transfer), so that vLLM judges and answers
+it exactly as one vLLM would: bodies that are not JSON objects (sent verbatim), fields vLLM
+must refuse itself (:mod:`router.validate`), and requests that would share one transfer
+(``n`` > 1, lists of prompts, multimodal content: :func:`router.split.decode_only_reason`).
+Failures: engine 4xx answers (e.g. a prompt over ``max_model_len``) pass through, and P's
 request is cancelled at once; if P fails (connection error or 5xx) the prefill is
 retried once on another P with the same transfer id - and if none is left, D
 recomputes the prompt after ``connector.first_chunk_s``; with no healthy prefill node
@@ -34,11 +39,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import ssl
 import time
-import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 import aiohttp
@@ -48,11 +52,12 @@ from prometheus_client import generate_latest
 
 from core.config import FirstToken, KVRelayConfig, RoutingPolicy
 from core.logs import set_ids
-from core.params import ParamsSigner, PullParams, PushParams, params_dict
-from core.tracing import annotate, request_span, tracer, with_traceparent
-from router import split, validate
+from core.params import ParamsSigner, PullParams, PushParams
+from core.tracing import annotate, request_span, tracer
+from router import responses, split, validate
 from router.cache_index import ChunkIndex, PromptTokenizer
 from router.discovery import Discovery, Resolver, parse_dns, system_resolver
+from router.job import Job, RequestIds
 from router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from router.metrics import RouterMetrics
 from router.pools import (
@@ -65,165 +70,16 @@ from router.pools import (
     is_dns,
     pools_from_config,
 )
-from router.upstream import Upstream, note_draining
+from router.responses import error_response, too_many
+from router.split_path import SplitPath
+from router.upstream import note_draining
 from transport.errors import ConfigError
 from transport.secrets import load_secret
 
 log = logging.getLogger("kvrelay.router")
 
 
-def error_response(status: int, message: str, etype: str = "invalid_request_error",
-                   rid: str = "", headers: dict[str, str] | None = None, code: str | int | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": etype, "param": None, "code": code or status}}
-    hdrs = {"X-Request-Id": rid} if rid else {}
-    return web.json_response(body, status=status, headers={**hdrs, **(headers or {})})
-
-
-def too_many(message: str, retry_after_s: float) -> web.Response:
-    return error_response(429, message, "rate_limit_exceeded",
-                          headers={"Retry-After": str(max(1, round(retry_after_s)))})
-
-
-class _SplitMixin(Upstream):
-    """``router.first_token: prefill`` (see :mod:`router.split`)."""
-
-    signer: ParamsSigner
-
-    def _signed(self, params: PullParams | PushParams) -> dict[str, Any]:
-        """``kv_transfer_params`` for an engine: signed, with the request's trace context beside them."""
-        return with_traceparent(params_dict(self.signer.sign(params)))
-
-    async def _split(self, request: web.Request, endpoint: str, body: dict[str, Any], p_node: Node,
-                     d_node: Node, tid: str, rid: str, t0: float, work: PrefillWork) -> web.StreamResponse:
-        budget = split.max_new(endpoint, body)
-        pbody = split.prefill_body(body)
-        if budget != 1:                               # token 1 may be all the answer: then nothing is pushed
-            pbody["kv_transfer_params"] = self._signed(
-                PushParams(transfer_id=tid, push_to=d_node.kv_endpoint, early=True))
-        status, answer = await self._ask(p_node, endpoint, pbody, f"{rid}-p")
-        if status == 503 and not p_node.healthy:      # P is draining: another prefill node, if any
-            with contextlib.suppress(NoHealthyNode):
-                p_node = self.prefill.pick(exclude=(p_node,))
-                status, answer = await self._ask(p_node, endpoint, pbody, f"{rid}-p")
-        work.done()                                   # P answered: its prefill no longer queues others
-        if status != 200 or not isinstance(answer, dict):
-            if status is not None and status < 500:   # P refused the request: the client's error, as vLLM says it
-                return web.json_response(answer, status=status, headers={"X-Request-Id": rid})
-            self.metrics.errors.labels("prefill_failed").inc()
-            return await self._decode(request, endpoint, body, d_node, "", rid, t0, "")   # type: ignore[attr-defined]
-        try:
-            first = split.FirstToken.parse(endpoint, answer)
-        except (KeyError, IndexError, TypeError, ValueError) as exc:    # no token ids: D decodes as usual
-            log.warning("prefill answer for %s lacks token ids (%r); decoding on D", rid, exc)
-            self.metrics.errors.labels("first_token_fallback").inc()
-            return await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)  # type: ignore[attr-defined]
-        with_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        writer = split.StreamWriter(endpoint, first, with_usage)
-        headers = {"X-Request-Id": rid, "X-Kvrelay-Prefill": p_node.url}
-        if first.ends_answer(budget):
-            self.metrics.requests.labels(endpoint, "ok").inc()
-            self.metrics.ttft.observe(time.monotonic() - t0)
-            if not body.get("stream"):
-                return web.json_response(split.final_answer(endpoint, first, "", first.finish_reason,
-                                                            first.stop_reason, 0), headers=headers)
-            out = await _open_stream(request, headers)
-            await out.write(writer.opening() + writer.token(first.text, first.finish_reason, first.stop_reason)
-                            + (writer.usage(split.usage(first, 0)) if with_usage else b"") + b"data: [DONE]\n\n")
-            await out.write_eof()
-            return out
-        limit = await self._context_limit(d_node)
-        if budget is not None and limit and len(first.prompt_token_ids) + budget > limit:
-            # vLLM refuses this (prompt + max_tokens over the context); let D say so exactly as one vLLM
-            # would, with the client's own request (P's early push is dropped by D's orphan collection)
-            return await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)  # type: ignore[attr-defined]
-        dbody = split.decode_body(body, first, budget)
-        pull = PullParams(transfer_id=tid, tail=len(first.token_ids))
-        dbody["kv_transfer_params"] = self._signed(pull)
-        return await self._continue(request, endpoint, body, first, writer, d_node, dbody, rid, t0, headers)
-
-    async def _continue(self, request: web.Request, endpoint: str, body: dict[str, Any], first: split.FirstToken,
-                        writer: split.StreamWriter, node: Node, dbody: dict[str, Any], rid: str, t0: float,
-                        headers: dict[str, str]) -> web.StreamResponse:
-        """Token 1 to the client (streamed at once), then D's continuation in the client's format."""
-        assert self.session is not None
-        stream = bool(body.get("stream"))
-        out = None
-        if stream:
-            out = await _open_stream(request, headers)
-            await out.write(writer.opening() + writer.token(first.text))
-            self.metrics.ttft.observe(time.monotonic() - t0)
-        last = time.monotonic()
-        text, finish, stop, decoded, failure = [], None, None, 0, ""
-        node.outstanding += 1
-        try:
-            node, r = await self._open_decode(node, "/v1/completions", dbody, rid)
-            async with r:
-                if r.status != 200:
-                    data = await r.read()
-                    if out is None:
-                        status = 502 if r.status >= 500 else r.status
-                        return web.Response(body=data, status=status, content_type="application/json",
-                                            headers=headers)
-                    failure = f"the decode node answered HTTP {r.status}"
-                else:
-                    pending = b""
-                    async for piece in r.content.iter_any():
-                        events, pending = split.decode_events(piece, pending)
-                        rendered = []                 # what this piece adds to the client's stream
-                        for ev in events:
-                            if ev.get("usage"):
-                                decoded = int(ev["usage"]["completion_tokens"])
-                            for c in ev.get("choices", ()):
-                                text.append(c["text"])
-                                finish, stop = c.get("finish_reason"), c.get("stop_reason")
-                                if out is not None:
-                                    rendered.append(writer.token(c["text"], finish, stop))
-                        if rendered and out is not None:   # one write per piece D sent, not per token
-                            now = time.monotonic()
-                            self.metrics.itl.observe(now - last)
-                            last = now
-                            await out.write(b"".join(rendered))
-                    if finish is None:
-                        failure = "the decode node ended the stream early"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            failure = f"the decode node failed: {type(exc).__name__}: {exc}"
-        finally:
-            node.outstanding -= 1
-        return await self._finish_split(endpoint, first, writer, out, "".join(text), finish, stop, decoded,
-                                        failure, rid, headers, bool((body.get("stream_options") or {}).get(
-                                            "include_usage")), t0)
-
-    async def _finish_split(self, endpoint: str, first: split.FirstToken, writer: split.StreamWriter,
-                            out: web.StreamResponse | None, text: str, finish: str | None, stop: Any, decoded: int,
-                            failure: str, rid: str, headers: dict[str, str], with_usage: bool,
-                            t0: float) -> web.StreamResponse:
-        if failure:
-            self.metrics.errors.labels("decode_failed").inc()
-            self.metrics.requests.labels(endpoint, "decode_failed").inc()
-            if out is None:
-                return error_response(502, f"{failure} (request {rid})", "bad_gateway", rid)
-            await out.write(sse_error(failure, rid))
-            await out.write_eof()
-            return out
-        self.metrics.requests.labels(endpoint, "ok").inc()
-        if out is None:                           # not streamed: the first token arrives with the answer
-            self.metrics.ttft.observe(time.monotonic() - t0)
-            return web.json_response(split.final_answer(endpoint, first, text, finish, stop, decoded), headers=headers)
-        if with_usage:
-            await out.write(writer.usage(split.usage(first, decoded)))
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
-        return out
-
-
-async def _open_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-    out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                  **headers})
-    await out.prepare(request)
-    return out
-
-
-class Router(_SplitMixin):
+class Router(SplitPath):
     def __init__(self, cfg: KVRelayConfig, prefill: Pool | None = None, decode: Pool | None = None, *,
                  secret: bytes | None = None, resolver: Resolver = system_resolver) -> None:
         """``resolver``: how ``dns+`` pool entries are looked up (the system resolver by default)."""
@@ -238,6 +94,9 @@ class Router(_SplitMixin):
         self.context_limits: dict[str, int] = {}
         self.tracer = tracer(cfg.tracing.endpoint, cfg.tracing.protocol, "kvrelay-router")
         self.signer = ParamsSigner(load_secret(cfg.transport) if secret is None else secret, rc.params_ttl_s)
+        engine = cfg.engine
+        self._parsers = split.parsers_configured([*engine.extra_args, *engine.prefill_args, *engine.decode_args],
+                                                 rc.chat_parsers)
         self.keys = ApiKeys.from_config(rc)
         self.rates = RateLimits(rc.rate_limit_rps, rc.rate_limit_burst)
         self.admission = Admission(rc.max_inflight * max(1, len(self.decode.nodes)), rc.max_queued,
@@ -382,63 +241,77 @@ class Router(_SplitMixin):
         finally:
             self.admission.release()
 
-    async def _completion(self, request: web.Request) -> web.StreamResponse:
-        rid = request.headers.get("X-Request-Id") or f"kvr-{uuid.uuid4().hex}"
-        set_ids(request_id=rid)                 # on every log line of this request (log_format: json)
-        endpoint = request.path
+    async def _completion(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911 - one exit per path
+        ids = RequestIds.make(request.headers.get("X-Request-Id"))
+        set_ids(request_id=ids.client)          # on every log line of this request (log_format: json)
+        raw = await request.read()
         try:
-            body = orjson.loads(await request.read())
-        except orjson.JSONDecodeError as exc:
-            self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, f"request body is not valid JSON: {exc}", rid=rid)
-        if not isinstance(body, dict):
-            self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, "request body must be a JSON object", rid=rid)
-        if (why := validate.check(endpoint, body)) is not None:
-            self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, why, rid=rid)
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            body = None
         try:
             d_node = self.decode.pick()
         except NoHealthyNode as exc:
             self.metrics.errors.labels("no_healthy_node").inc()
-            return error_response(503, str(exc), "service_unavailable", rid)
-        t0 = time.monotonic()
+            return error_response(503, str(exc), "service_unavailable", ids.client)
+        job = Job(request, request.path, body if isinstance(body, dict) else {}, ids, time.monotonic(), d_node)
+        if not isinstance(body, dict):          # vLLM answers malformed bodies itself, as one vLLM would
+            self.metrics.errors.labels("bad_request").inc()
+            return await self._pass_through(job, raw)
+        body.pop("kv_transfer_params", None)    # only the router's own, signed, ever reach an engine
+        alone = validate.check(job.endpoint, body) or split.decode_only_reason(job.endpoint, body)
+        if alone is not None:
+            self.metrics.errors.labels("decode_only").inc()
+            log.debug("request %s goes to a decode node alone: %s", ids.client, alone)
+            return await self._timed(job, self._decode(job, "", ""))
         hint = await self._prefix_hint(body)
         try:
             p_node = self.prefill.pick(hint=hint, load_weight=self.cfg.router.load_weight)
         except NoHealthyNode:                   # no prefill node: the decode node serves the request alone
             self.metrics.errors.labels("no_prefill_decode_only").inc()
-            resp = await self._decode(request, endpoint, body, d_node, "", rid, t0, "")
-            self.metrics.latency.observe(time.monotonic() - t0)
-            return resp
-        tid = f"{rid}-{uuid.uuid4().hex[:8]}"
-        set_ids(transfer_id=tid)
-        annotate(request_id=rid, transfer_id=tid, prefill=p_node.url, decode=d_node.url)
+            return await self._timed(job, self._decode(job, "", ""))
+        set_ids(transfer_id=ids.transfer)
+        annotate(request_id=ids.client, transfer_id=ids.transfer, prefill=p_node.url, decode=d_node.url)
         work = PrefillWork(p_node, hint.work(p_node) if hint else 0)
         if self.cfg.router.first_token is FirstToken.PREFILL:
-            why = split.fallback_reason(endpoint, body)
+            why = self._split_refusal(job)
             if why is None:
                 try:
-                    resp = await self._split(request, endpoint, body, p_node, d_node, tid, rid, t0, work)
+                    return await self._timed(job, self._split(job, p_node, work))
                 finally:
                     work.done()
-                self.metrics.latency.observe(time.monotonic() - t0)
-                return resp
             self.metrics.errors.labels("first_token_fallback").inc()
-            log.debug("request %s takes the decode path: %s", rid, why)
-        prefill = asyncio.create_task(self._prefill(endpoint, body, p_node, d_node, tid, rid))
+            log.debug("request %s takes the decode path: %s", ids.client, why)
+        return await self._timed(job, self._prefill_and_decode(job, p_node, work))
+
+    def _split_refusal(self, job: Job) -> str | None:
+        if split.kind(job.endpoint) == "chat" and self._parsers:
+            return "the engines run a reasoning or tool-call parser"
+        return split.fallback_reason(job.endpoint, job.body)
+
+    async def _timed(self, job: Job, path: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        try:
+            resp = await path
+        except asyncio.CancelledError:          # the client went away (aiohttp cancels its handler)
+            self.metrics.errors.labels("client_disconnect").inc()
+            self.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
+            raise
+        self.metrics.latency.observe(time.monotonic() - job.t0)
+        return resp
+
+    async def _prefill_and_decode(self, job: Job, p_node: Node, work: PrefillWork) -> web.StreamResponse:
+        """The decode path: P prefills and pushes (in the background), D answers the client."""
+        prefill = asyncio.create_task(self._prefill(job, p_node))
         prefill.add_done_callback(work.done)
         try:
-            resp = await self._decode(request, endpoint, body, d_node, tid, rid, t0, p_node.url)
+            resp = await self._decode(job, job.ids.transfer, p_node.url)
         except asyncio.CancelledError:          # client went away: abort both sides
             prefill.cancel()
-            self.metrics.errors.labels("client_disconnect").inc()
             raise
         if resp.status != 200 and not prefill.done():
             prefill.cancel()                    # D refused or failed: P's prefill and push are for nothing
         if not prefill.done():
             prefill.add_done_callback(_log_task_error)
-        self.metrics.latency.observe(time.monotonic() - t0)
         return resp
 
     async def _prefix_hint(self, body: dict[str, Any]) -> PrefixHint | None:
@@ -452,26 +325,25 @@ class Router(_SplitMixin):
             return None
         return self.index.hint(ids) if ids else None
 
-    async def _prefill(self, endpoint: str, body: dict[str, Any], node: Node, d_node: Node,
-                       tid: str, rid: str) -> None:
-        pbody = dict(body)
+    async def _prefill(self, job: Job, node: Node) -> None:
+        pbody = dict(job.body)
         pbody.update(stream=False, max_tokens=1, kv_transfer_params=self._signed(
-            PushParams(transfer_id=tid, push_to=d_node.kv_endpoint)))
+            PushParams(transfer_id=job.ids.transfer, push_to=job.decode.kv_endpoint)))
         pbody.pop("stream_options", None)
         if "max_completion_tokens" in pbody:
             pbody["max_completion_tokens"] = 1
         tried: tuple[Node, ...] = ()
         for attempt in range(2):
             tried += (node,)
-            ok, why = await self._post_prefill(node, endpoint, pbody, rid)
+            ok, why = await self._post_prefill(node, job.endpoint, pbody, f"{job.ids.engine}-p")
             if ok or why == "client_error":
                 return
             self.metrics.errors.labels("prefill_failed").inc()
-            log.warning("prefill on %s failed (%s) for %s (attempt %d)", node.url, why, rid, attempt + 1)
+            log.warning("prefill on %s failed (%s) for %s (attempt %d)", node.url, why, job.ids.client, attempt + 1)
             try:
                 node = self.prefill.pick(exclude=tried)
             except NoHealthyNode:
-                log.warning("no other prefill node; decode node recomputes the prompt of %s", rid)
+                log.warning("no other prefill node; decode node recomputes the prompt of %s", job.ids.client)
                 return
 
     async def _post_prefill(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[bool, str]:
@@ -484,77 +356,88 @@ class Router(_SplitMixin):
                 return False, f"HTTP {r.status}"
             return r.status == 200, "ok" if r.status == 200 else "client_error"
         try:
-            return await self._send(f"{node.url}{endpoint}", body, f"{rid}-p", read)
+            return await self._send(f"{node.url}{endpoint}", body, rid, read)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             node.failures += 1
             return False, type(exc).__name__
         finally:
             node.outstanding -= 1
 
-    async def _decode(self, request: web.Request, endpoint: str, body: dict[str, Any], node: Node,
-                      tid: str, rid: str, t0: float, p_url: str) -> web.StreamResponse:
+    async def _pass_through(self, job: Job, raw: bytes) -> web.StreamResponse:
+        """A body that is not a JSON object goes to a decode node verbatim; its answer comes back verbatim."""
         assert self.session is not None
-        dbody = dict(body)
-        if tid:                                 # "" = no prefill node: D computes the prompt itself
+        node = job.decode
+        try:
+            async with self.session.post(f"{node.url}{job.endpoint}", data=raw, headers={
+                    "Content-Type": job.request.headers.get("Content-Type", "application/json"),
+                    "X-Request-Id": job.ids.engine}) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type=r.content_type,
+                                    headers=job.ids.headers())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",
+                                  "bad_gateway", job.ids.client)
+
+    async def _decode(self, job: Job, tid: str, p_url: str) -> web.StreamResponse:
+        """D answers the client: with pull params for ``tid`` ("" = D computes the prompt itself)."""
+        assert self.session is not None
+        dbody = dict(job.body)
+        if tid:
             dbody["kv_transfer_params"] = self._signed(PullParams(transfer_id=tid))
+        headers = {**job.ids.headers(), "X-Kvrelay-Prefill": p_url}
+        node = job.decode
         node.outstanding += 1
         try:
-            node, r = await self._open_decode(node, endpoint, dbody, rid)
+            node, r = await self._open_decode(node, job.endpoint, dbody, job.ids.engine)
             async with r:
                 if r.status != 200 or "text/event-stream" not in r.headers.get("Content-Type", ""):
                     data = await r.read()
-                    self.metrics.ttft.observe(time.monotonic() - t0)
-                    outcome = "ok" if r.status == 200 else f"http_{r.status}"
-                    self.metrics.requests.labels(endpoint, outcome).inc()
+                    self.metrics.ttft.observe(time.monotonic() - job.t0)
+                    self.metrics.requests.labels(job.endpoint, "ok" if r.status == 200 else f"http_{r.status}").inc()
                     if r.status >= 500:
                         self.metrics.errors.labels("decode_failed").inc()
                         return error_response(502, f"decode node {node.url} failed: HTTP {r.status}",
-                                              "bad_gateway", rid)
-                    return web.Response(body=data, status=r.status, content_type=r.content_type,
-                                        headers={"X-Request-Id": rid, "X-Kvrelay-Prefill": p_url})
-                return await self._stream(request, r, endpoint, rid, t0, p_url)
+                                              "bad_gateway", job.ids.client)
+                    return web.Response(body=data, status=r.status, content_type=r.content_type, headers=headers)
+                return await self._stream(job, r, headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.metrics.errors.labels("decode_failed").inc()
-            self.metrics.requests.labels(endpoint, "decode_failed").inc()
+            self.metrics.requests.labels(job.endpoint, "decode_failed").inc()
             return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",
-                                  "bad_gateway", rid)
+                                  "bad_gateway", job.ids.client)
         finally:
             node.outstanding -= 1
 
-    async def _stream(self, request: web.Request, upstream: aiohttp.ClientResponse, endpoint: str,
-                      rid: str, t0: float, p_url: str) -> web.StreamResponse:
-        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                       "X-Request-Id": rid, "X-Kvrelay-Prefill": p_url})
-        await out.prepare(request)
+    async def _stream(self, job: Job, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> web.StreamResponse:
+        out = await responses.open_stream(job.request, headers)
         first, tail, last = True, b"", 0.0
         try:
             async for piece in upstream.content.iter_any():
                 now = time.monotonic()
                 if first:
-                    self.metrics.ttft.observe(now - t0)
+                    self.metrics.ttft.observe(now - job.t0)
                     first = False
                 else:
                     self.metrics.itl.observe(now - last)
                 last = now
-                await out.write(piece)
+                await responses.write(out, piece)
                 tail = (tail + piece)[-64:]
             failure = "" if tail.rstrip().endswith(b"data: [DONE]") else "the decode node ended the stream early"
+        except responses.ClientGone:
+            self.metrics.errors.labels("client_disconnect").inc()
+            self.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
+            return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             failure = f"the decode node failed mid-stream: {type(exc).__name__}: {exc}"
-        if failure:
-            self.metrics.errors.labels("decode_failed_midstream").inc()
-            self.metrics.requests.labels(endpoint, "decode_failed").inc()
-            await out.write(sse_error(failure, rid))
-        else:
-            self.metrics.requests.labels(endpoint, "ok").inc()
-        await out.write_eof()
+        with contextlib.suppress(responses.ClientGone):
+            if failure:
+                self.metrics.errors.labels("decode_failed_midstream").inc()
+                self.metrics.requests.labels(job.endpoint, "decode_failed").inc()
+                await responses.write(out, responses.sse_error(failure, job.ids.client))
+            else:
+                self.metrics.requests.labels(job.endpoint, "ok").inc()
+            await out.write_eof()
         return out
 
-
-def sse_error(message: str, rid: str) -> bytes:
-    """An OpenAI-style error event, then the end of the stream."""
-    body = {"error": {"message": f"{message} (request {rid})", "type": "bad_gateway", "param": None, "code": 502}}
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 def _log_task_error(task: asyncio.Task[None]) -> None:

@@ -78,10 +78,74 @@ def fallback_reason(endpoint: str, body: dict[str, Any]) -> str | None:
 
 
 def max_new(endpoint: str, body: dict[str, Any]) -> int | None:
-    """The client's output-token budget (None: up to the context length)."""
+    """The client's output-token budget (None: it sent none)."""
     value = body.get("max_completion_tokens") if kind(endpoint) == "chat" else None
     value = body.get("max_tokens") if value is None else value
     return int(value) if value is not None else None
+
+
+# vLLM's completion request defaults max_tokens to 16 (its pydantic default); a chat request
+# without a budget runs to the context limit.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+_PARSER_FLAGS = ("--reasoning-parser", "--tool-call-parser", "--enable-auto-tool-choice")
+
+
+def answer_budget(endpoint: str, body: dict[str, Any], prompt_len: int, limit: int | None) -> int:
+    """How many tokens the whole answer may have, decided as one vLLM decides it; 0 or less:
+    one vLLM refuses the request (prompt + budget over the context limit).
+
+    ``limit``: the decode node's ``max_model_len`` (None: unknown - a chat request without a
+    budget must then not be split; see :func:`needs_limit`)."""
+    asked = max_new(endpoint, body)
+    if asked is None and kind(endpoint) == "completions":
+        asked = COMPLETION_DEFAULT_MAX_TOKENS
+    if asked is None:                                  # chat: up to the context limit
+        assert limit is not None, "needs_limit() said this request needs the context limit"
+        return limit - prompt_len
+    if limit is not None and prompt_len + asked > limit:
+        return 0
+    return asked
+
+
+def needs_limit(endpoint: str, body: dict[str, Any]) -> bool:
+    """The answer's length depends on the context limit (a chat request with no budget)."""
+    return kind(endpoint) == "chat" and max_new(endpoint, body) is None
+
+
+def parsers_configured(engine_args: list[str], declared: bool) -> bool:
+    """The engines rewrite chat answers (a reasoning or tool-call parser): then chat is never
+    split - D's continuation is a plain completion that no parser would see."""
+    return declared or any(a.split("=", 1)[0] in _PARSER_FLAGS for a in engine_args)
+
+
+def decode_only_reason(endpoint: str, body: dict[str, Any]) -> str | None:
+    """Why ``body`` goes to a decode node alone (no prefill node, no transfer, no store key):
+    several sequences or prompts would share one transfer, and a multimodal prompt's chunk keys
+    would not name its images. One vLLM answers it as it would answer the client."""
+    for key in ("n", "best_of"):
+        value = body.get(key)
+        if value is not None and not _neutral(key, value):
+            return f"{key}={value!r}"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt):
+        return "a list of prompts"
+    if kind(endpoint) == "chat" and _multimodal(body.get("messages")):
+        return "multimodal content"
+    if "prompt_embeds" in body or "multi_modal_data" in body:
+        return "multimodal or embedded prompt"
+    return None
+
+
+def _multimodal(messages: Any) -> bool:
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") not in ("text", None)
+                                             for p in content):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -98,14 +162,21 @@ class FirstToken:
 
     @classmethod
     def parse(cls, endpoint: str, answer: dict[str, Any]) -> FirstToken:
+        """Raises (KeyError, TypeError, ValueError) when the answer cannot be continued as text:
+        no token ids, or a chat answer a reasoning or tool parser rewrote (no ``content``)."""
         choice = answer["choices"][0]
         chat = kind(endpoint) == "chat"
+        if chat:
+            message = choice["message"]
+            if not isinstance(message.get("content"), str) or any(
+                    message.get(k) for k in ("reasoning_content", "reasoning", "tool_calls", "function_call")):
+                raise ValueError("a parser rewrote token 1 (no plain content)")
         return cls(answer, choice["message"]["content"] if chat else choice["text"], list(choice["token_ids"]),
                    list(answer["prompt_token_ids"] if chat else choice["prompt_token_ids"]),
                    int(answer["usage"]["prompt_tokens"]), choice.get("finish_reason"), choice.get("stop_reason"))
 
-    def ends_answer(self, budget: int | None) -> bool:
-        return self.finish_reason == "stop" or budget == 1
+    def ends_answer(self, budget: int) -> bool:
+        return self.finish_reason == "stop" or budget <= 1
 
 
 def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -117,13 +188,13 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return pbody
 
 
-def decode_body(body: dict[str, Any], first: FirstToken, budget: int | None) -> dict[str, Any]:
-    """D continues from prompt + token 1 as a token-id completion, streamed with usage."""
+def decode_body(body: dict[str, Any], first: FirstToken, budget: int) -> dict[str, Any]:
+    """D continues from prompt + token 1 as a token-id completion, streamed with usage, with an
+    explicit budget: the answer's (:func:`answer_budget`) less token 1 - never vLLM's
+    completion default, which would cut a chat answer short."""
     dbody: dict[str, Any] = {k: body[k] for k in _TO_DECODE if k in body}
     dbody.update(prompt=first.prompt_token_ids + first.token_ids, stream=True,
-                 stream_options={"include_usage": True})
-    if budget is not None:
-        dbody["max_tokens"] = budget - 1
+                 stream_options={"include_usage": True}, max_tokens=budget - 1)
     return dbody
 
 

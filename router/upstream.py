@@ -113,9 +113,23 @@ class Upstream:
                            rid: str) -> tuple[Node, aiohttp.ClientResponse]:
         """POST to decode ``node`` (its ``outstanding`` already counted); a draining or vanished node
         hands the request to the next healthy one (see the module docstring). Returns the node that
-        answered - ``outstanding`` moved to it - and its open response."""
-        first, tried = node, list[Node]()
+        answered - ``outstanding`` moved to it - and its open response. On an exception the count
+        is back on ``node``, where the caller takes it off: load counts never drift."""
+        first, current = node, [node]
+        try:
+            return await self._redirecting(current, path, body, rid)
+        except BaseException:
+            if current[0] is not first:
+                current[0].outstanding -= 1
+                first.outstanding += 1
+            raise
+
+    async def _redirecting(self, current: list[Node], path: str, body: dict[str, Any],
+                           rid: str) -> tuple[Node, aiohttp.ClientResponse]:
+        """:meth:`_open_decode`'s loop; ``current[0]`` is the node that holds the count."""
+        tried = list[Node]()
         while True:
+            node = current[0]
             tried.append(node)
             refused: Exception | None = None
             try:
@@ -129,7 +143,6 @@ class Upstream:
                 nxt = self.decode.pick(exclude=tuple(tried))
             except NoHealthyNode:
                 if refused is not None:
-                    node.outstanding, first.outstanding = node.outstanding - 1, first.outstanding + 1
                     raise refused from None
                 return node, r                                # the 503 itself, unread: no node left to take it
             if refused is None:
@@ -139,4 +152,4 @@ class Upstream:
             self.metrics.errors.labels("decode_redirected").inc()
             node.outstanding -= 1
             nxt.outstanding += 1
-            node, body = nxt, {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            current[0], body = nxt, {k: v for k, v in body.items() if k != "kv_transfer_params"}

@@ -1,16 +1,18 @@
-"""What the router checks before any engine sees a request.
+"""Requests the router does not split or transfer for: vLLM judges them itself.
 
 The router rewrites the prefill copy of a request (``max_tokens=1``, no stream, no
-``stream_options``), so a field that D would reject but P would accept costs a whole
-prefill and a push for nothing. Every field the rewrite touches, and every feature PD
-cannot split, is checked here and answered with an OpenAI-style 400:
+``stream_options``), so a field that D would reject but P would accept would cost a whole
+prefill and a push for nothing - and an error the router wrote itself would not read as
+vLLM's. Such a request goes to a decode node *alone* (no prefill node, no transfer), which
+answers it exactly as one vLLM would: the same status, the same error body. This module
+says which:
 
-* ``max_tokens`` / ``max_completion_tokens``: absent, null or an integer >= 1;
-* ``stream``: a boolean; ``stream_options`` only with ``stream: true``;
-* ``n`` / ``best_of`` above 1: several sequences would share one transfer;
-* a list of prompts (batch completions): one transfer per request only; a single
-  prompt given as token ids is fine;
-* chat ``messages``: a non-empty list.
+* ``max_tokens`` / ``max_completion_tokens``: not absent, null or an integer >= 1;
+* ``stream``: not a boolean; ``stream_options`` without ``stream: true``;
+* chat ``messages``: not a non-empty list; ``prompt``: neither a string nor token ids.
+
+Several sequences (``n``, ``best_of``), lists of prompts and multimodal content also go to
+a decode node alone, but because they would share one transfer (:func:`router.split.decode_only_reason`).
 """
 
 from __future__ import annotations
@@ -27,15 +29,14 @@ def _positive_int_or_null(body: dict[str, Any], key: str) -> str | None:
     return None
 
 
-def _single_prompt(prompt: Any) -> bool:
+def _prompt_ok(prompt: Any) -> bool:
     if isinstance(prompt, str):
         return True
-    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                             for t in prompt)
+    return isinstance(prompt, list) and bool(prompt)
 
 
 def check(endpoint: str, body: dict[str, Any]) -> str | None:
-    """The reason ``body`` cannot be served as one PD request, or None if it can."""
+    """Why ``body`` must be judged by vLLM itself on a decode node alone (None: it can go the PD way)."""
     for key in ("max_tokens", "max_completion_tokens"):
         if (why := _positive_int_or_null(body, key)) is not None:
             return why
@@ -44,14 +45,10 @@ def check(endpoint: str, body: dict[str, Any]) -> str | None:
         return f"'stream' must be a boolean, got {stream!r}"
     if body.get("stream_options") is not None and not stream:
         return "'stream_options' is only allowed when 'stream' is true"
-    for key in ("n", "best_of"):
-        value = body.get(key)
-        if value is not None and value != 1:
-            return f"'{key}'={value!r} is not supported: disaggregated serving runs one sequence per request"
     if endpoint.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             return "'messages' must be a non-empty list"
-    elif "prompt" in body and not _single_prompt(body["prompt"]):
-        return "'prompt' must be one string or one list of token ids (send batch prompts as separate requests)"
+    elif not _prompt_ok(body.get("prompt")):
+        return "'prompt' must be a string, token ids or a list of them"
     return None

@@ -28,7 +28,7 @@ SSE = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}
 
 @dataclass
 class Fake:
-    mode: str = "ok"                       # ok | http500 | http400 | hang | die | slow | trickle | draining
+    mode: str = "ok"                       # ok | http500 | http400 | hang | die | slow | trickle | draining | reset
     requests: list[dict] = field(default_factory=list)
     headers: list[Any] = field(default_factory=list)
     disconnected: asyncio.Event = field(default_factory=asyncio.Event)
@@ -38,9 +38,18 @@ class Fake:
         return web.json_response({})
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        try:
+            body = await request.json()
+        except ValueError:                     # as vLLM answers a body that is not JSON
+            self.requests.append({"raw": await request.read()})
+            return web.json_response({"error": {"message": "JSON decode error", "type": "BadRequestError",
+                                                "param": None, "code": 400}}, status=400)
         self.requests.append(body)
         self.headers.append(request.headers.copy())
+        if self.mode == "reset":               # the connection drops before any answer
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
         if self.mode == "http500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
         if self.mode == "draining":            # core.guard's answer while the node drains
@@ -175,15 +184,16 @@ def test_failed_prefill_is_retried_once_on_another_node():
     run(go())
 
 
-def test_decode_failure_is_a_clean_502_and_bad_json_a_400():
+def test_decode_failure_is_a_clean_502_and_bad_json_is_judged_by_vllm():
     async def go() -> None:
         async with one_pair(d_mode="http500") as (url, s, pn, dn):
             chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
             async with s.post(f"{url}/v1/chat/completions", json=chat) as r:
                 body = await r.json()
                 assert r.status == 502 and body["error"]["type"] == "bad_gateway"
-            async with s.post(f"{url}/v1/completions", data=b"{oops") as r:
-                assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+            async with s.post(f"{url}/v1/completions", data=b"{oops") as r:   # D's own answer, verbatim
+                assert r.status == 400 and (await r.json())["error"]["type"] == "BadRequestError"
+            assert dn.requests[-1] == {"raw": b"{oops"} and len(pn.requests) == 1
             async with s.get(f"{url}/metrics") as r:
                 text = await r.text()
             assert 'kvrelay_router_errors_total{cause="decode_failed"} 1.0' in text
@@ -192,12 +202,33 @@ def test_decode_failure_is_a_clean_502_and_bad_json_a_400():
 
 
 def test_client_disconnect_aborts_the_decode_stream():
+    """... and is its own outcome: never counted as the decode node failing."""
     async def go() -> None:
         async with one_pair(d_mode="hang") as (url, s, pn, dn):
             r = await s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
             await r.content.readline()
             r.close()                                   # the client goes away mid-stream
             await asyncio.wait_for(dn.disconnected.wait(), 5)
+            await asyncio.sleep(0.2)
+            async with s.get(f"{url}/metrics") as m:
+                text = await m.text()
+            assert 'kvrelay_router_errors_total{cause="client_disconnect"} 1.0' in text
+            assert "decode_failed" not in text
+    run(go())
+
+
+def test_load_counts_stay_exact_when_a_redirected_decode_post_fails():
+    """D0 drains, the request moves to D1, whose connection drops: a clean 502, and every node's
+    outstanding count is back at 0 (it was -1 on D0 and +1 on D1)."""
+    async def go() -> None:
+        ps, ds = await _stack(n_d=2, d_modes=("draining", "reset"))
+        async with fake_node(ps[0]), fake_node(ds[0]), fake_node(ds[1]), \
+                router_for(ps, ds, health_interval_s=60) as (url, router), aiohttp.ClientSession() as s:
+            router.decode._rr = iter(range(10**6))  # type: ignore[assignment]  # start at node 0
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+                assert r.status == 502
+            await asyncio.sleep(0.1)
+            assert [n.outstanding for n in router.decode.nodes + router.prefill.nodes] == [0, 0, 0]
     run(go())
 
 
@@ -275,20 +306,27 @@ BAD_BODIES = [
 ]
 
 
-def test_requests_pd_cannot_serve_get_a_400_before_any_engine_sees_them():
-    """Hardening 4 / 9 / chaos (f): nothing reaches P (no wasted prefill) or D."""
+def test_requests_vllm_must_judge_go_to_a_decode_node_alone():
+    """Fields vLLM refuses itself, several sequences and lists of prompts reach D alone, without
+    params: no prefill is wasted, and D answers them as one vLLM would (its own status and error)."""
     async def go() -> None:
         async with one_pair() as (url, s, pn, dn):
-            for body, field in BAD_BODIES:
+            for body, _field in BAD_BODIES:
                 async with s.post(f"{url}/v1/completions", json={"model": "m", **body}) as r:
-                    err = await r.json()
-                    assert r.status == 400 and field in err["error"]["message"], (body, err)
+                    await r.read()
+                assert dn.requests[-1] == {"model": "m", **body}, body        # as the client sent it
             async with s.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": []}) as r:
-                assert r.status == 400
+                await r.read()
+            forged = {"kvrelay": {"role": "pull", "transfer_id": "x"}}
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": ["a", "b"],
+                                                              "kv_transfer_params": forged}) as r:
+                assert r.status == 200
+            assert "kv_transfer_params" not in dn.requests[-1]               # a client's params never pass
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": [5, 6, 7], "n": 1}) as r:
-                assert r.status == 200                  # one prompt as token ids is one request
+                assert r.status == 200                  # one prompt as token ids is one PD request
             await asyncio.sleep(0.1)
-            assert len(pn.requests) == len(dn.requests) == 1
+            assert len(pn.requests) == 1 and len(dn.requests) == len(BAD_BODIES) + 3
+            assert pn.requests[0]["prompt"] == [5, 6, 7]
     run(go())
 
 
@@ -492,7 +530,8 @@ def test_json_logs_carry_the_request_and_transfer_id():
         logger.setLevel(level)
     lines = [json.loads(line) for line in buf.getvalue().splitlines()]
     moved = [rec for rec in lines if "goes to" in rec["msg"]]
-    assert moved and moved[0]["request_id"] == "rid-json" and moved[0]["transfer_id"].startswith("rid-json-")
+    assert moved and moved[0]["request_id"] == "rid-json"
+    assert moved[0]["transfer_id"].startswith("kvr-") and moved[0]["transfer_id"].endswith("-rid-json")
     assert {"ts", "level", "logger", "pid", "msg"} <= set(moved[0])
 
 
