@@ -55,7 +55,6 @@ from transport.backends.base import (
 )
 from transport.config import TransportConfig
 from transport.errors import (
-    ErrorCode,
     HandshakeError,
     KVRelayError,
     PeerDeadError,
@@ -470,7 +469,6 @@ class PushWorker(WorkerBase):
 
 
 def session_lost(exc: BaseException) -> bool:
-    """The decode node no longer knows this Sender (it died, restarted or refused us): reconnect."""
-    if isinstance(exc, PeerDeadError | HandshakeError):
-        return True
-    return isinstance(exc, ProtocolError) and exc.code is ErrorCode.UNAUTHENTICATED
+    """The Sender is no good any more (D died, restarted, or answered an ``Error``, which is
+    never about one transfer - those are ``Refused``): replace it."""
+    return isinstance(exc, PeerDeadError | HandshakeError | ProtocolError)

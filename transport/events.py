@@ -29,6 +29,7 @@ class Refusal(str, enum.Enum):
     BAD_TOKEN = "bad_token"              # a write that does not present its transfer's grant token
     UNAUTHENTICATED_DATA = "unauthenticated_data"   # a data connection without a valid session token
     STALE = "stale"                      # a write for a slot no longer leased to that chunk (not an attack)
+    BAD_ALLOC = "bad_alloc"              # an authenticated Alloc this transfer cannot have (answered Refused)
 
 
 @dataclass(frozen=True, slots=True)

@@ -311,13 +311,19 @@ class Receiver:
             self.backend.on_peer_gone(sender)
 
     def _on_alloc(self, ident: bytes, sender: str, msg: P.Alloc) -> None:
-        P.check_alloc(msg, self.pool.slot_bytes, MAX_TRANSFER_ID)
+        """An authenticated Alloc. What is wrong with *this transfer* (an id too long, a transfer
+        already active, chunks no slot holds) is answered per transfer - Refused - and never
+        ends the sender's session: its other transfers go on."""
+        try:
+            P.check_alloc(msg, self.pool.slot_bytes, MAX_TRANSFER_ID)
+        except ProtocolError as exc:
+            return self._refuse_alloc(ident, msg, str(exc))
         also_held: frozenset[int] = frozenset()
         with self._lock:
             t = self._transfers.get(msg.transfer_id)
             if t is not None:
                 if t.sender_id == sender or t.done or list(msg.keys) != t.keys:
-                    raise _invalid(P.ErrorCode.INVALID, f"transfer {msg.transfer_id!r} already active")
+                    return self._refuse_alloc(ident, msg, f"transfer {msg.transfer_id!r} already active")
                 also_held = self._take_over(t, sender)
         wait = min(msg.wait_s, self.timeouts.alloc_wait_s)
         now = self._clock()
@@ -327,6 +333,10 @@ class Receiver:
         elif not self._try_grant(pending):
             self.stats.alloc_parked += 1
             self._parked.park(pending)
+
+    def _refuse_alloc(self, ident: bytes, msg: P.Alloc, reason: str) -> None:
+        self._refused(Refusal.BAD_ALLOC, reason)
+        self._reply(ident, P.Refused(transfer_id=msg.transfer_id, reason=reason))
 
     def _try_grant(self, p: ParkedAlloc) -> bool:
         msg = p.msg
