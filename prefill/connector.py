@@ -14,7 +14,11 @@ Request lifecycle on a prefill node (P)
    (``Alloc``), and writes each chunk as soon as it is ready - so chunk 0 is on
    the wire while later steps still compute. NIXL posts the engine blocks directly
    (one region per layer x block, no copy); tcp gathers each chunk once.
-4. ``request_finished`` (scheduler) returns ``True``: the blocks stay allocated until
+4. Preemption: vLLM frees a preempted request's blocks at once. Before the next forward
+   can overwrite them, ``handle_preemptions`` ends the request's push (D recomputes) and
+   waits for the writes still reading them; nothing more is gathered or stored from that
+   request. A resumed request's block list is replaced, not extended.
+5. ``request_finished`` (scheduler) returns ``True``: the blocks stay allocated until
    the worker reports the request in ``finished_sending`` - when every chunk is
    written, the push failed, or ``connector.free_deadline_s`` passed (then the
    transfer is aborted and the forced free counted). ``has_pending_push_work`` keeps
@@ -75,6 +79,7 @@ class PrefillMeta(RelayMeta):
     pushes: list[PushSpec] = field(default_factory=list)
     loads: list[StoreLoad] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)   # requests whose block free we delayed
+    preempted: list[str] = field(default_factory=list)  # tracked requests vLLM preempted this step
 
 
 class PrefillScheduler:
@@ -135,19 +140,30 @@ class PrefillScheduler:
                                          list(blocks.get_block_ids()[0]), start, start + num_external))
 
     def build_meta(self, so: Any) -> PrefillMeta:
+        """This step's work for the worker. Preemption (vLLM 0.32): a request in
+        ``preempted_req_ids`` lost its blocks - its push is ended before another byte is
+        gathered (the worker's ``handle_preemptions`` runs before this step's forward); when
+        it resumes (``resumed_req_ids``), ``new_block_ids`` *replaces* its block list."""
         meta = PrefillMeta(loads=self._loads, finished=self._finished, idle=so.total_num_scheduled_tokens == 0)
         self._loads, self._finished = [], []
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            if rid in self._blocks:
+                meta.preempted.append(rid)
+                self._blocks[rid] = []                # freed: nothing may be read from them any more
         for r in so.scheduled_new_reqs:
             if r.req_id in self._params:
                 self._blocks[r.req_id] = list(r.block_ids[0])
                 ready = r.num_computed_tokens + so.num_scheduled_tokens[r.req_id]
                 meta.pushes.append(self._spec(r.req_id, ready, list(r.prompt_token_ids)))
         cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or ()
         for i, rid in enumerate(cached.req_ids):
             if rid not in self._params or rid not in self._blocks:
                 continue
             new = cached.new_block_ids[i]
-            if new is not None:
+            if rid in resumed:
+                self._blocks[rid] = list(new[0]) if new is not None else []
+            elif new is not None:
                 self._blocks[rid].extend(new[0])
             meta.pushes.append(self._spec(rid, cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid]))
         return meta
@@ -199,6 +215,13 @@ class PrefillConnector(RelayConnector["PushWorker"]):
         meta = self._meta()
         if self._worker is not None and isinstance(meta, PrefillMeta) and meta.loads:
             self._worker.load_from_store(meta.loads)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        """Before the forward that may overwrite a preempted request's freed blocks: its push is
+        ended, and no write still reading those blocks is left in flight (see ``PushWorker.preempt``)."""
+        if self._worker is not None and isinstance(kv_connector_metadata, PrefillMeta) \
+                and kv_connector_metadata.preempted:
+            self._worker.preempt(kv_connector_metadata.preempted)
 
     def wait_for_save(self) -> None:
         meta = self._meta()

@@ -130,6 +130,9 @@ class _Push:
     closing: bool = False        # the scheduler finished the request; report once settled
     failed: str = ""             # why the push failed ("" = it has not)
     span: Any = None             # kvrelay.push (tracing on)
+    # held while the lane gathers or writes this push's chunks, and while it fails: a
+    # preemption (another thread) waits on it, so no gather of a freed block is under way
+    guard: threading.RLock = field(default_factory=threading.RLock)
 
 
 class PushWorker(WorkerBase):
@@ -253,9 +256,15 @@ class PushWorker(WorkerBase):
             return
         if p.alloc is None and p.spec.push_to and not self._allocate(p):
             return                                    # D has not granted it yet
-        while p.next_chunk < p.ready_chunks:
-            self._write(p, p.next_chunk)
-            p.next_chunk += 1
+        with p.guard:
+            if p.failed:                              # preempted while the Alloc was answered
+                return
+            while p.next_chunk < p.ready_chunks:
+                self._write(p, p.next_chunk)
+                p.next_chunk += 1
+            self._poll_writes(p)
+
+    def _poll_writes(self, p: _Push) -> None:
         for item in list(p.inflight):
             assert p.sender is not None
             handle, keep, t0 = item
@@ -266,6 +275,26 @@ class PushWorker(WorkerBase):
                 p.inflight.remove(item)
                 self._release(keep, done=True)
                 self._on_written(p, handle.chunk_index, t0)
+
+    def preempt(self, req_ids: list[str]) -> None:
+        """vLLM preempted these requests and freed their blocks; the next forward may overwrite
+        them. Runs on the model thread *before* that forward (``handle_preemptions``): each push
+        is ended (D is told, and recomputes) once no gather is under way and no write still reads
+        the blocks - a write that has not settled within ``timeouts.chunk_s`` is cancelled. Nothing
+        more is gathered, pushed or stored for these requests."""
+        with self._lock:
+            pushes = [self._pushes[r] for r in req_ids if r in self._pushes]
+        for p in pushes:
+            with p.guard:
+                deadline = time.monotonic() + self.cfg.timeouts.chunk_s
+                while p.inflight and time.monotonic() < deadline:
+                    try:
+                        self._poll_writes(p)
+                    except KVRelayError:
+                        break                             # a failed write reads nothing any more
+                    time.sleep(POLL_S)
+                self.metrics.chunks.labels("prefill", "preempted").inc()
+                self._fail(p, TransferAborted("the request was preempted on the prefill node (its blocks were freed)"))
 
     def _allocate(self, p: _Push) -> bool:
         """Send the transfer's Alloc, or collect D's answer; True once ``p.alloc`` is set. Never
@@ -390,8 +419,11 @@ class PushWorker(WorkerBase):
     def _fail(self, p: _Push, exc: BaseException) -> None:
         """Fail the push: tell D, give up on its writes in flight (so it can settle and vLLM
         can free its blocks), and drop the lane's Sender if its session is gone."""
-        if p.failed:
-            return
+        with p.guard:
+            if not p.failed:
+                self._fail_now(p, exc)
+
+    def _fail_now(self, p: _Push, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {exc}"
         p.failed = reason
         log.warning("push of %s (transfer %s) failed: %s", p.spec.req_id, p.spec.transfer_id, reason)
