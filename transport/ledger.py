@@ -9,6 +9,7 @@ receiver's control thread: not thread-safe, and nothing here blocks.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -76,3 +77,27 @@ class Parking:
             else:
                 still.append(p)
         self._queue = still
+
+
+class Tombstones:
+    """Transfers that ended before (or without) being granted: aborted by the consumer, or
+    dropped as orphans. A consumer that registers one later learns at once that it is dead,
+    and an Alloc for it is refused - nobody waits out a deadline for a transfer already gone.
+    Bounded: the oldest are forgotten first (a forgotten one costs a wait, never a wrong byte)."""
+
+    def __init__(self, capacity: int = 8192) -> None:
+        self._dead: OrderedDict[str, str] = OrderedDict()
+        self._capacity = capacity
+
+    def __len__(self) -> int:
+        return len(self._dead)
+
+    def bury(self, transfer_id: str, reason: str) -> None:
+        self._dead[transfer_id] = reason
+        self._dead.move_to_end(transfer_id)
+        while len(self._dead) > self._capacity:
+            self._dead.popitem(last=False)
+
+    def why(self, transfer_id: str) -> str | None:
+        """Why ``transfer_id`` is dead, or None if it is not known to be."""
+        return self._dead.get(transfer_id)

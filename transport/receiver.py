@@ -65,12 +65,12 @@ from transport.events import (
     TransferDone,
     TransferFailed,
 )
-from transport.ledger import GrantedTransfer, ParkedAlloc, Parking
+from transport.ledger import GrantedTransfer, ParkedAlloc, Parking, Tombstones
 from transport.listen import ListeningSocket
 from transport.polling import poll_queue, wait_queue
 from transport.pool import ReceivePool, SlotRef
 from transport.secrets import load_secret, same
-from transport.sessions import Gatekeeper
+from transport.sessions import Gatekeeper, hello_refusal
 from transport.wire import HEADER_SIZE, transfer_tag, verify_chunk
 
 log = logging.getLogger(__name__)
@@ -111,6 +111,7 @@ class Receiver:
         self._queues: dict[str, queue.SimpleQueue[Event]] = {}
         self._peers: dict[str, float] = {}                          # sender id -> last seen
         self._parked = Parking()                                    # Allocs waiting for slots or a consumer
+        self._dead = Tombstones()                                   # ended before a grant (lock held)
         try:
             self._control = ListeningSocket(zmq.ROUTER, "the control endpoint", transport.host, transport.control_port,
                                             {zmq.ROUTER_MANDATORY: 0, zmq.MAXMSGSIZE: transport.max_message_bytes + 4096})
@@ -129,10 +130,12 @@ class Receiver:
         """Register a transfer before its Alloc arrives. ``held``: the keys of its leading
         chunks the consumer already holds (they are answered as held, never sent). Non-blocking."""
         with self._lock:
-            self._queues.setdefault(transfer_id, queue.SimpleQueue())
+            q = self._queues.setdefault(transfer_id, queue.SimpleQueue())
             self._consumers.add(transfer_id)
             if held:
                 self._held[transfer_id] = tuple(held)
+            if (why := self._dead.why(transfer_id)) is not None:      # it died before we got here
+                q.put(TransferFailed(transfer_id, FailReason.ABORTED, why))
 
     def next_event(self, transfer_id: str, timeout: float) -> Event:
         """Block for the transfer's next event. A returned ChunkArrival's slot is now held
@@ -177,8 +180,15 @@ class Receiver:
                     "held": len(self._held), "consumers": len(self._consumers), "pending": len(self._parked)}
 
     def abort(self, transfer_id: str, reason: str = "aborted by consumer") -> None:
+        """End the transfer now. One not granted yet is remembered as dead: its waiting consumer
+        wakes at once, and its Alloc, parked or still to come, is refused."""
         with self._lock:
-            self._fail_transfer(transfer_id, FailReason.ABORTED, reason)
+            if transfer_id in self._transfers:
+                self._fail_transfer(transfer_id, FailReason.ABORTED, reason)
+                return
+            self._dead.bury(transfer_id, reason)
+            if transfer_id in self._queues:
+                self._queues[transfer_id].put(TransferFailed(transfer_id, FailReason.ABORTED, reason))
 
     # ------------------------------------------------------------------ control loop
     def _loop(self) -> None:
@@ -272,22 +282,10 @@ class Receiver:
         if cause is not Refusal.STALE:
             log.warning("refused (%s): %s", cause.value, detail)
 
-    def _hello_refusal(self, ident: bytes, hello: P.Hello) -> str:
-        refusal = self._gate.authenticate(ident, hello)
-        if refusal is not None:
-            self.stats.unauthenticated += 1
-            return refusal
-        if hello.fingerprint != self.fingerprint:
-            return (f"incompatible KV fingerprint {hello.fingerprint.hex()[:16]} != "
-                    f"{self.fingerprint.hex()[:16]} (model, dtype, layout, block size or TP differ)")
-        if hello.backend != self.transport.backend.value:
-            return f"backend mismatch: sender uses {hello.backend}, receiver {self.transport.backend.value}"
-        if ident != hello.sender_id.encode():
-            return "socket identity does not match sender_id"
-        return ""
-
     def _on_hello(self, ident: bytes, hello: P.Hello) -> None:
-        reason = self._hello_refusal(ident, hello)
+        reason = hello_refusal(self._gate, ident, hello, self.fingerprint, self.transport.backend.value)
+        if reason.startswith("authentication failed"):
+            self.stats.unauthenticated += 1
         if reason:
             log.warning("refused Hello from %r: %s", hello.sender_id, reason)
             self._reply(ident, P.HelloAck(ok=False, reason=reason, receiver_id=self.receiver_id))
@@ -340,6 +338,11 @@ class Receiver:
 
     def _try_grant(self, p: ParkedAlloc) -> bool:
         msg = p.msg
+        with self._lock:
+            dead = self._dead.why(msg.transfer_id)
+        if dead is not None:                          # aborted before it was granted
+            self._refuse(p, f"transfer {msg.transfer_id!r} was aborted: {dead}")
+            return True
         if (self._consumer_wait_s and not msg.early and msg.transfer_id not in self._consumers
                 and self._clock() < p.arrived + self._consumer_wait_s):
             return False                            # the consumer has not registered it yet
@@ -571,6 +574,8 @@ class Receiver:
             log.info("dropping transfer %r: no consumer registered it", tid)
             self.stats.orphans_dropped += 1
             self.finish(tid)
+            with self._lock:
+                self._dead.bury(tid, f"dropped: no consumer registered it within {self.timeouts.lease_s:.3g}s")
 
     def close(self) -> None:
         """Stop the control loop and free everything. Blocks until the control endpoint is

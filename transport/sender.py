@@ -197,7 +197,7 @@ class Sender:
         """Send the Alloc and return at once; :meth:`poll_alloc` collects the answer. Several
         may be outstanding: D parks each under back-pressure, and one waiting for slots (or
         for D's consumer) does not hold up the writes of transfers already granted."""
-        wait = self.timeouts.alloc_wait_s if wait_s is None else wait_s
+        wait = float(self.timeouts.alloc_wait_s if wait_s is None else wait_s)   # the MAC covers its encoding
         if self._failure is not None:
             raise self._failure
         msg = self._sealed(P.Alloc(transfer_id=transfer_id, keys=list(keys), chunk_bytes=list(chunk_bytes),

@@ -101,3 +101,19 @@ class Gatekeeper:
     def _unauthenticated(self, cause: Refusal, detail: str) -> ProtocolError:
         self._fail(cause, detail)
         return ProtocolError(detail, ErrorCode.UNAUTHENTICATED)
+
+
+def hello_refusal(gate: Gatekeeper, ident: bytes, hello: P.Hello, fingerprint: bytes, backend: str) -> str:
+    """Why a receiver refuses ``hello`` ("" = it does not): authentication first, then
+    compatibility (the KV fingerprint, the backend) and the socket identity."""
+    refusal = gate.authenticate(ident, hello)
+    if refusal is not None:
+        return refusal
+    if hello.fingerprint != fingerprint:
+        return (f"incompatible KV fingerprint {hello.fingerprint.hex()[:16]} != "
+                f"{fingerprint.hex()[:16]} (model, dtype, layout, block size or TP differ)")
+    if hello.backend != backend:
+        return f"backend mismatch: sender uses {hello.backend}, receiver {backend}"
+    if ident != hello.sender_id.encode():
+        return "socket identity does not match sender_id"
+    return ""
