@@ -46,6 +46,13 @@ from kernels.blocks import KVLayout
 IDLE_WAIT_S = 0.003
 
 
+def is_multimodal(request: Any) -> bool:
+    """The prompt carries images, audio or video: its token ids (placeholders) do not name its
+    content, so chunk keys would collide across different inputs. Such a request is never
+    pushed, pulled, stored or loaded; its engine computes it."""
+    return bool(getattr(request, "mm_features", None))
+
+
 @dataclass
 class RelayMeta(KVConnectorMetadata):
     idle: bool = False          # the engine scheduled no tokens this step
@@ -124,7 +131,7 @@ class WorkerBase:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layout = KVLayout.from_caches(kv_caches)
-        self.fingerprint = engine_fingerprint(self.vllm_config, self.layout)
+        self.fingerprint = engine_fingerprint(self.vllm_config, self.layout, self.cfg)
 
     def blocks_in_chunk(self, prompt_len: int, c: int) -> int:
         """Engine blocks chunk ``c`` of a ``prompt_len``-token prompt spans (the tail may be short)."""

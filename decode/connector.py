@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from core.config import KVRelayConfig
-from core.connector_base import RelayConnector, RelayMeta
+from core.connector_base import RelayConnector, RelayMeta, is_multimodal
 from core.guard import count_refusal, verifier_for
 from core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams
 from core.tracing import traceparent_of
@@ -90,6 +90,9 @@ class DecodeScheduler:
         rid = request.request_id
         if rid in self._done or rid in self._loading:
             return 0, False
+        if is_multimodal(request):               # keys would not name its images: computed here
+            self._done.add(rid)
+            return 0, False
         try:
             params = self.verifier.check(request.kv_transfer_params)
             if isinstance(params, PullParams):
@@ -138,7 +141,8 @@ class DecodeScheduler:
         if rid in self._loading:                  # aborted mid-load: the worker still writes its blocks
             self._cancelled.append(rid)
             return True, None
-        spec = save_spec(request, block_ids, self.cfg.chunk_tokens) if self._save_decoded else None
+        saving = self._save_decoded and not is_multimodal(request)
+        spec = save_spec(request, block_ids, self.cfg.chunk_tokens) if saving else None
         if spec is None:
             return False, None
         self._saves.append(spec)                  # blocks stay until the worker has saved them

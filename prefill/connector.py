@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from core.config import KVRelayConfig
-from core.connector_base import RelayConnector, RelayMeta
+from core.connector_base import RelayConnector, RelayMeta, is_multimodal
 from core.guard import count_refusal, verifier_for
 from core.params import ParamsError, ParamsVerifier, PushParams
 from core.tracing import traceparent_of
@@ -103,6 +103,8 @@ class PrefillScheduler:
     def on_request(self, request: Any) -> None:
         rid = request.request_id
         if rid in self._params:
+            return
+        if is_multimodal(request):               # keys would not name its images: no push, no store
             return
         try:
             params = self.verifier.check(request.kv_transfer_params)

@@ -212,3 +212,24 @@ def test_decode_saves_nothing_unless_configured_and_config_needs_redis():
     assert s.request_finished(Done("s2", list(range(200)), list(range(300))), list(range(40))) == (False, None)
     with pytest.raises(kcfg.ConfigError, match="store.redis_url"):
         kcfg.from_dict({"store": {"enabled": True, "save_decoded": True}})
+
+
+@dataclass
+class MMReq(Req):
+    mm_features: list = field(default_factory=lambda: [object()])    # an image's placeholder tokens
+
+
+def test_multimodal_requests_bypass_the_push_the_pull_and_the_store():
+    """Their placeholder token ids do not name the image: keys would collide across images."""
+    p = PrefillScheduler(kcfg.from_dict({}))
+    r = MMReq("m1", list(range(600)), push())
+    p.on_request(r)
+    new = SimpleNamespace(req_id="m1", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=0,
+                          prompt_token_ids=r.prompt_token_ids)
+    assert p.build_meta(sched_out(new=[new], scheduled={"m1": 600})).pushes == []
+    assert p.request_finished(r, [1, 2, 3, 4, 5]) == (False, None)
+    d = DecodeScheduler(kcfg.from_dict({"store": {"enabled": True, "save_decoded": True,
+                                                  "redis_url": "redis://127.0.0.1:1"}}))
+    q = MMReq("m2", list(range(600)), pull())
+    assert d.matched(q, 0) == (0, False)                                # computed on D, never loaded
+    assert d.request_finished(q, [1, 2, 3, 4, 5]) == (False, None)      # and never saved

@@ -106,7 +106,7 @@ def caches() -> dict[str, torch.Tensor]:
 def start_worker(cfg: kcfg.KVRelayConfig, caches: dict[str, torch.Tensor], **kw: object) -> PushWorker:
     w = PushWorker(cfg, vllm_config(), **kw)
     w.register(caches)
-    assert w.fingerprint == engine_fingerprint(vllm_config(), KVLayout.from_caches(caches))
+    assert w.fingerprint == engine_fingerprint(vllm_config(), KVLayout.from_caches(caches), cfg)
     return w
 
 

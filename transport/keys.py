@@ -38,10 +38,15 @@ class Fingerprint:
     tp_rank: int = 0
     tp_size: int = 1
     lora: str = ""
+    chunk_tokens: int = 0   # tokens per chunk (a chunk of another size is other bytes under the same tokens)
+    weights: str = ""       # the weights' identity: revision, or a digest of the weight files
+    kv_settings: str = ""   # what else changes the KV: quantization, rope scaling, hf_overrides, KV cache dtype
+    epoch: int = 0          # store.epoch: the operator's knob to retire every stored record
 
     def digest(self) -> bytes:
         fields = (self.model, self.dtype, self.kv_layout, self.block_size, self.num_layers,
-                  self.bytes_per_block, self.tp_rank, self.tp_size, self.lora)
+                  self.bytes_per_block, self.tp_rank, self.tp_size, self.lora, self.chunk_tokens,
+                  self.weights, self.kv_settings, self.epoch)
         return hashlib.sha256("\x1f".join(map(str, fields)).encode()).digest()
 
 

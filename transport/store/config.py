@@ -30,6 +30,7 @@ class StoreConfig(Section, frozen=True):
     redis_ca_file: str = ""          # rediss://: CA bundle that verifies the server
     publish_port: Port = 0           # ZeroMQ PUB of chunk stored/evicted events for the router (0 = off)
     save_decoded: bool = False       # decode nodes store the chunks their generated tokens complete (Redis)
+    epoch: NonNeg = 0                # part of every chunk key: raise it to drop every stored record at once
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -57,6 +58,8 @@ class StoreConfig(Section, frozen=True):
 FIELD_HELP: dict[str, str] = {
     'store.enabled': 'prefill nodes keep computed chunks in the store and load stored prompt prefixes instead of computing them',
     'store.cpu_bytes': 'multi-tier store: CPU tier capacity',
+    'store.epoch': ('part of every chunk key and fingerprint: raise it (on every node) to retire every record '
+                    'the disk and Redis tiers hold, e.g. after changing weights in place'),
     'store.deferred_bytes': 'multi-tier store: batch-and-defer buffer for new chunks',
     'store.prefetch_ahead': 'multi-tier store: chunks prefetched ahead of the one installing',
     'store.lookup_timeout_s': ("prefill scheduler: a store prefix lookup that takes longer than this counts as a miss "

@@ -1,0 +1,74 @@
+"""The fingerprint covers everything that changes KV bytes, so a redeploy never reads old KV.
+
+Before: ``chunk_tokens``, the weights and the KV-relevant engine settings were not in it, so a
+node redeployed with new weights (same path) or another quantization loaded the old
+deployment's records from the disk and Redis tiers under the same keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from core import config as kcfg  # noqa: E402
+from core.fingerprint import engine_fingerprint  # noqa: E402
+from kernels.blocks import KVLayout  # noqa: E402
+from transport.keys import chunk_keys  # noqa: E402
+
+
+def vllm_config(model: str, **over: object) -> SimpleNamespace:
+    mc = {"model": model, "revision": None, "quantization": None, "hf_overrides": {},
+          "hf_config": SimpleNamespace(rope_scaling=None)}
+    cc = {"block_size": 16, "cache_dtype": "auto"}
+    for key, value in over.items():
+        (cc if key == "cache_dtype" else mc)[key] = value
+    return SimpleNamespace(model_config=SimpleNamespace(**mc), cache_config=SimpleNamespace(**cc),
+                           parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1))
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    (tmp_path / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    return tmp_path
+
+
+def test_everything_that_changes_kv_changes_the_keys(model_dir: Path):
+    layout = KVLayout.from_caches({f"layers.{i}": torch.zeros(4, 2, 16, 32) for i in range(2)})
+    cfg = kcfg.from_dict({})
+    tokens = list(range(600))
+
+    def keys(vc: SimpleNamespace, c: kcfg.KVRelayConfig = cfg) -> list[bytes]:
+        return chunk_keys(tokens, engine_fingerprint(vc, layout, c), c.chunk_tokens)
+
+    base = keys(vllm_config(str(model_dir)))
+    assert keys(vllm_config(str(model_dir))) == base                        # stable
+    variants = {
+        "quantization": vllm_config(str(model_dir), quantization="fp8"),
+        "rope scaling": vllm_config(str(model_dir), hf_config=SimpleNamespace(rope_scaling={"factor": 2.0})),
+        "hf_overrides": vllm_config(str(model_dir), hf_overrides={"num_kv_heads": 2}),
+        "kv cache dtype": vllm_config(str(model_dir), cache_dtype="fp8_e4m3"),
+    }
+    for what, vc in variants.items():
+        assert keys(vc)[0] != base[0], what
+    assert keys(vllm_config(str(model_dir)), kcfg.from_dict({"store": {"epoch": 1}}))[0] != base[0]
+    assert keys(vllm_config(str(model_dir)), kcfg.from_dict({"chunk_tokens": 512}))[0] != base[0]
+
+
+def test_new_weights_at_the_same_path_change_the_keys(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    layout = KVLayout.from_caches({"layers.0": torch.zeros(4, 2, 16, 32)})
+    before = engine_fingerprint(vllm_config(str(model_dir)), layout)
+    other = tmp_path_factory.mktemp("retrained")                       # the redeploy: same shapes, new values
+    (other / "config.json").write_text('{"hidden_size": 64}')
+    (other / "model.safetensors").write_bytes(bytes(reversed(range(256))) * 64)
+    after = engine_fingerprint(vllm_config(str(other)), layout)
+    assert dataclasses.replace(after, model=before.model).digest() != before.digest()
+    hub = engine_fingerprint(vllm_config("org/model", revision="abc123"), layout)
+    assert hub.weights == "rev:abc123"
+    assert engine_fingerprint(vllm_config("org/model", revision="def456"), layout).digest() != hub.digest()
