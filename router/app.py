@@ -330,6 +330,7 @@ class Router(SplitPath):
         pbody.update(stream=False, max_tokens=1, kv_transfer_params=self._signed(
             PushParams(transfer_id=job.ids.transfer, push_to=job.decode.kv_endpoint)))
         pbody.pop("stream_options", None)
+        pbody.pop("seed", None)                 # P's token is discarded: it needs no sampler state
         if "max_completion_tokens" in pbody:
             pbody["max_completion_tokens"] = 1
         tried: tuple[Node, ...] = ()

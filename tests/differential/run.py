@@ -1,0 +1,139 @@
+"""Send generated requests to one plain vLLM and to kvrelay, and collect the differences.
+
+Servers: :func:`reference_answers` starts one plain vLLM with the dtype and the OpenMP
+binding of each engine of a 1P1D stack (CPU numerics change with the thread count), asks
+it every request one at a time and stops it. kvrelay is asked through both of a stack's
+routers - the stack's own and :func:`extra_router` with the other ``router.first_token`` -
+with several requests in flight at once, as clients send them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import yaml
+
+from core import config as kcfg
+from deploy import launch
+from tests.differential.compare import Answer, differences
+from tests.differential.surface import Request
+
+TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class Difference:
+    request: Request
+    target: str                  # e.g. "tcp/prefill"
+    lines: list[str]
+
+    def __str__(self) -> str:
+        return f"[{self.target}] {self.request.describe()}\n    " + "\n    ".join(self.lines)
+
+
+async def _send(session: aiohttp.ClientSession, url: str, req: Request) -> Answer:
+    headers = {"Content-Type": "application/json", **req.headers}
+    try:
+        async with session.post(f"{url}{req.path}", data=msgspec.json.encode(req.body), headers=headers) as r:
+            return Answer(r.status, r.headers.get("Content-Type", ""), await r.read())
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return Answer(-1, "", f"{type(exc).__name__}: {exc}".encode())
+
+
+async def _send_all(url: str, reqs: list[Request], concurrency: int, progress: Any = None) -> list[Answer]:
+    gate = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def one(req: Request) -> Answer:
+            async with gate:
+                answer = await _send(session, url, req)
+            if progress is not None:
+                progress.update(1)
+            return answer
+        return list(await asyncio.gather(*(one(r) for r in reqs)))
+
+
+def ask(url: str, reqs: list[Request], concurrency: int = 1, desc: str = "") -> list[Answer]:
+    """Every request's answer from ``url``, ``concurrency`` in flight (a progress bar on a terminal)."""
+    from tqdm import tqdm
+
+    with tqdm(total=len(reqs), desc=desc or url, unit="req", disable=not sys.stderr.isatty()) as bar:
+        return asyncio.run(_send_all(url, reqs, concurrency, bar))
+
+
+def compare(reqs: list[Request], want: list[Answer], have: list[Answer], target: str) -> list[Difference]:
+    out = []
+    for req, ref, got in zip(reqs, want, have, strict=True):
+        lines = differences(ref, got)
+        if lines:
+            out.append(Difference(req, target, lines))
+    return out
+
+
+def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, log_dir: Path) -> list[Answer]:
+    """Start one plain vLLM (server 0 of the 2 of a 1P1D stack: the same binding as each engine),
+    ask it every request in turn, stop it."""
+    spec = launch.NodeSpec(launch.Role.SINGLE, 0, port)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / "reference.log", "w") as log:
+        proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 2),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        launch.wait_healthy(url, proc, cfg.deploy.startup_timeout_s, str(log_dir / "reference.log"))
+        return ask(url, reqs, 1, "one vLLM")
+    finally:
+        launch.stop_group(proc)
+
+
+def extra_router(stack: launch.Stack, port: int, first_token: str) -> tuple[subprocess.Popen, str]:
+    """A second router over the same nodes with another ``router.first_token``; (process, URL)."""
+    data = kcfg.to_dict(stack.router_config())
+    data["router"].update(port=port, first_token=first_token)
+    path = stack.log_dir / f"router-{first_token}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    with open(stack.log_dir / f"router-{first_token}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "router", "--config", str(path)],
+                                env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    launch.wait_healthy(url, proc, 60, str(stack.log_dir / f"router-{first_token}.log"))
+    return proc, url
+
+
+def other_mode(first_token: str) -> str:
+    return "decode" if first_token == "prefill" else "prefill"
+
+
+def routers_of(stack: launch.Stack, port: int) -> tuple[dict[str, str], subprocess.Popen]:
+    """``{first_token: router URL}`` for both modes over ``stack``, and the extra router's process."""
+    own = stack.cfg.router.first_token.value
+    proc, url = extra_router(stack, port, other_mode(own))
+    return {own: f"http://127.0.0.1:{stack.cfg.router.port}", other_mode(own): url}, proc
+
+
+def busy_prefill_args(blocks: int = 40, budget: int = 256) -> list[str]:
+    """A prefill node with a small KV cache and a small token budget per step."""
+    return ["--num-gpu-blocks-override", str(blocks), "--max-num-batched-tokens", str(budget),
+            "--max-num-seqs", "16"]
+
+
+def preemptions(node_url: str) -> float:
+    """vLLM's own count of preemptions on a node (``vllm:num_preemptions_total``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{node_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_preemptions_total"))
+
+
+def with_router(cfg: kcfg.KVRelayConfig, **router: Any) -> kcfg.KVRelayConfig:
+    return msgspec.structs.replace(cfg, router=msgspec.structs.replace(cfg.router, **router))

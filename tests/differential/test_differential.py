@@ -1,0 +1,73 @@
+"""kvrelay answers every generated request exactly as one plain vLLM does.
+
+200 requests drawn at a fixed seed from the surface real clients use
+(:mod:`tests.differential.surface`) go to one plain vLLM (same dtype, same OpenMP binding as
+each engine), then to the shared tcp and nixl 1P1D stacks, each through both
+``router.first_token`` modes, 4 in flight at a time. Any difference fails the test and
+names the request. ``python -m tests.differential`` runs longer sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.differential import run  # noqa: E402
+from tests.differential.compare import Answer  # noqa: E402
+from tests.differential.surface import Request, Surface  # noqa: E402
+from tests.e2e.harness import _cfg, start_stack  # noqa: E402
+
+pytestmark = pytest.mark.slow
+SEED, N = 20261203, int(os.environ.get("KVRELAY_DIFF_N", "200"))
+REF_PORT = 18790
+
+
+@pytest.fixture(scope="session")
+def diff_requests() -> list[Request]:
+    return Surface(SEED).draw(N)
+
+
+@pytest.fixture(scope="session")
+def diff_reference(diff_requests: list[Request], tiny_model: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> list[Answer]:
+    tmp = tmp_path_factory.mktemp("diff-reference")
+    return run.reference_answers(_cfg(tiny_model, tmp, REF_PORT), diff_requests, REF_PORT, tmp)
+
+
+def _assert_same(diffs: list[run.Difference]) -> None:
+    assert not diffs, f"{len(diffs)} differences from one vLLM:\n" + "\n".join(map(str, diffs[:25]))
+
+
+def test_every_request_is_answered_as_one_vllm_answers_it(diff_requests, diff_reference, pd_stack):
+    routers, proc = run.routers_of(pd_stack.stack, pd_stack.cfg.router.port + 1)
+    diffs = []
+    try:
+        for mode, url in sorted(routers.items()):
+            target = f"{pd_stack.cfg.transport.backend.value}/{mode}"
+            diffs += run.compare(diff_requests, diff_reference, run.ask(url, diff_requests, 4, target), target)
+    finally:
+        run.launch.stop_group(proc)
+    _assert_same(diffs)
+
+
+@pytest.mark.chaos
+def test_a_busy_prefill_node_still_answers_as_one_vllm(diff_requests, diff_reference, tiny_model,
+                                                        tmp_path_factory, record_property):
+    """A prefill node with a small KV cache and token budget, 16 requests in flight: its
+    scheduler runs out of blocks mid-prefill. vLLM's own preemption count is reported."""
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("busy"), 18500, transport__backend="tcp",
+                         engine__prefill_args=run.busy_prefill_args())
+    try:
+        p_url = handle.stack.url(next(s for s in handle.stack.specs if s.role is run.launch.Role.PREFILL))
+        diffs = run.compare(diff_requests, diff_reference, run.ask(handle.router_url, diff_requests, 16, "busy"),
+                            "tcp-busy/prefill")
+        count = run.preemptions(p_url)
+        record_property("prefill_preemptions", count)
+        print(f"busy prefill node: {count:g} preemptions (vllm:num_preemptions_total)")
+    finally:
+        handle.stack.stop()
+    _assert_same(diffs)
