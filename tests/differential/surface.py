@@ -24,8 +24,9 @@ UNICODE = "éüñ中文🙂ßø"                # outside the tiny model's alpha
 FIRST_CHAR_ID, LAST_CHAR_ID = 4, 100      # the tiny model's character token ids
 # vLLM 0.32's CPU build kills its engine ("CPU Generator does not use offset") when a seeded
 # request's prompt is prefilled in more than one step (over max_num_batched_tokens, 2,048
-# here) - one plain vLLM as much as a kvrelay node. Seeded draws keep their prompts shorter.
-SEEDED_MAX_PROMPT = 2048
+# here) - one plain vLLM as much as a kvrelay node. Seeded draws keep their prompts well
+# under that, in plain ASCII (a non-ASCII character is several byte-level tokens).
+SEEDED_MAX_PROMPT = 1300
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,9 @@ class Surface:
         body["max_completion_tokens" if chat and x > 0.85 else "max_tokens"] = value
         return value
 
-    def _text(self, n: int) -> str:
+    def _text(self, n: int, ascii_only: bool = False) -> str:
         r = self.rng
-        if r.random() < 0.08:
+        if r.random() < 0.08 and not ascii_only:
             return "".join(r.choice(TEXT + UNICODE) for _ in range(n))
         return "".join(r.choice(TEXT) for _ in range(n))
 
@@ -116,8 +117,8 @@ class Surface:
         if x < 0.18:
             return [r.randint(FIRST_CHAR_ID, LAST_CHAR_ID) for _ in range(n)]
         if x < 0.24:
-            return [self._text(r.randint(5, 300)) for _ in range(r.randint(2, 3))]
-        return self._text(n)
+            return [self._text(r.randint(5, 300), seeded) for _ in range(r.randint(2, 3))]
+        return self._text(n, seeded)
 
     def _messages(self, budget: int | None, seeded: bool) -> list[dict[str, Any]]:
         r = self.rng
@@ -125,12 +126,13 @@ class Surface:
         msgs: list[dict[str, Any]] = []
         if r.random() < 0.5:
             k = r.randint(5, max(5, n // 3))
-            msgs.append({"role": "system", "content": self._text(k)})
+            msgs.append({"role": "system", "content": self._text(k, seeded)})
             n -= k
         if r.random() < 0.3 and n > 60:                      # an earlier turn
-            msgs += [{"role": "user", "content": self._text(20)}, {"role": "assistant", "content": self._text(20)}]
+            msgs += [{"role": "user", "content": self._text(20, seeded)},
+                     {"role": "assistant", "content": self._text(20, seeded)}]
             n -= 40
-        content: Any = self._text(max(1, n))
+        content: Any = self._text(max(1, n), seeded)
         if r.random() < 0.1:
             content = [{"type": "text", "text": content}]     # content parts, text only
         msgs.append({"role": "user", "content": content})
