@@ -103,3 +103,11 @@ def test_numbers_given_where_the_field_is_text_are_taken_as_text():
     assert kcfg.load(overrides=["router.port=9000"]).router.port == 9000      # numbers stay numbers
     with pytest.raises(kcfg.ConfigError, match="router.port"):
         kcfg.load(overrides=["router.port=abc"])                                # and text is no number
+
+
+def test_signed_params_outlive_the_longest_request():
+    """params_ttl_s below request_timeout_s would let a request queued that long lose its transfer."""
+    cfg = config.from_dict({})
+    assert cfg.router.params_ttl_s >= cfg.router.request_timeout_s
+    with pytest.raises(ConfigError, match="params_ttl_s"):
+        config.from_dict({"router": {"params_ttl_s": 300, "request_timeout_s": 600}})

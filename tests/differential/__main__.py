@@ -10,6 +10,7 @@ requests, and reports vLLM's own preemption count on it. Exit status 1 if any di
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     ap.add_argument("--backends", default="tcp,nixl", help="comma-separated transports (default tcp,nixl)")
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight against kvrelay (default 4)")
+    ap.add_argument("--ref-concurrency", type=int, default=1,
+                    help="requests in flight against the reference (default 1; more is faster and can only add "
+                         "differences, never hide one: the reference runs no kvrelay code)")
     ap.add_argument("--busy", action="store_true", help="also a busy prefill node (preempting), reported")
     ap.add_argument("--workdir", default="", help="where logs go (default: a new temporary directory)")
     ap.add_argument("--json", default="", help="write the summary and every difference here")
@@ -36,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     model = ensure_tiny_model(work / "model")
     reqs = Surface(args.seed).draw(args.n)
     t0 = time.monotonic()
-    want = run.reference_answers(_cfg(model, work / "ref", 18790), reqs, 18790, work / "ref")
+    want = run.reference_answers(_cfg(model, work / "ref", 18790), reqs, 18790, work / "ref", args.ref_concurrency)
     print(f"reference: {len(reqs)} requests in {time.monotonic() - t0:.0f} s", flush=True)
     diffs, rows = [], []
     targets = [(b, False) for b in args.backends.split(",")] + ([("tcp", True)] if args.busy else [])
@@ -47,12 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         handle = start_stack(model, work / f"stack-{i}", 18400 + 100 * i, **over)
         routers, proc = run.routers_of(handle.stack, handle.cfg.router.port + 1)
         try:
+            p_url = handle.stack.url(next(s for s in handle.stack.specs if s.role.value == "prefill"))
             for mode, url in sorted(routers.items()):
                 t1, target = time.monotonic(), f"{backend}{'-busy' if busy else ''}/{mode}"
-                have = run.ask(url, reqs, args.concurrency, target)
+                with run.Decoders(p_url) if busy else contextlib.nullcontext():
+                    have = run.ask(url, reqs, 16 if busy else args.concurrency, target)
                 found = run.compare(reqs, want, have, target)
                 diffs += found
-                p_url = handle.stack.url(next(s for s in handle.stack.specs if s.role.value == "prefill"))
                 rows.append({"target": target, "busy": busy,
                              "requests": len(reqs), "differences": len(found),
                              "seconds": round(time.monotonic() - t1, 1), "preemptions": run.preemptions(p_url)})

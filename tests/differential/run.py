@@ -78,7 +78,8 @@ def compare(reqs: list[Request], want: list[Answer], have: list[Answer], target:
     return out
 
 
-def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, log_dir: Path) -> list[Answer]:
+def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, log_dir: Path,
+                      concurrency: int = 1) -> list[Answer]:
     """Start one plain vLLM (server 0 of the 2 of a 1P1D stack: the same binding as each engine),
     ask it every request in turn, stop it."""
     spec = launch.NodeSpec(launch.Role.SINGLE, 0, port)
@@ -89,7 +90,7 @@ def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, l
     try:
         url = f"http://127.0.0.1:{port}"
         launch.wait_healthy(url, proc, cfg.deploy.startup_timeout_s, str(log_dir / "reference.log"))
-        return ask(url, reqs, 1, "one vLLM")
+        return ask(url, reqs, concurrency, "one vLLM")
     finally:
         launch.stop_group(proc)
 
@@ -119,10 +120,52 @@ def routers_of(stack: launch.Stack, port: int) -> tuple[dict[str, str], subproce
     return {own: f"http://127.0.0.1:{stack.cfg.router.port}", other_mode(own): url}, proc
 
 
-def busy_prefill_args(blocks: int = 40, budget: int = 256) -> list[str]:
-    """A prefill node with a small KV cache and a small token budget per step."""
+def busy_prefill_args(blocks: int = 33, budget: int = 512) -> list[str]:
+    """A prefill node with a small KV cache (33 blocks of 128 tokens: vLLM refuses fewer for a
+    4,096-token context) and a small token budget per step."""
     return ["--num-gpu-blocks-override", str(blocks), "--max-num-batched-tokens", str(budget),
-            "--max-num-seqs", "16"]
+            "--max-num-seqs", "24"]
+
+
+class Decoders:
+    """Requests in their decode phase on the prefill node itself, sent to it directly: they grow
+    by a block every 128 tokens while the router's prefills run beside them, which is what makes
+    vLLM's scheduler run out of blocks and preempt on this host (``shared/FACTS.md``: prefill-only
+    traffic gave 0 preemptions). Stops by itself after ``limit_s``."""
+
+    def __init__(self, url: str, streams: int = 4, prompt: int = 300, tokens: int = 700, limit_s: float = 900) -> None:
+        import threading
+
+        self.url, self.streams, self.prompt, self.tokens, self.limit_s = url, streams, prompt, tokens, limit_s
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(streams)]
+
+    def _loop(self, i: int) -> None:
+        import json
+        import time
+        import urllib.request
+
+        deadline = time.monotonic() + self.limit_s
+        k = 0
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            k += 1
+            body = {"model": "kvrelay-tiny", "prompt": f"{i}-{k} " + "x" * self.prompt, "max_tokens": self.tokens,
+                    "temperature": 0, "ignore_eos": True}
+            req = urllib.request.Request(f"{self.url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=300) as r:
+                    r.read()
+            except OSError:
+                time.sleep(0.5)
+
+    def __enter__(self) -> Decoders:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
 
 
 def preemptions(node_url: str) -> float:

@@ -24,6 +24,7 @@ from tests.e2e.harness import _cfg, start_stack  # noqa: E402
 pytestmark = pytest.mark.slow
 SEED, N = 20261203, int(os.environ.get("KVRELAY_DIFF_N", "200"))
 REF_PORT = 18790
+BUSY_N = 100
 
 
 @pytest.fixture(scope="session")
@@ -57,14 +58,17 @@ def test_every_request_is_answered_as_one_vllm_answers_it(diff_requests, diff_re
 @pytest.mark.chaos
 def test_a_busy_prefill_node_still_answers_as_one_vllm(diff_requests, diff_reference, tiny_model,
                                                         tmp_path_factory, record_property):
-    """A prefill node with a small KV cache and token budget, 16 requests in flight: its
-    scheduler runs out of blocks mid-prefill. vLLM's own preemption count is reported."""
+    """A prefill node with a small KV cache and token budget, 16 requests in flight and requests
+    decoding on it directly: its scheduler runs out of blocks mid-prefill and preempts.
+    vLLM's own preemption count is reported (and the run must see at least one)."""
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("busy"), 18500, transport__backend="tcp",
                          engine__prefill_args=run.busy_prefill_args())
+    reqs, want = diff_requests[:BUSY_N], diff_reference[:BUSY_N]
     try:
         p_url = handle.stack.url(next(s for s in handle.stack.specs if s.role is run.launch.Role.PREFILL))
-        diffs = run.compare(diff_requests, diff_reference, run.ask(handle.router_url, diff_requests, 16, "busy"),
-                            "tcp-busy/prefill")
+        with run.Decoders(p_url):
+            have = run.ask(handle.router_url, reqs, 16, "busy")
+        diffs = run.compare(reqs, want, have, "tcp-busy/prefill")
         count = run.preemptions(p_url)
         record_property("prefill_preemptions", count)
         print(f"busy prefill node: {count:g} preemptions (vllm:num_preemptions_total)")
