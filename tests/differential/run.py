@@ -133,7 +133,7 @@ class Decoders:
     vLLM's scheduler run out of blocks and preempt on this host (``shared/FACTS.md``: prefill-only
     traffic gave 0 preemptions). Stops by itself after ``limit_s``."""
 
-    def __init__(self, url: str, streams: int = 4, prompt: int = 300, tokens: int = 700, limit_s: float = 900) -> None:
+    def __init__(self, url: str, streams: int = 6, prompt: int = 600, tokens: int = 1200, limit_s: float = 900) -> None:
         import threading
 
         self.url, self.streams, self.prompt, self.tokens, self.limit_s = url, streams, prompt, tokens, limit_s
