@@ -21,7 +21,7 @@ from tests.differential.compare import Answer  # noqa: E402
 from tests.differential.surface import Request, Surface  # noqa: E402
 from tests.e2e.harness import _cfg, start_stack  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]   # a reference server, 200 requests x 2 routers
 SEED, N = 20261203, int(os.environ.get("KVRELAY_DIFF_N", "200"))
 REF_PORT = 18790
 BUSY_N = 100
