@@ -1,1 +1,12 @@
-"""kvrelay bench package."""
+"""The benchmark harnesses behind ``kvrelay bench``.
+
+Owns the transfer, end-to-end, goodput, multi-turn, router and breakdown benchmarks, the
+sender-in-a-process peer, vLLM's fixed NixlConnector baseline (``fair_nixl``) and the
+throwaway redis-server the benchmarks and tests share (``local_redis``). Each writes JSON
+and a PNG and states its figures as ratios within one run.
+
+May import: every package below it - not the CLI.
+"""
+
+if __name__ != "kvrelay.bench":   # the folder imported under its old top-level name (from the repository root)
+    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.bench, not {__name__}")

@@ -28,11 +28,11 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from bench import e2e
-from core.params import ParamsSigner, PullParams, PushParams, params_dict
-from deploy import launch
-from router import split
-from transport.secrets import SECRET_ENV, generate_secret, load_secret
+from kvrelay.bench import e2e
+from kvrelay.common.secrets import SECRET_ENV, generate_secret, load_secret
+from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
+from kvrelay.deploy import launch
+from kvrelay.router import split
 
 STEPS = ("single-p", "P plain", "P split", "P push", "router")
 

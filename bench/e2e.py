@@ -11,7 +11,7 @@ random prompt so no system profits from prefix caching):
                     token from the decode node (``--first-token prefill,decode`` runs both);
 * ``nixl-stock``  - vLLM's NixlConnector P/D with the toy-proxy flow (P with
                     ``max_tokens=1`` + ``do_remote_decode``, then D with P's params), as shipped;
-* ``nixl-fair``   - the same with :class:`bench.fair_nixl.FairNixlConnector` (no core pinning,
+* ``nixl-fair``   - the same with :class:`kvrelay.bench.fair_nixl.FairNixlConnector` (no core pinning,
                     no busy progress thread): the fair peer.
 
 Interleaved (the default): every system is started first and then the same prompt goes to
@@ -47,9 +47,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from core import config as kcfg
-from core.telemetry import read_events
-from deploy import launch
+from kvrelay.core import config as kcfg
+from kvrelay.core.telemetry import read_events
+from kvrelay.deploy import launch
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,;:!?0123456789\n"
 
@@ -316,11 +316,11 @@ def exposed_transfer(events_path: Path, chunk_tokens: int) -> dict:
 
 def start_nixl_pair(cfg: kcfg.KVRelayConfig, servers: Servers, label: str, fair: bool,
                     base_port: int) -> tuple[str, str]:
-    """Start vLLM's NixlConnector producer + consumer (stock, or :mod:`bench.fair_nixl`); return (P url, D url)."""
+    """Start vLLM's NixlConnector producer + consumer (stock, or :mod:`kvrelay.bench.fair_nixl`); return (P url, D url)."""
     ports = (base_port + 70, base_port + 71)
     kv: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
     if fair:
-        kv.update(kv_connector="FairNixlConnector", kv_connector_module_path="bench.fair_nixl")
+        kv.update(kv_connector="FairNixlConnector", kv_connector_module_path="kvrelay.bench.fair_nixl")
     for k, (role, port) in enumerate(zip(("kv_producer", "kv_consumer"), ports, strict=True)):
         spec = launch.NodeSpec(launch.Role.SINGLE, k, port)
         cmd = launch.server_command(cfg, spec) + ["--kv-transfer-config", json.dumps({**kv, "kv_role": role})]

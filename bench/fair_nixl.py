@@ -9,7 +9,7 @@ restores the thread's affinity after construction and creates the agent without 
 progress thread (vLLM's connector polls transfer state every step anyway).
 
 Load with ``{"kv_connector": "FairNixlConnector", "kv_connector_module_path":
-"bench.fair_nixl", ...}``.
+"kvrelay.bench.fair_nixl", ...}``.
 """
 
 from __future__ import annotations

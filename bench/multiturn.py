@@ -36,12 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.e2e import ALPHABET, _post
-from bench.local_redis import REDIS, redis_server
-from core import config as kcfg
-from core.telemetry import read_events
-from deploy import launch
-from deploy.tiny_model import WIDTHS, ensure_tiny_model
+from kvrelay.bench.e2e import ALPHABET, _post
+from kvrelay.bench.local_redis import REDIS, redis_server
+from kvrelay.core import config as kcfg
+from kvrelay.core.telemetry import read_events
+from kvrelay.deploy import launch
+from kvrelay.deploy.tiny_model import WIDTHS, ensure_tiny_model
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

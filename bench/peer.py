@@ -1,4 +1,4 @@
-"""A :class:`~transport.sender.Sender` in a child process, driven by commands over a pipe.
+"""A :class:`~kvrelay.transport.sender.Sender` in a child process, driven by commands over a pipe.
 
 The conformance suite and ``kvrelay bench transfer`` use it so sender and
 receiver always run in separate processes (separate address spaces, real
@@ -17,8 +17,8 @@ import time
 import traceback
 from typing import Any
 
-from core.config import KVRelayConfig, from_dict, to_dict
-from transport.errors import KVRelayError, TransportError
+from kvrelay.common.errors import KVRelayError, TransportError
+from kvrelay.core.config import KVRelayConfig, from_dict, to_dict
 
 
 class RemoteError(TransportError):
@@ -80,8 +80,8 @@ class _Child:
         import numpy as np
 
         self.conn = conn
-        from transport.backends import make_sender_backend
-        from transport.sender import Sender
+        from kvrelay.transport.backends import make_sender_backend
+        from kvrelay.transport.sender import Sender
 
         self.np = np
         self.backend = make_sender_backend(cfg.transport)
@@ -99,7 +99,7 @@ class _Child:
     def prepare(self, name: str, nbytes: int, seed: int, block_bytes: int = 0) -> None:
         """A random source buffer. A ``registered_layout`` backend gets it registered as a KV
         layout of ``block_bytes`` blocks (default: one block), like a paged KV cache."""
-        from transport.backends.base import MemRegion, SourceLayout
+        from kvrelay.transport.backends.base import MemRegion, SourceLayout
 
         buf = self.np.random.default_rng(seed).integers(0, 256, nbytes, dtype=self.np.uint8)
         if name in self.sources:                  # registered memory must outlive its registration
@@ -112,7 +112,7 @@ class _Child:
 
     def _blocks(self, name: str, offset: int, nbytes: int) -> Any:
         """The bytes as a BlockPayload of the registered layout when the backend takes one."""
-        from transport.backends.base import BlockPayload
+        from kvrelay.transport.backends.base import BlockPayload
 
         bb = self.block_bytes[name]
         if not self.backend.capabilities.registered_layout or offset % bb or nbytes % bb:
@@ -144,7 +144,7 @@ class _Child:
               corrupt: bool = False, wait: bool = True, blocks: bool = False) -> float:
         """Write source bytes as chunk ``idx``: as ``regions`` buffers, or (``blocks``) as named
         blocks of the registered layout where the backend can."""
-        from transport.wire import make_header
+        from kvrelay.common.wire import make_header
 
         alloc = self.allocs[tid]
         regs = self._regions(name, offset, nbytes, regions)
@@ -169,7 +169,7 @@ class _Child:
         (checksums) are built before the first write. Between batches the child waits for
         :meth:`SenderPeer.signal` (closed loop): every batch starts from an idle pipe.
         """
-        from transport.wire import HEADER_SIZE, make_header
+        from kvrelay.common.wire import HEADER_SIZE, make_header
 
         src = memoryview(self.sources[name])
         slots = max(1, src.nbytes // nbytes)

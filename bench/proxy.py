@@ -64,14 +64,14 @@ _HEAD = {"id": "cmpl-bench", "object": "text_completion", "created": 1764547200,
 
 
 def _event(i: int, last: bool = False) -> bytes:
-    from router.split import sse
+    from kvrelay.router.split import sse
 
     return sse({**_HEAD, "choices": [{"index": 0, "text": f"t{i} ", "logprobs": None,
                                       "finish_reason": "length" if last else None, "stop_reason": None}]})
 
 
 def _usage_event(tokens: int) -> bytes:
-    from router.split import sse
+    from kvrelay.router.split import sse
 
     return sse({**_HEAD, "choices": [],
                 "usage": {"prompt_tokens": 8, "total_tokens": 8 + tokens, "completion_tokens": tokens}})
@@ -158,8 +158,8 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
 
 
 def run_kvrelay(port: int, upstream: str, core: int) -> None:
-    from core import config as kcfg
-    from router.app import run
+    from kvrelay.core import config as kcfg
+    from kvrelay.router.app import run
 
     _pin(core)
     cfg = kcfg.from_dict({"router": {"host": HOST, "port": port, "prefill": [upstream],
@@ -322,9 +322,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from kvrelay.common.secrets import SECRET_ENV, generate_secret
     from tqdm import tqdm
-
-    from transport.secrets import SECRET_ENV, generate_secret
 
     os.environ.setdefault(SECRET_ENV, generate_secret())      # the router signs params: a throwaway secret
     out = Path(args.out)

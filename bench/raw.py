@@ -28,8 +28,7 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
-
-from transport.polling import Backoff
+from kvrelay.common.polling import Backoff
 
 SOURCE_BYTES = 256 << 20
 NOTE = struct.Struct("<Q")
@@ -87,7 +86,7 @@ class _Source:
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self.sock.connect(info[1])
         else:
-            from transport.backends.nixl import make_agent
+            from kvrelay.transport.backends.nixl import make_agent
 
             self.agent = make_agent(f"raw-src-{os.getpid()}", "none")
             self.remote = self.agent.add_remote_agent(info["meta"])
@@ -177,7 +176,7 @@ class RawPath:
             self._lsock.listen(1)
             info = (self._shm.name, addr)
         else:
-            from transport.backends.nixl import make_agent
+            from kvrelay.transport.backends.nixl import make_agent
 
             self.agent = make_agent(f"raw-sink-{os.getpid()}", "none")
             self._dst = np.zeros(cap, dtype=np.uint8)

@@ -4,7 +4,7 @@ Systems, one at a time on this host, same model, same requests:
 
 * ``single``       - one plain vLLM server with all cores;
 * ``kvrelay-tcp``, ``kvrelay-nixl`` - kvrelay 1P1D through its router (first token from P);
-* ``nixl-fair``    - vLLM's NixlConnector 1P1D with its CPU faults fixed (:mod:`bench.fair_nixl`)
+* ``nixl-fair``    - vLLM's NixlConnector 1P1D with its CPU faults fixed (:mod:`kvrelay.bench.fair_nixl`)
                      behind a minimal proxy doing the toy-proxy flow (P with ``max_tokens=1``,
                      then D streams with P's ``kv_transfer_params``).
 
@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import e2e
-from core import config as kcfg
-from deploy import launch
+from kvrelay.bench import e2e
+from kvrelay.core import config as kcfg
+from kvrelay.deploy import launch
 
 SYSTEMS = ("single", "kvrelay-tcp", "kvrelay-nixl", "nixl-fair")
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -136,7 +136,7 @@ class System:
 # ------------------------------------------------------------------ the client
 def client_command(args: argparse.Namespace, url: str, rate: float, num_prompts: int, result: Path) -> list[str]:
     """``vllm bench serve`` for one rate; its result JSON goes to ``result``."""
-    return [sys.executable, "-m", "bench.vllm_client", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+    return [sys.executable, "-m", "kvrelay.bench.vllm_client", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", launch.TINY_NAME, "--tokenizer", str(launch.model_path(kcfg.from_dict({}))),
             "--dataset-name", "random", "--random-prefix-len", str(args.prefix_len),
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),

@@ -5,7 +5,7 @@ the receive pool), a spawned child is the sender (prefill side). For every
 backend x chunk size x window it pushes ``window`` chunks per batch, closed loop,
 after a warm-up, and records for every chunk ``arrival - start`` (one-way, the
 system-wide monotonic clock; arrival is after the receiver verified the
-checksum). In the same run it measures the ceilings of :mod:`bench.raw`
+checksum). In the same run it measures the ceilings of :mod:`kvrelay.bench.raw`
 (memcpy, raw shared-memory copy, raw TCP socket, raw NIXL agent WRITE) and
 reports each backend as a ratio against its ceiling, because shared machines
 are noisy and only same-run ratios mean anything.
@@ -33,13 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-from bench import raw
-from core import config as kcfg
-from transport.config import parse_size
-from transport.events import ChunkArrival, TransferDone, TransferFailed
-from transport.secrets import SECRET_ENV, generate_secret
-from transport.wire import HEADER_SIZE, check_payload, copy_checked, make_header
+from kvrelay.bench import raw
+from kvrelay.common.config import parse_size
+from kvrelay.common.secrets import SECRET_ENV, generate_secret
+from kvrelay.common.wire import HEADER_SIZE, check_payload, copy_checked, make_header
+from kvrelay.core import config as kcfg
+from kvrelay.transport.events import ChunkArrival, TransferDone, TransferFailed
 
 KiB, MiB = 1 << 10, 1 << 20
 DEFAULT_SIZES = [64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
@@ -90,9 +89,9 @@ class BackendRun:
     """One receiver here + one sender child for a backend, reused across sizes and windows."""
 
     def __init__(self, cfg: kcfg.KVRelayConfig, backend: str, max_size: int, max_window: int) -> None:
-        from bench.peer import SenderPeer
-        from transport.backends import make_receiver_backend
-        from transport.receiver import Receiver
+        from kvrelay.bench.peer import SenderPeer
+        from kvrelay.transport.backends import make_receiver_backend
+        from kvrelay.transport.receiver import Receiver
 
         slot = HEADER_SIZE + max_size
         slots = max_window + 1

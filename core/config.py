@@ -1,7 +1,7 @@
 """One typed configuration tree, loaded from YAML and overridden by CLI flags.
 
 Each section is owned by the package that reads it: ``transport`` and ``timeouts``
-by :mod:`transport.config`, ``store`` by :mod:`transport.store.config`; this module
+by :mod:`kvrelay.transport.config`, ``store`` by :mod:`kvrelay.store.config`; this module
 owns the engine-side sections (``connector``, ``engine``), the router's and the
 local launcher's, and composes them into :class:`KVRelayConfig`. The router's and
 the launcher's sections live here rather than in their packages because the one
@@ -26,14 +26,14 @@ from typing import Any
 import msgspec
 import msgspec.inspect
 import yaml
-
-from core.logs import LogFormat
-from core.tracing import TraceProtocol
-from transport import config as tcfg
-from transport.config import MiB, Port, Positive, Seconds, Section, Size, TimeoutConfig, TransportConfig
-from transport.errors import ConfigError
-from transport.store import config as scfg
-from transport.store.config import StoreConfig
+from kvrelay.common.config import MiB, Port, Positive, Seconds, Section, Size
+from kvrelay.common.errors import ConfigError
+from kvrelay.core.logs import LogFormat
+from kvrelay.core.tracing import TraceProtocol
+from kvrelay.store import config as scfg
+from kvrelay.store.config import StoreConfig
+from kvrelay.transport import config as tcfg
+from kvrelay.transport.config import TimeoutConfig, TransportConfig
 
 __all__ = ["ConfigError", "KVRelayConfig", "add_config_args", "config_from_args", "from_dict", "load",
            "to_dict"]

@@ -24,20 +24,19 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
+from kvrelay.core.config import KVRelayConfig, from_connector_extra
+from kvrelay.core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
+from kvrelay.core.fingerprint import engine_fingerprint
+from kvrelay.core.params import ParamsError
+from kvrelay.core.telemetry import EventLog, metrics
+from kvrelay.core.tracing import TransferSpans
+from kvrelay.kernels.layout import KVLayout
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-
-from core.config import KVRelayConfig, from_connector_extra
-from core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
-from core.fingerprint import engine_fingerprint
-from core.params import ParamsError
-from core.telemetry import EventLog, metrics
-from core.tracing import TransferSpans
-from kernels.blocks import KVLayout
 
 # While every request only waits on transfers, vLLM steps the engine back to back with
 # empty steps. In such a step ``get_finished`` waits up to this long for a transfer to

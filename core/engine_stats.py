@@ -3,7 +3,7 @@
 How they travel (vLLM v1):
 
 1. *Worker process*, once per engine step: ``get_kv_connector_stats()`` returns a
-   :class:`RelayStats` with what changed in this process's :class:`core.telemetry.Metrics`
+   :class:`RelayStats` with what changed in this process's :class:`kvrelay.core.telemetry.Metrics`
    since the last call - counter increments, gauge values, histogram observations
    (:meth:`StatsTracker.delta`, at most every 0.5 s, and in the step that reports a finished
    transfer). Nothing changed: None.
@@ -11,7 +11,7 @@ How they travel (vLLM v1):
 3. *API server* (the front end that serves ``/metrics``): vLLM builds the stats with
    ``build_kv_connector_stats(data)`` (:meth:`RelayStats.aggregate` concatenates intervals)
    and hands them to ``build_prom_metrics(...).observe(data)``: :class:`RelayPromMetrics`
-   applies them to the same :class:`~core.telemetry.Metrics` families in that process, so
+   applies them to the same :class:`~kvrelay.core.telemetry.Metrics` families in that process, so
    the series appear under the same names, types and labels as on the worker's own
    exporter (``connector.metrics_port``).
 
@@ -27,9 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.core.telemetry import Metrics, metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
-
-from core.telemetry import Metrics, metrics
 
 
 @dataclass

@@ -15,17 +15,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from core.config import KVRelayConfig
-from transport.keys import Fingerprint
+from kvrelay.common.keys import Fingerprint
+from kvrelay.core.config import KVRelayConfig
 
 _SAMPLE = 1 << 20           # bytes read from each end of a weight file
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 
 def engine_fingerprint(vllm_config: Any, layout: Any, cfg: KVRelayConfig | None = None) -> Fingerprint:
-    """This worker's fingerprint (see :class:`transport.keys.Fingerprint`).
+    """This worker's fingerprint (see :class:`kvrelay.common.keys.Fingerprint`).
 
-    ``layout`` is the worker's :class:`kernels.blocks.KVLayout`; ``cfg`` adds ``chunk_tokens``
+    ``layout`` is the worker's :class:`kvrelay.kernels.blocks.KVLayout`; ``cfg`` adds ``chunk_tokens``
     and ``store.epoch``."""
     pc, mc = vllm_config.parallel_config, vllm_config.model_config
     return Fingerprint(model=str(mc.model), dtype=str(layout.dtype),

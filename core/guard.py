@@ -1,6 +1,6 @@
 """The engine's front door: refuse forged ``kv_transfer_params`` before vLLM sees them.
 
-vLLM loads this as API-server middleware (``--middleware core.guard.kvrelay_guard``,
+vLLM loads this as API-server middleware (``--middleware kvrelay.core.guard.kvrelay_guard``,
 which ``kvrelay serve`` / ``kvrelay up`` add for prefill and decode nodes). For every
 completion or chat request that carries kvrelay params it runs :class:`ParamsVerifier`
 with this node's role, secret and push allowlist, and answers a refusal with an
@@ -10,7 +10,7 @@ OpenAI-style 400, so nothing is scheduled, pushed or loaded. Refusals are counte
 The connectors check the same params again (a request can reach the engine by other
 routes); this layer is what turns a forgery into a clear client error.
 
-It is also where a draining node (:mod:`core.drain`) turns work away: ``/health`` answers
+It is also where a draining node (:mod:`kvrelay.core.drain`) turns work away: ``/health`` answers
 503 and new requests get an OpenAI-style 503 carrying ``X-Kvrelay-Draining``, except, on a
 decode node that is still DRAINING, requests with pull params (their KV is already aimed here).
 """
@@ -23,10 +23,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from core.config import KVRelayConfig, from_connector_extra, push_allowlist
-from core.drain import DRAINING_HEADER, DrainPhase, read_phase
-from core.params import ParamsError, ParamsVerifier, PullParams, PushParams
-from transport.secrets import load_secret
+from kvrelay.common.secrets import load_secret
+from kvrelay.core.config import KVRelayConfig, from_connector_extra, push_allowlist
+from kvrelay.core.drain import DRAINING_HEADER, DrainPhase, read_phase
+from kvrelay.core.params import ParamsError, ParamsVerifier, PullParams, PushParams
 
 log = logging.getLogger("vllm.kvrelay")
 GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -100,7 +100,7 @@ def _drain_refusal(node: _Node, phase: DrainPhase, path: str, params: Any) -> An
 
 async def kvrelay_guard(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     """Starlette ``http`` middleware: 400 for a request whose kvrelay params do not verify; 503
-    for new work while the node drains (:mod:`core.drain`)."""
+    for new work while the node drains (:mod:`kvrelay.core.drain`)."""
     node = _node(request.app)
     if node is None:
         return await call_next(request)

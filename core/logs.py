@@ -90,8 +90,8 @@ def vllm_logging_config(path: str | os.PathLike[str]) -> str:
     handler = {"class": "logging.StreamHandler", "formatter": "json", "filters": ["ids"],
                "stream": "ext://sys.stdout"}
     config = {"version": 1, "disable_existing_loggers": False,
-              "filters": {"ids": {"()": "core.logs.ContextFilter"}},
-              "formatters": {"json": {"()": "core.logs.JsonFormatter"}},
+              "filters": {"ids": {"()": "kvrelay.core.logs.ContextFilter"}},
+              "formatters": {"json": {"()": "kvrelay.core.logs.JsonFormatter"}},
               "handlers": {"json": handler},
               "loggers": {name: {"handlers": ["json"], "level": "INFO", "propagate": False}
                           for name in ("vllm", "uvicorn", "uvicorn.error", "kvrelay")},

@@ -22,9 +22,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
-
-from transport.errors import KVRelayError
-from transport.secrets import KeyUse, derive_key, mac, same
+from kvrelay.common.errors import KVRelayError
+from kvrelay.common.secrets import KeyUse, derive_key, mac, same
 
 PARAMS_KEY = "kvrelay"
 PARAMS_VERSION = 2          # 2: signed (exp, sig)

@@ -69,7 +69,7 @@ def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 class Recorded:
     """A histogram that also keeps its recent observations, so they can be replayed on the
-    engine's ``/metrics`` (:mod:`core.engine_stats`); at most ``keep`` between two drains."""
+    engine's ``/metrics`` (:mod:`kvrelay.core.engine_stats`); at most ``keep`` between two drains."""
 
     def __init__(self, histogram: Any, keep: int = 4096) -> None:
         self.histogram = histogram

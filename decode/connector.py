@@ -10,8 +10,8 @@ Request lifecycle on a decode node (D)
    asynchronously; vLLM allocates blocks and parks the request in
    ``WAITING_FOR_REMOTE_KVS``. ``update_state_after_alloc`` records the block ids
    and the next ``build_connector_meta`` hands the load to the worker.
-3. *Worker process* (:class:`decode.installer.InstallWorker`): owns the
-   :class:`transport.receiver.Receiver` (the pinned receive pool and the control
+3. *Worker process* (:class:`kvrelay.decode.installer.InstallWorker`): owns the
+   :class:`kvrelay.transport.receiver.Receiver` (the pinned receive pool and the control
    socket P connects to). ``start_load_kv`` starts one install task per new load:
    it waits for chunk events of transfer ``T`` and, **as each chunk lands**, checks
    its key against the keys D computed from its own prompt tokens, scatters its
@@ -29,46 +29,26 @@ Request lifecycle on a decode node (D)
 6. A request aborted while loading keeps its blocks (``request_finished`` returns
    True) until the install task has stopped writing into them.
 7. With ``store.save_decoded``, a finished request's chunks that hold generated tokens
-   are saved into the shared store before its blocks are freed (:mod:`decode.saver`),
+   are saved into the shared store before its blocks are freed (:mod:`kvrelay.decode.saver`),
    so the next turn's prefill node loads the previous answer instead of computing it.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from core.config import KVRelayConfig
-from core.connector_base import RelayConnector, RelayMeta, is_multimodal
-from core.guard import count_refusal, verifier_for
-from core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams
-from core.tracing import traceparent_of
-from decode.saver import SaveSpec, save_spec
-
-if TYPE_CHECKING:
-    from decode.installer import InstallWorker
+from kvrelay.core.config import KVRelayConfig
+from kvrelay.core.connector_base import RelayConnector, is_multimodal
+from kvrelay.core.guard import count_refusal, verifier_for
+from kvrelay.core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams
+from kvrelay.core.tracing import traceparent_of
+from kvrelay.decode.installer import InstallWorker
+from kvrelay.decode.messages import DecodeMeta, LoadSpec
+from kvrelay.decode.saver import SaveSpec, save_spec
 
 log = logging.getLogger("vllm.kvrelay.decode")
 
-
-
-@dataclass
-class LoadSpec:
-    req_id: str
-    transfer_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    local_tokens: int          # D's own prefix-cache hit (block aligned): those blocks are not written
-    num_tokens: int            # tokens to load = prompt_len - local_tokens
-    traceparent: str = ""      # the router's trace (core/tracing.py): the install span's parent
-
-
-@dataclass
-class DecodeMeta(RelayMeta):
-    loads: list[LoadSpec] = field(default_factory=list)
-    cancelled: list[str] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
 
 
 class DecodeScheduler:
@@ -159,17 +139,15 @@ class DecodeScheduler:
         return bool(self._loading or self._cancelled or self._saving)
 
 
-class DecodeConnector(RelayConnector["InstallWorker"]):
+class DecodeConnector(RelayConnector[InstallWorker]):
     """Consumer connector. Load with ``--kv-transfer-config '{"kv_connector": "DecodeConnector",
-    "kv_connector_module_path": "decode.connector", "kv_role": "kv_consumer",
+    "kv_connector_module_path": "kvrelay.decode.connector", "kv_role": "kv_consumer",
     "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"kvrelay": {...}}}'``."""
 
     def make_scheduler(self, vllm_config: Any) -> DecodeScheduler:
         return DecodeScheduler(self.cfg)
 
     def make_worker(self, vllm_config: Any) -> InstallWorker:
-        from decode.installer import InstallWorker
-
         return InstallWorker(self.cfg, vllm_config)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

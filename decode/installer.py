@@ -14,29 +14,25 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import torch
-
-from core.config import KVRelayConfig
-from core.connector_base import WorkerBase
-from core.drain import DrainPhase, read_phase
-from core.logs import bind
-from core.placement import place_helper_thread
-from decode.saver import DecodeSaver
-from kernels.blocks import scatter
-from transport.backends import make_receiver_backend
-from transport.errors import ChecksumError, ConfigError, KVRelayError, TransferTimeout
-from transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone, TransferFailed
-from transport.keys import chunk_keys
-from transport.pool import PAGE, round_up
-from transport.receiver import Receiver
-from transport.wire import HEADER_SIZE, check_regions, copy_checked
-
-if TYPE_CHECKING:
-    from decode.connector import LoadSpec
-    from decode.saver import SaveSpec
+from kvrelay.common.errors import ChecksumError, ConfigError, KVRelayError, TransferTimeout
+from kvrelay.common.keys import chunk_keys
+from kvrelay.common.wire import HEADER_SIZE, check_regions, copy_checked
+from kvrelay.core.config import KVRelayConfig
+from kvrelay.core.connector_base import WorkerBase
+from kvrelay.core.drain import DrainPhase, read_phase
+from kvrelay.core.logs import bind
+from kvrelay.core.placement import place_helper_thread
+from kvrelay.decode.messages import LoadSpec
+from kvrelay.decode.saver import DecodeSaver, SaveSpec
+from kvrelay.kernels.blocks import scatter
+from kvrelay.transport.backends import make_receiver_backend
+from kvrelay.transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone, TransferFailed
+from kvrelay.transport.pool import PAGE, round_up
+from kvrelay.transport.receiver import Receiver
 
 log = logging.getLogger("vllm.kvrelay.decode")
 

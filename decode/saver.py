@@ -7,7 +7,7 @@ recomputes the previous answer plus the prompt tail before it. With
 ``store.enabled``, ``store.save_decoded`` and ``store.redis_url`` (the tier every
 prefill node reads):
 
-1. *Scheduler* (:class:`decode.connector.DecodeScheduler`): when a request finishes,
+1. *Scheduler* (:class:`kvrelay.decode.connector.DecodeScheduler`): when a request finishes,
    the whole chunks of its computed tokens (prompt + output, minus the last sampled
    token, whose KV was never computed) that hold at least one generated token become
    a :class:`SaveSpec`. ``request_finished`` returns ``True`` so vLLM keeps the blocks
@@ -34,14 +34,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from core.config import KVRelayConfig
-from core.placement import place_helper_thread
-from core.telemetry import EventLog, metrics
-from kernels.blocks import KVLayout, gather_record
-from transport.keys import chunk_keys
-from transport.secrets import load_secret
-from transport.store.records import seal_for
-from transport.store.tiers import RedisTier
+from kvrelay.common.keys import chunk_keys
+from kvrelay.common.secrets import load_secret
+from kvrelay.core.chunk_records import gather_record
+from kvrelay.core.config import KVRelayConfig
+from kvrelay.core.placement import place_helper_thread
+from kvrelay.core.telemetry import EventLog, metrics
+from kvrelay.kernels.layout import KVLayout
+from kvrelay.store.records import seal_for
+from kvrelay.store.tiers import RedisTier
 
 log = logging.getLogger("vllm.kvrelay.decode")
 

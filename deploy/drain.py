@@ -6,7 +6,7 @@ Contract
   group (a SIGKILL of the group still takes everything down) and returns its exit status.
 * **SIGTERM to the supervisor** (what Kubernetes sends a pod's PID 1) drains the node:
 
-  1. the drain file says DRAINING (:mod:`core.drain`): the engine's ``/health`` answers
+  1. the drain file says DRAINING (:mod:`kvrelay.core.drain`): the engine's ``/health`` answers
      503, so routers and readiness probes take the node out; a decode node keeps
      admitting requests with pull params (the loads already aimed at it), a prefill node
      admits nothing new; the requests, loads and pushes in flight go on;
@@ -35,7 +35,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core.drain import DrainPhase, write_phase
+from kvrelay.core.drain import DrainPhase, write_phase
 
 log = logging.getLogger("kvrelay.drain")
 BUSY_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")

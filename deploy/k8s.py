@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-from core import config as kcfg
-from transport.secrets import generate_secret
+from kvrelay.common.secrets import generate_secret
+from kvrelay.core import config as kcfg
 
 PART_OF = "kvrelay"
 CONFIG_DIR, SECRET_DIR = "/etc/kvrelay/config", "/etc/kvrelay/secret"

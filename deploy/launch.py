@@ -24,12 +24,11 @@ from pathlib import Path
 
 import msgspec
 import yaml
-
-from core import config as kcfg
-from core.config import KVRelayConfig
-from core.telemetry import read_events
-from core.vllm_plugin import BUSY_LOOP_ENV
-from transport.secrets import SECRET_ENV, write_secret_file
+from kvrelay.common.secrets import SECRET_ENV, write_secret_file
+from kvrelay.core import config as kcfg
+from kvrelay.core.config import KVRelayConfig
+from kvrelay.core.telemetry import read_events
+from kvrelay.core.vllm_plugin import BUSY_LOOP_ENV
 
 TINY_NAME = "kvrelay-tiny"
 
@@ -56,7 +55,7 @@ def model_path(cfg: KVRelayConfig) -> str:
     """The configured model, or the built-in tiny model (created on first use)."""
     if cfg.engine.model:
         return cfg.engine.model
-    from deploy.tiny_model import ensure_tiny_model
+    from kvrelay.deploy.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(Path(cfg.engine.tiny_model_dir).expanduser()))
 
@@ -75,7 +74,7 @@ def node_specs(cfg: KVRelayConfig) -> list[NodeSpec]:
 
 
 def drain_path(cfg: KVRelayConfig, spec: NodeSpec) -> str:
-    """Node ``spec``'s drain file (:mod:`core.drain`): ``connector.drain_file``, else one per node and port."""
+    """Node ``spec``'s drain file (:mod:`kvrelay.core.drain`): ``connector.drain_file``, else one per node and port."""
     return cfg.connector.drain_file or str(Path(tempfile.gettempdir()) / f"kvrelay-{spec.name}-{spec.port}.drain")
 
 
@@ -106,11 +105,11 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
            "--max-model-len", str(cfg.engine.max_model_len), "--disable-uvicorn-access-log"]
     dtype = cfg.engine.dtype
     if dtype == "auto" and (Path(cmd[4]) / "KVRELAY_TINY_MODEL").exists():
-        dtype = "float32"                     # the tiny model: see deploy.tiny_model
+        dtype = "float32"                     # the tiny model: see kvrelay.deploy.tiny_model
     cmd += ["--dtype", dtype]
     if spec.role is not Role.SINGLE:
         cmd += ["--kv-transfer-config", json.dumps(connector_config(cfg, spec)),
-                "--middleware", "core.guard.kvrelay_guard",    # 400 for forged params, 503 while draining
+                "--middleware", "kvrelay.core.guard.kvrelay_guard",    # 400 for forged params, 503 while draining
                 "--shutdown-timeout", str(math.ceil(cfg.engine.drain_timeout_s))]   # SIGTERM finishes in-flight work
     if cfg.tracing.endpoint:                  # vLLM's request spans join the router's trace
         cmd += ["--otlp-traces-endpoint", cfg.tracing.endpoint]

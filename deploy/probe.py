@@ -5,7 +5,7 @@ node, its transfer endpoint accepts a connection (a decode node whose engine is 
 whose receiver is gone would take requests it cannot load KV for). Exit status 0 when
 healthy, 1 otherwise, with one line saying what failed.
 
-A node that drains (SIGTERM, :mod:`core.drain`) answers ``/health`` with 503: not ready, so
+A node that drains (SIGTERM, :mod:`kvrelay.core.drain`) answers ``/health`` with 503: not ready, so
 a readiness probe takes it out of its Service. ``--liveness`` counts a draining node as
 alive, so the kubelet lets it finish its in-flight work instead of restarting it.
 """
@@ -18,7 +18,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from core.drain import DRAINING_HEADER
+from kvrelay.core.drain import DRAINING_HEADER
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -59,9 +59,9 @@ pip_step "nixl._api wrapper (no deps)" install --no-deps "nixl==1.5.1"
 "$VENV/bin/python" - <<'PYCHECK'
 import importlib, sys
 missing = []
-for mod in ("torch", "zmq", "msgspec", "xxhash", "nixl._api", "ucxx", "pytest", "hypothesis", "transport", "kvrelay",
-            "vllm", "transformers", "aiohttp", "openai", "redis", "importlinter", "core.config", "deploy.launch",
-            "prefill.connector", "decode.connector"):
+for mod in ("torch", "zmq", "msgspec", "xxhash", "nixl._api", "ucxx", "pytest", "hypothesis", "kvrelay", "kvrelay.transport",
+            "vllm", "transformers", "aiohttp", "openai", "redis", "importlinter", "kvrelay.core.config", "kvrelay.deploy.launch",
+            "kvrelay.prefill.connector", "kvrelay.decode.connector"):
     try:
         importlib.import_module(mod)
     except Exception as exc:  # report every missing piece at once

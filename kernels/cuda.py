@@ -4,7 +4,7 @@ One kernel for both directions (``GATHER`` is a compile-time flag).
 Grid: ``(L * n, ceil(words_per_block / BLOCK))``; program ``(p, q)`` copies words
 ``[q*BLOCK, (q+1)*BLOCK)`` of block ``block_ids[p % n]`` of layer ``p // n``.
 Blocks are moved as 16-byte words when ``bytes_per_block`` allows (else 4-byte),
-so the copy is bandwidth-bound. The pure-torch versions in :mod:`kernels.blocks`
+so the copy is bandwidth-bound. The pure-torch versions in :mod:`kvrelay.kernels.blocks`
 are the reference; ``tests/gpu/check.sh`` checks and times these on a GPU.
 Importing this module without Triton or CUDA is safe; :func:`available` says so.
 """
@@ -15,8 +15,7 @@ import functools
 from typing import Any
 
 import torch
-
-from kernels.blocks import KVLayout
+from kvrelay.kernels.layout import KVLayout
 
 
 @functools.cache

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core import config as kcfg
 from kvrelay import __version__
-from transport.errors import KVRelayError
-from transport.secrets import load_secret
+from kvrelay.common.errors import KVRelayError
+from kvrelay.common.secrets import load_secret
+from kvrelay.core import config as kcfg
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
@@ -20,21 +20,21 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_transfer(args: argparse.Namespace) -> int:
-    from bench import transfer
+    from kvrelay.bench import transfer
 
     return transfer.main(args)
 
 
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
-    from deploy.tiny_model import make_tiny_model
+    from kvrelay.deploy.tiny_model import make_tiny_model
 
     print(make_tiny_model(args.dir, "wide" if args.wide else "narrow"))
     return 0
 
 
 def _cmd_router(args: argparse.Namespace) -> int:
-    from core.logs import setup
-    from router.app import run
+    from kvrelay.core.logs import setup
+    from kvrelay.router.app import run
 
     cfg = kcfg.config_from_args(args)
     setup(cfg.log_format)
@@ -48,8 +48,8 @@ def _cmd_router(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from core.logs import LogFormat, setup, vllm_logging_config
-    from deploy import launch
+    from kvrelay.core.logs import LogFormat, setup, vllm_logging_config
+    from kvrelay.deploy import launch
 
     cfg = kcfg.config_from_args(args)
     role = launch.Role(args.role)
@@ -69,7 +69,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         env["VLLM_LOGGING_CONFIG_PATH"] = vllm_logging_config(launch.drain_path(cfg, spec) + ".logging.json")
     if role is launch.Role.SINGLE:
         os.execvpe(cmd[0], cmd, env)
-    from deploy.drain import DrainPlan, supervise
+    from kvrelay.deploy.drain import DrainPlan, supervise
 
     setup(cfg.log_format)
     host = "127.0.0.1" if cfg.deploy.host in ("0.0.0.0", "::") else cfg.deploy.host
@@ -78,7 +78,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_secret(args: argparse.Namespace) -> int:
-    from transport.secrets import write_secret_file
+    from kvrelay.common.secrets import write_secret_file
 
     path = write_secret_file(args.file)
     print(f"kvrelay: wrote a new shared secret to {path} (mode 0600); point transport.secret_file at it "
@@ -91,7 +91,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import threading
     import time
 
-    from deploy import launch
+    from kvrelay.deploy import launch
 
     cfg = kcfg.config_from_args(args)
     stack = launch.Stack(cfg)
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_ops_commands(sub: argparse._SubParsersAction) -> None:
     """probe, deploy k8s, dashboard: what operators run around a deployment."""
-    from deploy import dashboard, k8s, probe
+    from kvrelay.deploy import dashboard, k8s, probe
 
     db = sub.add_parser("dashboard", help="render the Grafana dashboard's panels as a PNG from a live Prometheus",
                         description=(dashboard.__doc__ or "").split("\n\n")[1])
@@ -198,7 +198,7 @@ def _add_ops_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
-    from deploy import warmup
+    from kvrelay.deploy import warmup
 
     w = sub.add_parser("warmup", help="run hot prompts through prefill nodes so their chunks land in the store",
                        description=(warmup.__doc__ or "").split("\n\n")[1])
@@ -208,38 +208,38 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
 
 def _add_bench_commands(b: argparse.ArgumentParser) -> None:
     bsub = b.add_subparsers(dest="bench", metavar="BENCH", required=True)
-    from bench.transfer import add_args
+    from kvrelay.bench.transfer import add_args
 
     t = bsub.add_parser("transfer", help="chunk transfer latency/bandwidth per backend vs same-run ceilings",
                         description="Sweeps backends x chunk sizes x windows between two processes and "
                         "prints a table, writes JSON and a PNG plot.")
     add_args(t)
     t.set_defaults(func=_cmd_bench_transfer)
-    from bench import e2e
+    from kvrelay.bench import e2e
 
     e = bsub.add_parser("e2e", help="TTFT/ITL: kvrelay PD vs single vLLM vs vLLM NixlConnector (stock and fair)",
                         description=(e2e.__doc__ or "").split("\n\n")[0])
     e2e.add_args(e)
     e.set_defaults(func=e2e.main)
-    from bench import breakdown
+    from kvrelay.bench import breakdown
 
     bd = bsub.add_parser("breakdown", help="where kvrelay's first token spends its time over one vLLM's, step by step",
                          description=(breakdown.__doc__ or "").split("\n\n")[0])
     breakdown.add_args(bd)
     bd.set_defaults(func=breakdown.main)
-    from bench import proxy
+    from kvrelay.bench import proxy
 
     r = bsub.add_parser("router", help="router overhead: added latency and streamed req/s vs direct and a toy proxy",
                         description=(proxy.__doc__ or "").split("\n\n")[0])
     proxy.add_args(r)
     r.set_defaults(func=proxy.main)
-    from bench import serve
+    from kvrelay.bench import serve
 
     sv = bsub.add_parser("serve", help="goodput under load (Poisson rates, vLLM's serving client): PD vs one vLLM",
                          description=(serve.__doc__ or "").split("\n\n")[0])
     serve.add_args(sv)
     sv.set_defaults(func=serve.main)
-    from bench import multiturn
+    from kvrelay.bench import multiturn
 
     mt = bsub.add_parser("multiturn", help="multi-turn chat TTFT with the prefill store on vs off",
                          description=(multiturn.__doc__ or "").split("\n\n")[1])

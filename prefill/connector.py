@@ -31,55 +31,18 @@ write error aborts the transfer; D sees the failure and recomputes.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from core.config import KVRelayConfig
-from core.connector_base import RelayConnector, RelayMeta, is_multimodal
-from core.guard import count_refusal, verifier_for
-from core.params import ParamsError, ParamsVerifier, PushParams
-from core.tracing import traceparent_of
-from prefill.lookup import StoreClient, hit_limit, lookup_endpoint
-
-if TYPE_CHECKING:
-    from prefill.pusher import PushWorker
+from kvrelay.core.config import KVRelayConfig
+from kvrelay.core.connector_base import RelayConnector, is_multimodal
+from kvrelay.core.guard import count_refusal, verifier_for
+from kvrelay.core.params import ParamsError, ParamsVerifier, PushParams
+from kvrelay.core.tracing import traceparent_of
+from kvrelay.prefill.lookup import StoreClient, hit_limit, lookup_endpoint
+from kvrelay.prefill.messages import PrefillMeta, PushSpec, StoreLoad
+from kvrelay.prefill.pusher import PushWorker
 
 log = logging.getLogger("vllm.kvrelay.prefill")
-
-
-@dataclass
-class PushSpec:
-    """One push request's state for this step (scheduler -> worker)."""
-
-    req_id: str
-    transfer_id: str
-    push_to: str
-    prompt_len: int
-    block_ids: list[int]
-    ready: int                                   # prompt tokens whose KV exists after this step
-    token_ids: list[int] | None = None           # sent once, with the first spec
-    store_from: int = -1                         # store full chunks from this token on: the store's own hit (-1: none)
-    early: bool = False                          # D registers after P answers: D grants without waiting
-    traceparent: str = ""                        # the router's trace (core/tracing.py), with the first spec
-
-
-@dataclass
-class StoreLoad:
-    """Load tokens [start, end) of a prompt from the store into its blocks, before this step's forward."""
-
-    req_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    start: int
-    end: int
-
-
-@dataclass
-class PrefillMeta(RelayMeta):
-    pushes: list[PushSpec] = field(default_factory=list)
-    loads: list[StoreLoad] = field(default_factory=list)
-    finished: list[str] = field(default_factory=list)   # requests whose block free we delayed
-    preempted: list[str] = field(default_factory=list)  # tracked requests vLLM preempted this step
 
 
 class PrefillScheduler:
@@ -198,9 +161,9 @@ class PrefillScheduler:
         return bool(self._delayed or self._finished)
 
 
-class PrefillConnector(RelayConnector["PushWorker"]):
+class PrefillConnector(RelayConnector[PushWorker]):
     """Producer connector. Load with ``--kv-transfer-config '{"kv_connector": "PrefillConnector",
-    "kv_connector_module_path": "prefill.connector", "kv_role": "kv_producer",
+    "kv_connector_module_path": "kvrelay.prefill.connector", "kv_role": "kv_producer",
     "kv_connector_extra_config": {"kvrelay": {...}}}'``."""
 
     def make_scheduler(self, vllm_config: Any) -> PrefillScheduler:
@@ -209,8 +172,6 @@ class PrefillConnector(RelayConnector["PushWorker"]):
         return PrefillScheduler(self.cfg, client)
 
     def make_worker(self, vllm_config: Any) -> PushWorker:
-        from prefill.pusher import PushWorker
-
         return PushWorker(self.cfg, vllm_config)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

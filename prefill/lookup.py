@@ -1,7 +1,7 @@
 """The scheduler's prefix lookup: how many leading prompt tokens the worker's store holds.
 
 vLLM runs the connector's scheduler half and worker half in different processes. The
-store lives in the worker (:mod:`prefill.store_service`), so the scheduler asks it over
+store lives in the worker (:mod:`kvrelay.prefill.store_service`), so the scheduler asks it over
 a local ZeroMQ socket. A lookup that times out (``store.lookup_timeout_s``) counts as a
 miss: the prompt is computed, the request never fails.
 """

@@ -16,7 +16,7 @@ list. Its payload is ``[layer][block]`` whole blocks (opaque bytes).
 How a chunk leaves is the backend's call, not a branch on its name: a backend with
 ``capabilities.registered_layout`` gets the host KV cache registered once and each
 chunk named by its block ids (no copy); any other gets the chunk gathered into one
-host buffer (a resident one lent by :mod:`prefill.staging`, taken back when the write is
+host buffer (a resident one lent by :mod:`kvrelay.prefill.staging`, taken back when the write is
 done). A chunk already gathered for the store is sent from that buffer.
 ``connector.push_hook`` (``"module:function"``) sees every chunk after its header
 (and checksum) is built and returns the bytes to send: tests install their fault
@@ -32,29 +32,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-from core.config import KVRelayConfig
-from core.connector_base import WorkerBase
-from core.logs import bind
-from core.placement import place_helper_thread
-from kernels.blocks import KVLayout, gather_into_host
-from prefill.staging import Staged, StagingPool, staging_slots
-from prefill.store_service import StoreService
-from transport.backends import make_sender_backend
-from transport.backends.base import (
-    BlockPayload,
-    MemRegion,
-    Payload,
-    SenderBackend,
-    SourceLayout,
-    WriteHandle,
-    WriteState,
-)
-from transport.config import TransportConfig
-from transport.errors import (
+from kvrelay.common.errors import (
     HandshakeError,
     KVRelayError,
     PeerDeadError,
@@ -63,12 +44,29 @@ from transport.errors import (
     TransferTimeout,
     TransportError,
 )
-from transport.keys import chunk_keys
-from transport.sender import Allocation, PendingAlloc, Sender
-from transport.wire import HEADER_SIZE, DType, make_header
-
-if TYPE_CHECKING:
-    from prefill.connector import PushSpec, StoreLoad
+from kvrelay.common.keys import chunk_keys
+from kvrelay.common.wire import HEADER_SIZE, DType, make_header
+from kvrelay.core.config import KVRelayConfig
+from kvrelay.core.connector_base import WorkerBase
+from kvrelay.core.logs import bind
+from kvrelay.core.placement import place_helper_thread
+from kvrelay.kernels.blocks import gather_into_host
+from kvrelay.kernels.layout import KVLayout
+from kvrelay.prefill.messages import PushSpec, StoreLoad
+from kvrelay.prefill.staging import Staged, StagingPool, staging_slots
+from kvrelay.prefill.store_service import StoreService
+from kvrelay.transport.backends import make_sender_backend
+from kvrelay.transport.backends.base import (
+    BlockPayload,
+    MemRegion,
+    Payload,
+    SenderBackend,
+    SourceLayout,
+    WriteHandle,
+    WriteState,
+)
+from kvrelay.transport.config import TransportConfig
+from kvrelay.transport.sender import Allocation, PendingAlloc, Sender
 
 log = logging.getLogger("vllm.kvrelay.prefill")
 

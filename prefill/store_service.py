@@ -1,6 +1,6 @@
 """The prefill worker's store service: the multi-tier store, the lookup server, chunk loads and saves.
 
-* the scheduler's :class:`prefill.lookup.StoreClient` asks :meth:`StoreService._serve`
+* the scheduler's :class:`kvrelay.prefill.lookup.StoreClient` asks :meth:`StoreService._serve`
   (a local ZeroMQ REP socket) how many leading prompt tokens are stored;
 * the hit is loaded **synchronously** in ``start_load_kv`` of the step that computes
   the rest of the prompt (:meth:`StoreService.load_into`), with ``prefetch_ahead``
@@ -22,18 +22,19 @@ from typing import Any
 import msgspec
 import torch
 import zmq
-
-from core.config import KVRelayConfig
-from core.placement import place_helper_thread
-from core.telemetry import EventLog, metrics
-from kernels.blocks import KVLayout, gather_record, record_payload, scatter
-from prefill.lookup import SLOW_LOOKUP_S, Lookup, LookupReply, hit_limit, lookup_endpoint
-from transport.errors import KVRelayError
-from transport.keys import chunk_keys
-from transport.secrets import load_secret
-from transport.store.events import Publisher
-from transport.store.records import read_record, seal_for
-from transport.store.store import MultiTierStore
+from kvrelay.common.errors import KVRelayError
+from kvrelay.common.keys import chunk_keys
+from kvrelay.common.secrets import load_secret
+from kvrelay.core.chunk_records import gather_record, record_payload
+from kvrelay.core.config import KVRelayConfig
+from kvrelay.core.placement import place_helper_thread
+from kvrelay.core.telemetry import EventLog, metrics
+from kvrelay.kernels.blocks import scatter
+from kvrelay.kernels.layout import KVLayout
+from kvrelay.prefill.lookup import SLOW_LOOKUP_S, Lookup, LookupReply, hit_limit, lookup_endpoint
+from kvrelay.store.events import Publisher
+from kvrelay.store.records import read_record, seal_for
+from kvrelay.store.store import MultiTierStore
 
 log = logging.getLogger("vllm.kvrelay.prefill")
 

@@ -9,19 +9,19 @@ Per completion request:
 3. stream D's answer back unchanged (SSE bytes exactly as vLLM emits them, or the
    JSON body), with ``X-Request-Id`` propagated both ways.
 
-Who gets in (:mod:`router.limits`): with API keys configured, ``/v1`` requests need
+Who gets in (:mod:`kvrelay.router.limits`): with API keys configured, ``/v1`` requests need
 ``Authorization: Bearer KEY`` (else 401); a per-key token bucket (429); a body over
 ``router.max_body_bytes`` (JSON 413); admission control - ``router.max_inflight`` per
 decode node, a bounded FIFO queue behind it, then 429 with ``Retry-After``. The
-``kv_transfer_params`` the router sends engines are signed (:class:`core.params.ParamsSigner`).
+``kv_transfer_params`` the router sends engines are signed (:class:`kvrelay.core.params.ParamsSigner`).
 
-Ids (:mod:`router.job`): the client's ``X-Request-Id`` is echoed and logged; transfer ids
+Ids (:mod:`kvrelay.router.job`): the client's ``X-Request-Id`` is echoed and logged; transfer ids
 are the router's own. The router never forwards a client's ``kv_transfer_params``.
 
 What goes to a decode node alone (no prefill, no transfer), so that vLLM judges and answers
 it exactly as one vLLM would: bodies that are not JSON objects (sent verbatim), fields vLLM
-must refuse itself (:mod:`router.validate`), and requests that would share one transfer
-(``n`` > 1, lists of prompts, multimodal content: :func:`router.split.decode_only_reason`).
+must refuse itself (:mod:`kvrelay.router.validate`), and requests that would share one transfer
+(``n`` > 1, lists of prompts, multimodal content: :func:`kvrelay.router.split.decode_only_reason`).
 Failures: engine 4xx answers (e.g. a prompt over ``max_model_len``) pass through, and P's
 request is cancelled at once; if P fails (connection error or 5xx) the prefill is
 retried once on another P with the same transfer id - and if none is left, D
@@ -48,19 +48,19 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import generate_latest
-
-from core.config import FirstToken, KVRelayConfig, RoutingPolicy
-from core.logs import set_ids
-from core.params import ParamsSigner, PullParams, PushParams
-from core.tracing import annotate, request_span, tracer
-from router import responses, split, validate
-from router.cache_index import ChunkIndex, PromptTokenizer
-from router.discovery import Discovery, Resolver, parse_dns, system_resolver
-from router.job import Job, RequestIds
-from router.limits import Admission, ApiKeys, Overloaded, RateLimits
-from router.metrics import RouterMetrics
-from router.pools import (
+from kvrelay.common.errors import ConfigError
+from kvrelay.common.secrets import load_secret
+from kvrelay.core.config import FirstToken, KVRelayConfig, RoutingPolicy
+from kvrelay.core.logs import set_ids
+from kvrelay.core.params import ParamsSigner, PullParams, PushParams
+from kvrelay.core.tracing import annotate, request_span, tracer
+from kvrelay.router import responses, split, validate
+from kvrelay.router.cache_index import ChunkIndex, PromptTokenizer
+from kvrelay.router.discovery import Discovery, Resolver, parse_dns, system_resolver
+from kvrelay.router.job import Job, RequestIds
+from kvrelay.router.limits import Admission, ApiKeys, Overloaded, RateLimits
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.pools import (
     Node,
     NoHealthyNode,
     Pool,
@@ -70,11 +70,10 @@ from router.pools import (
     is_dns,
     pools_from_config,
 )
-from router.responses import error_response, too_many
-from router.split_path import SplitPath
-from router.upstream import note_draining
-from transport.errors import ConfigError
-from transport.secrets import load_secret
+from kvrelay.router.responses import error_response, too_many
+from kvrelay.router.split_path import SplitPath
+from kvrelay.router.upstream import note_draining
+from prometheus_client import generate_latest
 
 log = logging.getLogger("kvrelay.router")
 

@@ -5,7 +5,7 @@ PUB socket; the router subscribes to every node and keeps ``key -> {nodes}``. To
 request it tokenises the prompt with the model's tokenizer exactly as vLLM does
 (completions: the prompt; chat: the chat template with the generation prompt), computes
 the chunk keys with the fingerprint the nodes announced, and asks which node holds the
-longest run of leading keys. The pick (:meth:`router.pools.Pool.pick`) weighs that against
+longest run of leading keys. The pick (:meth:`kvrelay.router.pools.Pool.pick`) weighs that against
 load, both in prompt tokens: the node with the least ``prompt - cached + load_weight *
 pending`` wins, ``pending`` being the prompt tokens sent to that node and not yet answered.
 
@@ -24,10 +24,9 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
-
-from router.pools import Pool, PrefixHint
-from transport.keys import chunk_keys_from_digest
-from transport.store.events import StoreEvent, decode_event
+from kvrelay.common.keys import chunk_keys_from_digest
+from kvrelay.router.pools import Pool, PrefixHint
+from kvrelay.store.events import StoreEvent, decode_event
 
 log = logging.getLogger("kvrelay.router")
 

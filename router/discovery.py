@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from router.pools import DNS_PREFIX, Node, Pool
+from kvrelay.router.pools import DNS_PREFIX, Node, Pool
 
 log = logging.getLogger("kvrelay.router")
 

@@ -21,8 +21,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from core.config import RouterConfig
-from transport.errors import ConfigError, KVRelayError
+from kvrelay.common.errors import ConfigError, KVRelayError
+from kvrelay.core.config import RouterConfig
 
 API_KEY_ENV = "KVRELAY_API_KEY"
 MAX_BUCKETS = 100_000          # distinct clients tracked; the least recently seen is forgotten

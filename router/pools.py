@@ -9,9 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
-
-from core.config import RouterConfig, RoutingPolicy
-from transport.errors import KVRelayError
+from kvrelay.common.errors import KVRelayError
+from kvrelay.core.config import RouterConfig, RoutingPolicy
 
 log = logging.getLogger("kvrelay.router")
 
@@ -121,7 +120,7 @@ def is_dns(entry: str) -> bool:
 
 def pools_from_config(cfg: RouterConfig) -> tuple[Pool, Pool]:
     """The static entries of ``router.prefill`` / ``router.decode``; ``dns+`` entries are
-    left to :class:`router.discovery.Discovery` (the pool may then start empty)."""
+    left to :class:`kvrelay.router.discovery.Discovery` (the pool may then start empty)."""
     pre = [e for e in cfg.prefill if not is_dns(e)]
     dec = [e for e in cfg.decode if not is_dns(e)]
     prefill = Pool("prefill", [parse_prefill(u) for u in pre], cfg.policy, discovered=len(pre) < len(cfg.prefill))

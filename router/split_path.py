@@ -1,12 +1,12 @@
 """The split path (``router.first_token: prefill``): token 1 from P, the rest from D.
 
-See :mod:`router.split` for the request and answer shapes. This module runs one request:
+See :mod:`kvrelay.router.split` for the request and answer shapes. This module runs one request:
 ask P for token 1 (with an early push to D unless token 1 may be the whole answer), write
 it to the client at once, and stream D's token-id continuation in the client's format.
 Anything it cannot continue exactly - P's answer lacks token ids, a parser rewrote it, a
 chat request's context limit is unknown - goes the decode path instead.
 
-D always gets an explicit budget (:func:`router.split.answer_budget` less token 1): the
+D always gets an explicit budget (:func:`kvrelay.router.split.answer_budget` less token 1): the
 client's, or what one vLLM would allow when the client sent none.
 """
 
@@ -20,13 +20,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-
-from core.params import ParamsSigner, PullParams, PushParams, params_dict
-from core.tracing import with_traceparent
-from router import responses, split
-from router.job import Job
-from router.pools import Node, NoHealthyNode, PrefillWork
-from router.upstream import Upstream
+from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
+from kvrelay.core.tracing import with_traceparent
+from kvrelay.router import responses, split
+from kvrelay.router.job import Job
+from kvrelay.router.pools import Node, NoHealthyNode, PrefillWork
+from kvrelay.router.upstream import Upstream
 
 log = logging.getLogger("kvrelay.router")
 

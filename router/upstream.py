@@ -1,11 +1,11 @@
 """Talking to engines: one POST with the keep-alive retry, and decode nodes that drain or vanish.
 
-The router's request paths (:mod:`router.app`) use these helpers; they own no request state.
+The router's request paths (:mod:`kvrelay.router.app`) use these helpers; they own no request state.
 
 * :meth:`Upstream._send` - POST and read, once more if a pooled connection turned out to be
   closed before the engine saw the request (keep-alive race).
 * :meth:`Upstream._open_decode` - POST to a decode node and return the open response. A node
-  that is draining (503 with ``X-Kvrelay-Draining``, :mod:`core.drain`) or refuses the
+  that is draining (503 with ``X-Kvrelay-Draining``, :mod:`kvrelay.core.drain`) or refuses the
   connection has not seen the request, so it goes to the next healthy decode node - without
   pull params: the KV was pushed to the first one, the new node computes the prompt itself.
   Clients see no error for a node that leaves.
@@ -23,12 +23,11 @@ from typing import Any, TypeVar
 
 import aiohttp
 import orjson
-
-from core.config import KVRelayConfig
-from core.drain import DRAINING_HEADER
-from core.tracing import inject
-from router.metrics import RouterMetrics
-from router.pools import Node, NoHealthyNode, Pool
+from kvrelay.core.config import KVRelayConfig
+from kvrelay.core.drain import DRAINING_HEADER
+from kvrelay.core.tracing import inject
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.pools import Node, NoHealthyNode, Pool
 
 log = logging.getLogger("kvrelay.router")
 _T = TypeVar("_T")

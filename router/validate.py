@@ -12,7 +12,7 @@ says which:
 * chat ``messages``: not a non-empty list; ``prompt``: neither a string nor token ids.
 
 Several sequences (``n``, ``best_of``), lists of prompts and multimodal content also go to
-a decode node alone, but because they would share one transfer (:func:`router.split.decode_only_reason`).
+a decode node alone, but because they would share one transfer (:func:`kvrelay.router.split.decode_only_reason`).
 """
 
 from __future__ import annotations

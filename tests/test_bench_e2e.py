@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from bench.e2e import Samples, System, measure_interleaved, paired_ratio, rotation, rows_of
+from kvrelay.bench.e2e import Samples, System, measure_interleaved, paired_ratio, rotation, rows_of
 
 
 class _Bar:
@@ -62,7 +62,7 @@ def test_a_round_one_system_missed_is_left_out_of_its_pairs() -> None:
 
 
 def test_the_breakdown_charges_each_step_with_what_it_adds_over_the_previous_one() -> None:
-    from bench.breakdown import STEPS, summarize
+    from kvrelay.bench.breakdown import STEPS, summarize
 
     # single-p drifts 10 -> 30 ms over the rounds; each later step adds 1 ms more in every round
     base = [0.010, 0.020, 0.030]
@@ -75,7 +75,7 @@ def test_the_breakdown_charges_each_step_with_what_it_adds_over_the_previous_one
 
 
 def test_systems_that_do_not_fit_in_memory_together_run_one_after_the_other(tmp_path, capsys) -> None:
-    from bench.e2e import fits_together
+    from kvrelay.bench.e2e import fits_together
 
     labels = ["single", "single-p", "kvrelay-tcp", "kvrelay-nixl", "nixl-fair"]     # 8 engines
     roomy, tight = tmp_path / "roomy", tmp_path / "tight"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.transfer import consumer_cost, consumer_table
-from transport.wire import FUSE_FROM
+from kvrelay.bench.transfer import consumer_cost, consumer_table
+from kvrelay.common.wire import FUSE_FROM
 
 
 def test_consumer_cost_times_every_step_and_states_the_ratios():

@@ -1,9 +1,9 @@
 import pytest
-
-from core import config
-from transport.config import TransportKind, parse_size
-from transport.errors import ConfigError, KVRelayError
-from transport.store.config import EvictionPolicy
+from kvrelay.common.config import parse_size
+from kvrelay.common.errors import ConfigError, KVRelayError
+from kvrelay.core import config
+from kvrelay.store.config import EvictionPolicy
+from kvrelay.transport.config import TransportKind
 
 
 def test_defaults_match_the_design():
@@ -75,10 +75,9 @@ def test_every_config_key_has_help_and_appears_in_up_help():
 
 def test_a_decode_node_binding_every_address_must_say_which_one_to_announce():
     import msgspec
-
-    from transport.backends import make_receiver_backend
-    from transport.backends.sockets import SocketInfo
-    from transport.config import TransportConfig
+    from kvrelay.transport.backends import make_receiver_backend
+    from kvrelay.transport.backends.sockets import SocketInfo
+    from kvrelay.transport.config import TransportConfig
 
     with pytest.raises(ConfigError, match="advertise_host"):
         make_receiver_backend(TransportConfig(backend=TransportKind.TCP, host="0.0.0.0"))
@@ -94,7 +93,7 @@ def test_a_decode_node_binding_every_address_must_say_which_one_to_announce():
 def test_numbers_given_where_the_field_is_text_are_taken_as_text():
     # `--connector.helper_cpus 3` and a numeric vLLM argument in a list used to fail with
     # "Expected `str`, got `int`": YAML reads 3 as a number; the field wants the text.
-    from core import config as kcfg
+    from kvrelay.core import config as kcfg
 
     cfg = kcfg.load(overrides=["connector.helper_cpus=3", "engine.prefill_args=[--max-num-seqs, 8]",
                                "engine.served_model_name=true"])

@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from core import config as kcfg  # noqa: E402
-from core import params as pd  # noqa: E402
-from decode.connector import DecodeScheduler  # noqa: E402
-from prefill.connector import PrefillScheduler  # noqa: E402
+from kvrelay.core import config as kcfg  # noqa: E402
+from kvrelay.core import params as pd  # noqa: E402
+from kvrelay.decode.connector import DecodeScheduler  # noqa: E402
+from kvrelay.prefill.connector import PrefillScheduler  # noqa: E402
 
 
 @dataclass

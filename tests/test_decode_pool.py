@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("vllm")
 
-from core import config as kcfg  # noqa: E402
-from decode.installer import AUTO_POOL_MIN_BYTES, InstallWorker, receive_pool_bytes  # noqa: E402
-from transport.errors import ConfigError  # noqa: E402
+from kvrelay.common.errors import ConfigError  # noqa: E402
+from kvrelay.core import config as kcfg  # noqa: E402
+from kvrelay.decode.installer import AUTO_POOL_MIN_BYTES, InstallWorker, receive_pool_bytes  # noqa: E402
 
 MiB = 1 << 20
 

@@ -12,16 +12,17 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from bench.local_redis import REDIS, redis_server  # noqa: E402
-from core import config as kcfg  # noqa: E402
-from core.telemetry import EventLog  # noqa: E402
-from decode.saver import DecodeSaver, SaveSpec  # noqa: E402
-from kernels.blocks import KVLayout  # noqa: E402
+from kvrelay.bench.local_redis import REDIS, redis_server  # noqa: E402
+from kvrelay.common.keys import Fingerprint, chunk_keys  # noqa: E402
+from kvrelay.common.wire import HEADER_SIZE, verify_chunk  # noqa: E402
+from kvrelay.core import config as kcfg  # noqa: E402
+from kvrelay.core.telemetry import EventLog  # noqa: E402
+from kvrelay.decode.saver import DecodeSaver, SaveSpec  # noqa: E402
+from kvrelay.kernels.layout import KVLayout  # noqa: E402
+from kvrelay.store.records import seal_for  # noqa: E402
+from kvrelay.store.tiers import RedisTier  # noqa: E402
+
 from tests.test_kernels import BS, expected_chunk, vllm_like_caches  # noqa: E402
-from transport.keys import Fingerprint, chunk_keys  # noqa: E402
-from transport.store.records import seal_for  # noqa: E402
-from transport.store.tiers import RedisTier  # noqa: E402
-from transport.wire import HEADER_SIZE, verify_chunk  # noqa: E402
 
 FP = Fingerprint("tiny", "bf16", "cpu", BS, 4, 65536)
 T = 256                                     # chunk_tokens: 2 blocks of 128

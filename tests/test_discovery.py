@@ -11,12 +11,12 @@ import asyncio
 
 import aiohttp
 import pytest
+from kvrelay.core import config as kcfg
+from kvrelay.core.params import PushAllowlist
+from kvrelay.router.app import Router
+from kvrelay.router.discovery import Discovery, parse_dns
+from kvrelay.router.pools import Node, Pool
 
-from core import config as kcfg
-from core.params import PushAllowlist
-from router.app import Router
-from router.discovery import Discovery, parse_dns
-from router.pools import Node, Pool
 from tests.test_router import Fake, fake_node, run, serve
 
 
@@ -98,9 +98,9 @@ def test_cache_aware_routing_follows_dns_discovered_prefill_pods_and_their_store
     # real ZeroMQ store-event publisher; the router discovers them, subscribes to both, and
     # sends a prompt to the pod that announced its chunks. When that pod's address stops
     # resolving, the router forgets what it held and routes to the other.
-    from bench.local_redis import free_port
-    from transport.keys import chunk_keys_from_digest
-    from transport.store.events import Publisher
+    from kvrelay.bench.local_redis import free_port
+    from kvrelay.common.keys import chunk_keys_from_digest
+    from kvrelay.store.events import Publisher
 
     answers = {"kv-prefill": ["127.0.0.1", "127.0.0.2"], "kv-decode": ["127.0.0.1"]}
 

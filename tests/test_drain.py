@@ -14,11 +14,10 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
-
-from core.drain import DRAINING_HEADER, DrainPhase, read_phase, write_phase
-from core.guard import _drain_refusal, _Node
-from deploy import probe
-from deploy.drain import DrainPlan, Supervisor
+from kvrelay.core.drain import DRAINING_HEADER, DrainPhase, read_phase, write_phase
+from kvrelay.core.guard import _drain_refusal, _Node
+from kvrelay.deploy import probe
+from kvrelay.deploy.drain import DrainPlan, Supervisor
 
 # A stand-in for vLLM: exits 0 on SIGTERM (as vLLM does once drained), prints which signal.
 CHILD = [sys.executable, "-c", "import signal, sys, time\n"

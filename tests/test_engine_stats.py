@@ -4,8 +4,8 @@ tests/e2e/test_pd.py checks the whole path on real vLLM (engine /metrics = worke
 
 from __future__ import annotations
 
-from core.engine_stats import RelayStats, StatsTracker
-from core.telemetry import metrics
+from kvrelay.core.engine_stats import RelayStats, StatsTracker
+from kvrelay.core.telemetry import metrics
 
 
 def test_deltas_are_increments_and_changed_gauges_throttled_unless_forced():

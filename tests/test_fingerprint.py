@@ -16,10 +16,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from core import config as kcfg  # noqa: E402
-from core.fingerprint import engine_fingerprint  # noqa: E402
-from kernels.blocks import KVLayout  # noqa: E402
-from transport.keys import chunk_keys  # noqa: E402
+from kvrelay.common.keys import chunk_keys  # noqa: E402
+from kvrelay.core import config as kcfg  # noqa: E402
+from kvrelay.core.fingerprint import engine_fingerprint  # noqa: E402
+from kvrelay.kernels.layout import KVLayout  # noqa: E402
 
 
 def vllm_config(model: str, **over: object) -> SimpleNamespace:

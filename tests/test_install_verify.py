@@ -13,12 +13,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from core import config as kcfg  # noqa: E402
-from decode.connector import LoadSpec  # noqa: E402
-from decode.installer import InstallWorker, _Load  # noqa: E402
-from transport.events import ChunkArrival  # noqa: E402
-from transport.pool import SlotRef  # noqa: E402
-from transport.wire import make_header  # noqa: E402
+from kvrelay.common.wire import make_header  # noqa: E402
+from kvrelay.core import config as kcfg  # noqa: E402
+from kvrelay.decode.installer import InstallWorker, _Load  # noqa: E402
+from kvrelay.decode.messages import LoadSpec  # noqa: E402
+from kvrelay.transport.events import ChunkArrival  # noqa: E402
+from kvrelay.transport.pool import SlotRef  # noqa: E402
 
 BLOCK, CHUNK, LAYERS, NUM_BLOCKS = 16, 32, 3, 12          # 2 blocks per chunk
 

@@ -20,9 +20,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
-
-from core import config as kcfg
-from deploy import k8s, probe
+from kvrelay.core import config as kcfg
+from kvrelay.deploy import k8s, probe
 
 VERSION = k8s.K8S_VERSION
 

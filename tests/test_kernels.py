@@ -5,20 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvrelay.core.chunk_records import gather_record, record_payload
+from kvrelay.kernels import cuda
+from kvrelay.kernels.blocks import gather, gather_into_host, gather_ref, scatter, scatter_ref
+from kvrelay.kernels.layout import KVLayout
+from kvrelay.store.records import check_record, read_record
 
-from kernels import cuda
-from kernels.blocks import (
-    KVLayout,
-    gather,
-    gather_into_host,
-    gather_record,
-    gather_ref,
-    gather_to_host,
-    record_payload,
-    scatter,
-    scatter_ref,
-)
-from transport.store.records import check_record, read_record
+from tests.helpers import gather_to_host
 
 L, NB, H, BS, D2 = 4, 12, 4, 128, 128        # layers, blocks, kv heads, block size, 2*head_size
 
@@ -149,7 +142,7 @@ def test_gpu_backend_layouts_gather_and_scatter_whole_blocks(make, planes):
 
 def test_dispatch_falls_back_to_the_reference_for_layouts_the_kernel_cannot_take(monkeypatch):
     """A CUDA-resident layout without one strided view must not reach the kernel."""
-    from kernels import blocks
+    from kvrelay.kernels import blocks
 
     lay = KVLayout.from_caches({k: v.clone() for k, v in vllm_like_caches().items()})
     assert lay.stacked is None
@@ -192,7 +185,7 @@ def test_cuda_gather_scatter_match_reference():
 def test_scatter_in_runs_of_consecutive_blocks_matches_per_block_copies(separate):
     """The CPU scatter copies each run of consecutive block ids in one slice; every block must
     still land where a block-by-block copy would put it, and no other block may change."""
-    from kernels.blocks import _runs
+    from kvrelay.kernels.blocks import _runs
 
     ids = [5, 6, 7, 1, 10, 11]
     assert _runs(ids) == [(0, 5, 3), (3, 1, 1), (4, 10, 2)] and _runs([]) == []

@@ -25,19 +25,20 @@ import torch
 
 pytest.importorskip("vllm")
 
-from core import config as kcfg  # noqa: E402
-from core import params as pd  # noqa: E402
-from prefill.connector import PrefillScheduler  # noqa: E402
-from prefill.lookup import StoreClient, lookup_endpoint  # noqa: E402
-from prefill.pusher import PushWorker  # noqa: E402
+from kvrelay.common.errors import TransferTimeout  # noqa: E402
+from kvrelay.common.keys import chunk_keys  # noqa: E402
+from kvrelay.common.wire import HEADER_SIZE  # noqa: E402
+from kvrelay.core import config as kcfg  # noqa: E402
+from kvrelay.core import params as pd  # noqa: E402
+from kvrelay.prefill.connector import PrefillScheduler  # noqa: E402
+from kvrelay.prefill.lookup import StoreClient, lookup_endpoint  # noqa: E402
+from kvrelay.prefill.pusher import PushWorker  # noqa: E402
+from kvrelay.store.records import read_record  # noqa: E402
+from kvrelay.transport.backends import make_receiver_backend  # noqa: E402
+from kvrelay.transport.events import ChunkArrival, TransferDone, TransferFailed  # noqa: E402
+from kvrelay.transport.receiver import Receiver  # noqa: E402
+
 from tests.test_connector_state import SIGNER  # noqa: E402
-from transport.backends import make_receiver_backend  # noqa: E402
-from transport.errors import TransferTimeout  # noqa: E402
-from transport.events import ChunkArrival, TransferDone, TransferFailed  # noqa: E402
-from transport.keys import chunk_keys  # noqa: E402
-from transport.receiver import Receiver  # noqa: E402
-from transport.store.records import read_record  # noqa: E402
-from transport.wire import HEADER_SIZE  # noqa: E402
 
 L, NB, H, BS, D2 = 2, 64, 2, 16, 32          # layers, blocks, kv heads, block size, 2*head
 T = 32                                        # chunk_tokens: 2 blocks

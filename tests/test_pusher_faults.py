@@ -24,18 +24,20 @@ import torch
 
 pytest.importorskip("vllm")
 
-from core import config as kcfg  # noqa: E402
-from core.fingerprint import engine_fingerprint  # noqa: E402
-from kernels.blocks import KVLayout, gather_to_host  # noqa: E402
-from prefill.connector import PushSpec  # noqa: E402
-from prefill.pusher import PushWorker  # noqa: E402
-from transport.backends import make_receiver_backend  # noqa: E402
-from transport.backends.base import WriteHandle, WriteState  # noqa: E402
-from transport.backends.sockets import SocketSender  # noqa: E402
-from transport.errors import TransferTimeout  # noqa: E402
-from transport.events import ChunkArrival, TransferDone, TransferFailed  # noqa: E402
-from transport.receiver import Receiver  # noqa: E402
-from transport.wire import HEADER_SIZE  # noqa: E402
+from kvrelay.common.errors import TransferTimeout  # noqa: E402
+from kvrelay.common.wire import HEADER_SIZE  # noqa: E402
+from kvrelay.core import config as kcfg  # noqa: E402
+from kvrelay.core.fingerprint import engine_fingerprint  # noqa: E402
+from kvrelay.kernels.layout import KVLayout  # noqa: E402
+from kvrelay.prefill.messages import PushSpec  # noqa: E402
+from kvrelay.prefill.pusher import PushWorker  # noqa: E402
+from kvrelay.transport.backends import make_receiver_backend  # noqa: E402
+from kvrelay.transport.backends.base import WriteHandle, WriteState  # noqa: E402
+from kvrelay.transport.backends.sockets import SocketSender  # noqa: E402
+from kvrelay.transport.events import ChunkArrival, TransferDone, TransferFailed  # noqa: E402
+from kvrelay.transport.receiver import Receiver  # noqa: E402
+
+from tests.helpers import gather_to_host  # noqa: E402
 
 L, NB, H, BS, D2 = 2, 64, 2, 16, 32          # layers, blocks, kv heads, block size, 2*head
 T = 32                                        # chunk_tokens: 2 blocks

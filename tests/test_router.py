@@ -16,11 +16,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-
-from core import config as kcfg
-from core.drain import DRAINING_HEADER
-from router.app import Router
-from router.pools import Node, Pool, check_once
+from kvrelay.core import config as kcfg
+from kvrelay.core.drain import DRAINING_HEADER
+from kvrelay.router.app import Router
+from kvrelay.router.pools import Node, Pool, check_once
 
 SSE = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
        b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n', b"data: [DONE]\n\n"]
@@ -52,7 +51,7 @@ class Fake:
             return web.Response()
         if self.mode == "http500":
             return web.json_response({"error": {"message": "boom"}}, status=500)
-        if self.mode == "draining":            # core.guard's answer while the node drains
+        if self.mode == "draining":            # kvrelay.core.guard's answer while the node drains
             return web.json_response({"error": {"message": "draining"}}, status=503,
                                      headers={DRAINING_HEADER: "draining"})
         if self.mode == "http400":
@@ -366,9 +365,9 @@ def test_a_stream_longer_than_the_timeout_is_fine_while_it_keeps_talking():
 
 
 def test_cache_index_drops_keys_no_node_holds():
-    from core.config import RoutingPolicy
-    from router.cache_index import ChunkIndex
-    from transport.store.events import StoreEvent, StoreEventKind
+    from kvrelay.core.config import RoutingPolicy
+    from kvrelay.router.cache_index import ChunkIndex
+    from kvrelay.store.events import StoreEvent, StoreEventKind
 
     index = ChunkIndex(Pool("prefill", [Node("http://a"), Node("http://b")], RoutingPolicy.CACHE_AWARE))
     keys = [bytes([i]) * 32 for i in range(3)]
@@ -388,8 +387,8 @@ def test_ties_take_turns_and_the_longest_cached_prefix_wins():
     # Sequential traffic on an idle pool ties every node on load: the nodes must take turns
     # (a first-index tie-break piles every new conversation on node 0, whose engine cache
     # then holds them all); a node holding more of the prompt still wins over a tie.
-    from core.config import RoutingPolicy
-    from router.pools import PrefixHint
+    from kvrelay.core.config import RoutingPolicy
+    from kvrelay.router.pools import PrefixHint
 
     for policy in (RoutingPolicy.CACHE_AWARE, RoutingPolicy.LEAST_OUTSTANDING):
         pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], policy)
@@ -405,8 +404,8 @@ def test_a_node_holding_a_shared_prefix_stops_attracting_work_once_its_queue_out
     # prompt tokens queued on it (sent, not yet answered) exceed what its cache saves, the
     # idle nodes win - whatever the number of requests (one 4k-token prompt queues more than
     # three 40-token ones). The queue is counted from the pick until P answers.
-    from core.config import RoutingPolicy
-    from router.pools import PrefillWork, PrefixHint
+    from kvrelay.core.config import RoutingPolicy
+    from kvrelay.router.pools import PrefillWork, PrefixHint
 
     pool = Pool("prefill", [Node(f"http://n{i}", healthy=True) for i in range(3)], RoutingPolicy.CACHE_AWARE)
     n0 = pool.nodes[0]
@@ -442,8 +441,7 @@ def test_cache_aware_without_store_events_is_refused_and_kvrelay_up_assigns_them
     # Without the prefill nodes' store events the chunk index stays empty and cache_aware
     # silently routes by load only: refuse it with the fix in the message.
     import pytest
-
-    from deploy.launch import PUBLISH_OFFSET, Role, Stack
+    from kvrelay.deploy.launch import PUBLISH_OFFSET, Role, Stack
 
     cfg = kcfg.from_dict({"router": {"policy": "cache_aware", "tokenizer": "unused"}})
     pool_p = Pool("prefill", [Node("http://127.0.0.1:1"), Node("http://127.0.0.1:2")], cfg.router.policy)
@@ -505,7 +503,7 @@ def test_json_logs_carry_the_request_and_transfer_id():
     import io
     import logging
 
-    from core.logs import ContextFilter, JsonFormatter
+    from kvrelay.core.logs import ContextFilter, JsonFormatter
 
     buf = io.StringIO()
     handler = logging.StreamHandler(buf)

@@ -10,14 +10,13 @@ import os
 from pathlib import Path
 
 import pytest
-
-from bench.local_redis import REDIS, free_port, redis_server
-from transport.keys import KEY_BYTES
-from transport.store.policy import make_policy
-from transport.store.records import seal_for
-from transport.store.store import CpuTier, MultiTierStore
-from transport.store.tiers import DiskTier, RedisTier
-from transport.wire import make_header
+from kvrelay.bench.local_redis import REDIS, free_port, redis_server
+from kvrelay.common.keys import KEY_BYTES
+from kvrelay.common.wire import make_header
+from kvrelay.store.policy import make_policy
+from kvrelay.store.records import seal_for
+from kvrelay.store.store import CpuTier, MultiTierStore
+from kvrelay.store.tiers import DiskTier, RedisTier
 
 SEAL = seal_for(os.environ["KVRELAY_SECRET"].encode())
 
@@ -196,7 +195,7 @@ def test_referenced_chunk_is_never_evicted():
 def test_the_cpu_tier_keeps_a_handed_over_record_without_copying_it():
     """records.build_record hands a bytearray over (one buffer for gather, store and push): the
     CPU tier serves that very buffer, and a bytes record as it is too."""
-    from transport.store.records import build_record, check_record
+    from kvrelay.store.records import build_record, check_record
 
     key = (7).to_bytes(4, "big") * (KEY_BYTES // 4)
     payload = os.urandom(4096)

@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
-
-from core import config as kcfg
-from core.vllm_plugin import BUSY_LOOP_ENV, apply, busy_loop_s
-from deploy import launch
+from kvrelay.core import config as kcfg
+from kvrelay.core.vllm_plugin import BUSY_LOOP_ENV, apply, busy_loop_s
+from kvrelay.deploy import launch
 
 
 def test_the_window_is_read_from_the_environment_and_checked():

@@ -6,8 +6,8 @@ import collections
 import enum
 from dataclasses import dataclass, field
 
-from transport.pool import SlotRef
-from transport.wire import ChunkHeader
+from kvrelay.common.wire import ChunkHeader
+from kvrelay.transport.pool import SlotRef
 
 
 class FailReason(enum.Enum):

@@ -13,8 +13,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transport import protocol as P
-from transport.pool import SlotRef
+from kvrelay.transport import protocol as P
+from kvrelay.transport.pool import SlotRef
 
 
 @dataclass

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
-from transport.errors import PoolFullError, TransportError
+from kvrelay.common.errors import PoolFullError, TransportError
 
 log = logging.getLogger(__name__)
 PAGE = 4096

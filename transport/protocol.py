@@ -19,7 +19,7 @@ Conversation (sender = prefill node P, receiver = decode node D)::
     P ─ Heartbeat() ────────────────────────────────────▶ D     sealed, own socket and sequence
     P ─ Bye() ──────────────────────────────────────────▶ D     sealed
 
-Authentication (the secret never travels; keys come from :mod:`transport.secrets`):
+Authentication (the secret never travels; keys come from :mod:`kvrelay.common.secrets`):
 
 * ``Hello.mac`` is an HMAC under the hello key over *every* field of the Hello (the
   protocol version, D's challenge and ``info`` included). D issued the challenge to this
@@ -35,11 +35,10 @@ Authentication (the secret never travels; keys come from :mod:`transport.secrets
 from __future__ import annotations
 
 import msgspec
-
-from transport.errors import ErrorCode, ProtocolError
-from transport.keys import KEY_BYTES
-from transport.secrets import mac, same
-from transport.wire import HEADER_SIZE
+from kvrelay.common.errors import ErrorCode, ProtocolError
+from kvrelay.common.keys import KEY_BYTES
+from kvrelay.common.secrets import mac, same
+from kvrelay.common.wire import HEADER_SIZE
 
 __all__ = ["ErrorCode", "ProtocolError"]   # re-exported: callers say P.ErrorCode
 

@@ -43,11 +43,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import zmq
-
-from transport import protocol as P
-from transport.backends.base import ReceiverBackend, ReceiverHooks
-from transport.config import TimeoutConfig, TransportConfig
-from transport.errors import (
+from kvrelay.common.errors import (
     ChecksumError,
     ChunkError,
     MisroutedChunk,
@@ -55,7 +51,14 @@ from transport.errors import (
     TransferTimeout,
     TransportError,
 )
-from transport.events import (
+from kvrelay.common.listen import ListeningSocket
+from kvrelay.common.polling import poll_queue, wait_queue
+from kvrelay.common.secrets import load_secret, same
+from kvrelay.common.wire import HEADER_SIZE, transfer_tag, verify_chunk
+from kvrelay.transport import protocol as P
+from kvrelay.transport.backends.base import ReceiverBackend, ReceiverHooks
+from kvrelay.transport.config import TimeoutConfig, TransportConfig
+from kvrelay.transport.events import (
     ChunkArrival,
     ChunkRejected,
     Event,
@@ -65,13 +68,9 @@ from transport.events import (
     TransferDone,
     TransferFailed,
 )
-from transport.ledger import GrantedTransfer, ParkedAlloc, Parking, Tombstones
-from transport.listen import ListeningSocket
-from transport.polling import poll_queue, wait_queue
-from transport.pool import ReceivePool, SlotRef
-from transport.secrets import load_secret, same
-from transport.sessions import Gatekeeper, hello_refusal
-from transport.wire import HEADER_SIZE, transfer_tag, verify_chunk
+from kvrelay.transport.ledger import GrantedTransfer, ParkedAlloc, Parking, Tombstones
+from kvrelay.transport.pool import ReceivePool, SlotRef
+from kvrelay.transport.sessions import Gatekeeper, hello_refusal
 
 log = logging.getLogger(__name__)
 MAX_TRANSFER_ID = 256

@@ -28,9 +28,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import zmq
-
-from transport import protocol as P
-from transport.backends.base import (
+from kvrelay.common.errors import (
+    HandshakeError,
+    PeerDeadError,
+    PoolFullError,
+    ProtocolError,
+    TransferTimeout,
+    TransportError,
+)
+from kvrelay.common.secrets import KeyUse, derive_key, load_secret
+from kvrelay.common.wire import HEADER_SIZE, DType, make_header
+from kvrelay.transport import protocol as P
+from kvrelay.transport.backends.base import (
     BlockPayload,
     Buffer,
     Payload,
@@ -40,17 +49,7 @@ from transport.backends.base import (
     WriteState,
     host_buffers,
 )
-from transport.config import TimeoutConfig, TransportConfig
-from transport.errors import (
-    HandshakeError,
-    PeerDeadError,
-    PoolFullError,
-    ProtocolError,
-    TransferTimeout,
-    TransportError,
-)
-from transport.secrets import KeyUse, derive_key, load_secret
-from transport.wire import HEADER_SIZE, DType, make_header
+from kvrelay.transport.config import TimeoutConfig, TransportConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The decode node's gatekeeper: challenges, authenticated Hellos and sessions.
 
-Contract (see :mod:`transport.protocol` for the messages):
+Contract (see :mod:`kvrelay.transport.protocol` for the messages):
 
 * :meth:`Gatekeeper.challenge` issues a fresh 32-byte challenge to a socket identity;
   it is good for one Hello from that identity within ``ttl_s``. At most
@@ -25,10 +25,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transport import protocol as P
-from transport.errors import ErrorCode, ProtocolError
-from transport.events import Refusal
-from transport.secrets import KeyUse, derive_key
+from kvrelay.common.errors import ErrorCode, ProtocolError
+from kvrelay.common.secrets import KeyUse, derive_key
+from kvrelay.transport import protocol as P
+from kvrelay.transport.events import Refusal
 
 MAX_CHALLENGES = 1024
 

@@ -17,7 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from deploy.tiny_model import ensure_tiny_model
+from kvrelay.deploy.tiny_model import ensure_tiny_model
+
 from tests.differential import run
 from tests.differential.surface import Surface
 from tests.e2e.harness import _cfg, start_stack, stop_active

@@ -23,10 +23,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from core import config as kcfg  # noqa: E402
-from core import telemetry  # noqa: E402
-from deploy import launch  # noqa: E402
-from deploy.tiny_model import make_tiny_model  # noqa: E402
+from kvrelay.core import config as kcfg  # noqa: E402
+from kvrelay.core import telemetry  # noqa: E402
+from kvrelay.deploy import launch  # noqa: E402
+from kvrelay.deploy.tiny_model import make_tiny_model  # noqa: E402
 
 MODEL = "kvrelay-tiny"
 MAX_TOKENS = 12

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from deploy import launch
+from kvrelay.deploy import launch
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "monitoring" / "alerts.yaml"
 

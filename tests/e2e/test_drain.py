@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from kvrelay.deploy.launch import Role
 
-from deploy.launch import Role
 from tests.e2e.harness import (
     CASES,
     MAX_TOKENS,

@@ -15,8 +15,8 @@ import urllib.request
 import uuid
 
 import pytest
+from kvrelay.deploy.launch import Role
 
-from deploy.launch import Role
 from tests.e2e.harness import (
     CASES,
     FORMAT_REQS,
@@ -156,7 +156,7 @@ def test_router_rejects_bad_input_cleanly(pd_stack):
 def test_probe_sees_a_real_decode_node_engine_and_transfer_endpoint(pd_stack):
     # What the Kubernetes probes run (deploy/k8s.py): healthy while both answer, not when the
     # transfer port is not the node's.
-    from deploy import probe
+    from kvrelay.deploy import probe
 
     d = next(s for s in pd_stack.stack.specs if s.role is Role.DECODE)
     assert probe.check("127.0.0.1", d.port, d.kv_port) == ""
@@ -253,7 +253,8 @@ def test_prometheus_scrapes_the_stack_and_the_recompute_alert_fires(corrupt_stac
     rules (windows shortened): corrupted pushes make the recompute-ratio and checksum alerts
     fire, no other alert does, every series the dashboard uses exists, and the dashboard
     renders from the scrape."""
-    from deploy import dashboard
+    from kvrelay.deploy import dashboard
+
     from tests.e2e.prom import api, firing, prometheus
 
     cfg = corrupt_stack.cfg

@@ -15,9 +15,9 @@ import time
 import uuid
 
 import pytest
+from kvrelay.bench.local_redis import REDIS, redis_server
+from kvrelay.deploy.launch import Role
 
-from bench.local_redis import REDIS, redis_server
-from deploy.launch import Role
 from tests.e2e.harness import (
     DSAVE_ANSWER,
     TURN1,
@@ -224,8 +224,9 @@ def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_sta
     import subprocess
     import sys
 
-    from core import config as kcfg
-    from deploy.launch import wait_healthy
+    from kvrelay.core import config as kcfg
+    from kvrelay.deploy.launch import wait_healthy
+
     from tests.e2e.harness import Case
 
     stack = two_prefill_stack

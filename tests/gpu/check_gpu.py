@@ -29,8 +29,9 @@ def timed(fn, reps: int = 50) -> float:
 
 
 def check_kernels(results: dict) -> None:
-    from kernels import cuda
-    from kernels.blocks import KVLayout, gather_ref
+    from kvrelay.kernels import cuda
+    from kvrelay.kernels.blocks import gather_ref
+    from kvrelay.kernels.layout import KVLayout
 
     L, NB, H, BS, D = 32, 4096, 8, 16, 256          # a Llama-8B-like GPU cache, block 16
     buf = torch.randn((L, NB, H, BS, D), device="cuda", dtype=torch.bfloat16)
@@ -59,7 +60,7 @@ def check_kernels(results: dict) -> None:
 
 
 def check_pinned(results: dict) -> None:
-    from transport.pool import ReceivePool
+    from kvrelay.transport.pool import ReceivePool
 
     pool = ReceivePool(256 << 20, 4 << 20, shared=False)
     pinned = pool.arena.pinned                 # ReceivePool pins at construction
@@ -78,14 +79,14 @@ def check_nixl_vram(results: dict, device: str = "cuda") -> None:
     ``device="cpu"`` runs the same path from DRAM (a self-test of this check without a GPU)."""
     import hashlib
 
-    from core.config import from_dict
-    from transport.backends import make_receiver_backend, make_sender_backend
-    from transport.backends.base import BlockPayload, MemRegion, MemType, SourceLayout
-    from transport.events import ChunkArrival
-    from transport.keys import ROOT_KEY
-    from transport.receiver import Receiver
-    from transport.sender import Sender
-    from transport.wire import HEADER_SIZE, make_header
+    from kvrelay.common.keys import ROOT_KEY
+    from kvrelay.common.wire import HEADER_SIZE, make_header
+    from kvrelay.core.config import from_dict
+    from kvrelay.transport.backends import make_receiver_backend, make_sender_backend
+    from kvrelay.transport.backends.base import BlockPayload, MemRegion, MemType, SourceLayout
+    from kvrelay.transport.events import ChunkArrival
+    from kvrelay.transport.receiver import Receiver
+    from kvrelay.transport.sender import Sender
 
     cfg = from_dict({"transport": {"backend": "nixl", "pool_bytes": "64MiB"}})
     fp = hashlib.sha256(b"gpu-check").digest()

@@ -31,8 +31,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kvrelay.deploy import launch
 
-from deploy import launch
 from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case, stop_active
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from core import config as kcfg
-from deploy import launch
-from transport.errors import ConfigError
-from transport.secrets import SECRET_ENV, load_secret, write_secret_file
+from kvrelay.common.errors import ConfigError
+from kvrelay.common.secrets import SECRET_ENV, load_secret, write_secret_file
+from kvrelay.core import config as kcfg
+from kvrelay.deploy import launch
 
 
 def env_without_secret() -> dict[str, str]:
@@ -58,7 +57,7 @@ def test_kvrelay_up_makes_a_secret_per_stack_and_passes_it_by_file(tmp_path: Pat
     for spec in stack.specs:
         cmd = " ".join(launch.server_command(stack.cfg, spec))
         assert secret not in cmd and str(path) in cmd
-        assert "--middleware core.guard.kvrelay_guard" in cmd
+        assert "--middleware kvrelay.core.guard.kvrelay_guard" in cmd
     other = launch.Stack(kcfg.from_dict({"deploy": {"log_dir": str(tmp_path / "logs2")}}))
     other.ensure_secret()
     assert Path(other.cfg.transport.secret_file).read_text().strip() != secret    # one per stack

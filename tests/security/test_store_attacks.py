@@ -7,13 +7,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from kvrelay.bench.local_redis import REDIS, redis_server
+from kvrelay.core import config as kcfg
+from kvrelay.store.records import seal_for
+from kvrelay.store.store import MultiTierStore
+from kvrelay.store.tiers import DiskTier, RedisTier
 
-from bench.local_redis import REDIS, redis_server
-from core import config as kcfg
 from tests.test_store import record
-from transport.store.records import seal_for
-from transport.store.store import MultiTierStore
-from transport.store.tiers import DiskTier, RedisTier
 
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed (deploy/setup.sh installs it)")
 SEAL = seal_for(os.environ["KVRELAY_SECRET"].encode())

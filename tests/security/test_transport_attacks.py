@@ -15,14 +15,21 @@ import time
 import msgspec
 import pytest
 import zmq
+from kvrelay.bench.peer import SenderPeer
+from kvrelay.common.secrets import KeyUse, derive_key
+from kvrelay.common.wire import HEADER_SIZE, make_header, transfer_tag
+from kvrelay.transport import protocol as P
+from kvrelay.transport.backends.sockets import (
+    FRAME,
+    FRAME_MAGIC,
+    FRAME_VERSION,
+    KIND_CHUNK,
+    KIND_HELLO,
+    SocketInfo,
+)
+from kvrelay.transport.events import ChunkArrival, TransferDone
 
-from bench.peer import SenderPeer
 from tests.transport.conftest import FP, assert_no_leases, keys_for, make_cfg, make_receiver
-from transport import protocol as P
-from transport.backends.sockets import FRAME, FRAME_MAGIC, FRAME_VERSION, KIND_CHUNK, KIND_HELLO, SocketInfo
-from transport.events import ChunkArrival, TransferDone
-from transport.secrets import KeyUse, derive_key
-from transport.wire import HEADER_SIZE, make_header, transfer_tag
 
 SECRET = os.environ["KVRELAY_SECRET"].encode()
 CHUNK = 64 << 10
@@ -124,9 +131,9 @@ def test_unauthenticated_data_connection_cannot_write_a_chunk(honest):
 def test_write_into_another_senders_slot_is_refused(honest):
     """An authenticated sender (it holds the secret) still cannot write a transfer it does not own."""
     receiver, peer, _ = honest
-    from core import config
-    from transport.backends import make_sender_backend
-    from transport.sender import Sender
+    from kvrelay.core import config
+    from kvrelay.transport.backends import make_sender_backend
+    from kvrelay.transport.sender import Sender
 
     cfg = make_cfg("tcp")
     with Sender(cfg.transport, cfg.timeouts, receiver.endpoint, make_sender_backend(cfg.transport), FP) as other:

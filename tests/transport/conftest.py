@@ -12,12 +12,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from bench.peer import SenderPeer
-from core import config
-from transport.backends import make_receiver_backend
-from transport.receiver import Receiver
-from transport.wire import HEADER_SIZE
+from kvrelay.bench.peer import SenderPeer
+from kvrelay.common.wire import HEADER_SIZE
+from kvrelay.core import config
+from kvrelay.transport.backends import make_receiver_backend
+from kvrelay.transport.receiver import Receiver
 
 BACKENDS = ["tcp", "shm", "nixl", "ucx"]
 FP = hashlib.sha256(b"conformance-fingerprint").digest()

@@ -12,12 +12,12 @@ import threading
 import time
 
 import pytest
+from kvrelay.bench.peer import RemoteError
+from kvrelay.common.errors import TransferTimeout
+from kvrelay.common.wire import HEADER_SIZE
+from kvrelay.transport.events import ChunkArrival, ChunkRejected, FailReason, TransferDone, TransferFailed
 
-from bench.peer import RemoteError
 from tests.transport.conftest import SLOT, assert_no_leases, keys_for, make_cfg, open_pair
-from transport.errors import TransferTimeout
-from transport.events import ChunkArrival, ChunkRejected, FailReason, TransferDone, TransferFailed
-from transport.wire import HEADER_SIZE
 
 
 def drain(receiver, tid, timeout=10.0):

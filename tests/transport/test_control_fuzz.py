@@ -10,9 +10,9 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kvrelay.transport import protocol as P
 
 from tests.transport.conftest import FP, make_cfg, make_receiver
-from transport import protocol as P
 
 VALID = [
     P.Hello(sender_id="s", fingerprint=FP, backend="tcp", nonce=b"n" * 16, challenge=b"c" * 32, mac=b"m" * 32),

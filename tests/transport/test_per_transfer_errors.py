@@ -8,12 +8,12 @@ lane failed at once - each later request waited out ``first_chunk_s`` and recomp
 from __future__ import annotations
 
 import pytest
+from kvrelay.common.errors import ErrorCode, PoolFullError, ProtocolError
+from kvrelay.prefill.pusher import session_lost
+from kvrelay.transport.backends import make_sender_backend
+from kvrelay.transport.sender import Sender
 
-from prefill.pusher import session_lost
 from tests.transport.conftest import FP, assert_no_leases, keys_for, make_cfg, make_receiver
-from transport.backends import make_sender_backend
-from transport.errors import ErrorCode, PoolFullError, ProtocolError
-from transport.sender import Sender
 
 
 def test_a_bad_alloc_is_refused_per_transfer_and_the_session_goes_on():

@@ -17,14 +17,14 @@ import queue
 import threading
 import time
 
+import kvrelay.transport.receiver as rx
 import pytest
+from kvrelay.common.errors import TransferTimeout
+from kvrelay.common.wire import HEADER_SIZE
+from kvrelay.transport.events import Refusal, TransferDone
 
-import transport.receiver as rx
 from tests.transport.conftest import assert_no_leases, keys_for, make_cfg, open_pair
 from tests.transport.test_conformance import drain
-from transport.errors import TransferTimeout
-from transport.events import Refusal, TransferDone
-from transport.wire import HEADER_SIZE
 
 
 def test_finish_racing_a_delivery_leaves_the_receiver_working(pair, monkeypatch):
@@ -83,7 +83,7 @@ def test_transfers_no_consumer_registers_are_dropped_with_their_slots(backend):
 def test_late_writes_find_no_reused_slot_fifo_and_quarantine():
     """Failure mode 6: a slot freed before it was filled (abort, failure, expiry: a write may
     still be in flight) is not leased again for quarantine_s, and reuse is FIFO."""
-    from transport.pool import ReceivePool
+    from kvrelay.transport.pool import ReceivePool
 
     now = [100.0]
     pool = ReceivePool(4 * 8192, 8000, lease_s=5, clock=lambda: now[0], pin=False, quarantine_s=0.5)
@@ -113,8 +113,8 @@ def test_consumer_verified_payload_catches_a_write_after_arrival(backend):
     """Failure mode 6: with verify_payload=False (the decode installer) a chunk whose bytes
     change after arrival - a stale writer landing late - is caught by the consumer's check of
     the exact bytes it installs. Backends that hash as bytes land (tcp) verify on arrival."""
-    from transport.errors import ChecksumError
-    from transport.wire import check_payload
+    from kvrelay.common.errors import ChecksumError
+    from kvrelay.common.wire import check_payload
 
     with open_pair(make_cfg(backend), verify_payload=False) as (receiver, peer):
         peer.call("prepare", "src", 8192, 21)
@@ -138,7 +138,8 @@ def test_a_second_sender_takes_over_a_live_transfer(backend):
     """Failure mode 4 (the router's prefill retry reuses the transfer id): after P1 delivered
     chunk 0 and died, P2 allocates the same transfer. It is granted what is still missing,
     what P1 delivered counts as held, and the consumer sees one transfer end to end."""
-    from bench.peer import SenderPeer
+    from kvrelay.bench.peer import SenderPeer
+
     from tests.transport.conftest import FP
 
     keys = keys_for("retry", 3)
@@ -179,12 +180,12 @@ def _lanes_child(backend: str, endpoints: list[str], out) -> None:
     """The prefill side as the pusher runs it: one process, one Sender per decode node, each
     driven from its own lane thread at the same time (one shared NIXL agent underneath)."""
     import numpy as np
+    from kvrelay.common.wire import make_header
+    from kvrelay.transport.backends import make_sender_backend
+    from kvrelay.transport.backends.base import BlockPayload, MemRegion, SourceLayout
+    from kvrelay.transport.sender import Sender
 
     from tests.transport.conftest import FP
-    from transport.backends import make_sender_backend
-    from transport.backends.base import BlockPayload, MemRegion, SourceLayout
-    from transport.sender import Sender
-    from transport.wire import make_header
 
     cfg = make_cfg(backend)
     src = np.random.default_rng(5).integers(0, 256, CHUNKS * 2 * BLOCK, dtype=np.uint8)
@@ -259,8 +260,9 @@ def test_senders_on_parallel_lane_threads_of_one_process_all_deliver(backend):
     import hashlib as _h
     import multiprocessing as mp
 
+    from kvrelay.transport.events import ChunkArrival, TransferFailed
+
     from tests.transport.conftest import make_receiver
-    from transport.events import ChunkArrival, TransferFailed
 
     cfg = make_cfg(backend)
     receivers = [make_receiver(cfg) for _ in range(LANES)]

@@ -6,11 +6,9 @@ import hashlib
 import os
 
 import pytest
-
-from transport.errors import ChecksumError, ChunkError, PoolFullError, TransportError
-from transport.keys import Fingerprint, chunk_keys
-from transport.pool import ReceivePool, SlotRef, SlotState
-from transport.wire import (
+from kvrelay.common.errors import ChecksumError, ChunkError, PoolFullError, TransportError
+from kvrelay.common.keys import Fingerprint, chunk_keys
+from kvrelay.common.wire import (
     COPY_PIECE,
     FUSE_FROM,
     HEADER_SIZE,
@@ -19,6 +17,7 @@ from transport.wire import (
     parse_header,
     verify_chunk,
 )
+from kvrelay.transport.pool import ReceivePool, SlotRef, SlotState
 
 FP = Fingerprint("tiny", "bf16", "cpu", 128, 4, 65536)
 
@@ -164,7 +163,7 @@ def test_the_pool_is_resident_before_its_first_chunk(shared):
     """A new pool has every page faulted in (private: anonymous RSS; shared: shmem RSS), so
     no chunk pays for allocating and zeroing its slot's pages inside the transport's copy;
     an attached view of a shared pool maps them at once too."""
-    from transport.pool import SharedArena
+    from kvrelay.transport.pool import SharedArena
 
     field = "RssShmem" if shared else "RssAnon"
     before = _rss_kib(field)
@@ -227,7 +226,7 @@ def test_ucxx_imported_from_racing_threads_leaves_the_environment_as_it_was():
 
     pytest.importorskip("ucxx")
     code = ("import os, threading\n"
-            "from transport.backends.ucx import _import_ucxx\n"
+            "from kvrelay.transport.backends.ucx import _import_ucxx\n"
             "before = {k for k in os.environ if k.startswith('UCX_')}\n"
             "import time\n"
             "def run(i):\n"
@@ -250,7 +249,7 @@ def test_progress_loop_idles_until_woken_and_backs_off_only_without_progress():
     import threading
     import time
 
-    from transport.polling import Backoff, progress_loop
+    from kvrelay.common.polling import Backoff, progress_loop
 
     class Recorder(Backoff):
         def __init__(self) -> None:
@@ -294,8 +293,7 @@ def test_the_store_event_publishers_port_binds_again_at_once_after_close():
     import socket
 
     import zmq
-
-    from transport.store.events import Publisher
+    from kvrelay.store.events import Publisher
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -316,8 +314,8 @@ def test_the_store_event_publishers_port_binds_again_at_once_after_close():
 
 
 def test_parking_grants_oldest_first_refuses_late_and_withdraws_by_sender():
-    from transport import protocol as P
-    from transport.ledger import ParkedAlloc, Parking
+    from kvrelay.transport import protocol as P
+    from kvrelay.transport.ledger import ParkedAlloc, Parking
 
     def parked(sender: str, tid: str, deadline: float) -> ParkedAlloc:
         return ParkedAlloc(b"", sender, P.Alloc(transfer_id=tid, keys=[], chunk_bytes=[], wait_s=1.0), deadline)

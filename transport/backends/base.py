@@ -44,9 +44,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from transport.events import Refusal
-from transport.pool import ReceivePool, SlotRef
-from transport.protocol import Grant
+from kvrelay.transport.events import Refusal
+from kvrelay.transport.pool import ReceivePool, SlotRef
+from kvrelay.transport.protocol import Grant
 
 Buffer = bytes | bytearray | memoryview
 
@@ -147,7 +147,7 @@ class WriteHandle:
 
 
 class ReceiverBackend(abc.ABC):
-    """Decode-node half. Created by :class:`transport.receiver.Receiver`."""
+    """Decode-node half. Created by :class:`kvrelay.transport.receiver.Receiver`."""
 
     needs_shared_pool: bool = False     # peers map the pool by name (shm)
 
@@ -213,7 +213,7 @@ class SenderBackend(abc.ABC):
     def write(self, transfer_id: str, chunk_index: int, header: bytes, payload: Payload,
               grant: Grant) -> WriteHandle:
         """Post header + payload into the granted slot, presenting ``grant.token``. May complete
-        synchronously. Library errors are raised as :class:`transport.errors.TransportError`."""
+        synchronously. Library errors are raised as :class:`kvrelay.common.errors.TransportError`."""
 
     @abc.abstractmethod
     def poll(self, handle: WriteHandle) -> WriteState:
@@ -228,7 +228,7 @@ class SenderBackend(abc.ABC):
 
     def wait(self, handle: WriteHandle, timeout: float) -> WriteState:
         """Block until the write is done or failed, or ``timeout`` passes (then POSTED)."""
-        from transport.polling import Backoff
+        from kvrelay.common.polling import Backoff
 
         backoff = Backoff(timeout)
         while (state := self.poll(handle)) is WriteState.POSTED and backoff.wait():

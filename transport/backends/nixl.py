@@ -24,7 +24,7 @@ progress thread busy-polls a core and, measured on a 2-core host, costs ~8 ms pe
 64 KiB round trip), the UCX backend with the same ``ucx_error_handling_mode`` on both
 sides (a mismatch leaves transfers stuck in PROC), and
 completions / notifications are polled from our own threads with an adaptive
-backoff (:class:`transport.polling.Backoff`) - never a busy-polling progress thread
+backoff (:class:`kvrelay.common.polling.Backoff`) - never a busy-polling progress thread
 pinning a core. The receiver only polls while it has slots granted.
 
 Every agent uses NIXL's ``STRICT`` thread-sync mode: the process agent is called from
@@ -47,8 +47,10 @@ from typing import Any
 
 import msgspec
 import numpy as np
-
-from transport.backends.base import (
+from kvrelay.common.errors import HandshakeError, PeerDeadError, TransportError
+from kvrelay.common.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff, progress_loop
+from kvrelay.common.wire import HEADER_SIZE
+from kvrelay.transport.backends.base import (
     BlockPayload,
     Buffer,
     Capabilities,
@@ -60,12 +62,9 @@ from transport.backends.base import (
     WriteHandle,
     WriteState,
 )
-from transport.errors import HandshakeError, PeerDeadError, TransportError
-from transport.events import Refusal
-from transport.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff, progress_loop
-from transport.pool import ReceivePool, SlotRef
-from transport.protocol import Grant
-from transport.wire import HEADER_SIZE
+from kvrelay.transport.events import Refusal
+from kvrelay.transport.pool import ReceivePool, SlotRef
+from kvrelay.transport.protocol import Grant
 
 log = logging.getLogger(__name__)
 NOTIF = struct.Struct("<4sIIQ16s")       # magic, chunk index, slot, generation, grant token; then the header

@@ -11,7 +11,7 @@ a fixed, versioned frame (``FRAME``); what differs is where the bytes travel:
   sends the frame on a Unix socket as the arrival notification.
 
 A connection proves itself before anything on it is read: its preamble names the
-sender and presents the session's data token (:func:`transport.protocol.data_token`),
+sender and presents the session's data token (:func:`kvrelay.transport.protocol.data_token`),
 which D accepts once. A connection that fails is closed and counted, and its close
 says nothing about the sender it named. Every chunk frame presents the transfer's
 grant token; D asks ``admit`` *before* reading the payload, and discards a refused
@@ -33,8 +33,9 @@ from collections.abc import Callable
 
 import msgspec
 import xxhash
-
-from transport.backends.base import (
+from kvrelay.common.errors import PeerDeadError, ProtocolError, TransportError
+from kvrelay.common.wire import HEADER_SIZE
+from kvrelay.transport.backends.base import (
     Payload,
     ReceiverBackend,
     ReceiverHooks,
@@ -43,11 +44,9 @@ from transport.backends.base import (
     WriteState,
     host_buffers,
 )
-from transport.errors import PeerDeadError, ProtocolError, TransportError
-from transport.events import Refusal
-from transport.pool import ReceivePool, SharedArena, SlotRef
-from transport.protocol import Grant
-from transport.wire import HEADER_SIZE
+from kvrelay.transport.events import Refusal
+from kvrelay.transport.pool import ReceivePool, SharedArena, SlotRef
+from kvrelay.transport.protocol import Grant
 
 log = logging.getLogger(__name__)
 # magic, version, kind, pad, transfer tag, grant token, chunk, slot, gen, nbytes

@@ -10,7 +10,7 @@ sender (UCX tag messages are contiguous); ``nixl`` is the zero-copy path.
 
 Tag layout (64 bits): ``slot << 40 | (generation & 0xffffffff) << 8 | part``.
 
-Progress is driven from our own threads with :class:`transport.polling.Backoff`;
+Progress is driven from our own threads with :class:`kvrelay.common.polling.Backoff`;
 ucxx's progress thread is not used (its polling mode busy-polls a core).
 Importing ucxx writes ``UCX_*`` variables into ``os.environ`` (some tuned for
 CUDA); :func:`_import_ucxx` restores the environment so they do not leak into
@@ -29,8 +29,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-
-from transport.backends.base import (
+from kvrelay.common.errors import HandshakeError, TransportError
+from kvrelay.common.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff, progress_loop
+from kvrelay.common.wire import HEADER_SIZE, transfer_tag
+from kvrelay.transport.backends.base import (
     Payload,
     ReceiverBackend,
     ReceiverHooks,
@@ -39,11 +41,8 @@ from transport.backends.base import (
     WriteState,
     host_buffers,
 )
-from transport.errors import HandshakeError, TransportError
-from transport.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff, progress_loop
-from transport.pool import ReceivePool, SlotRef
-from transport.protocol import Grant
-from transport.wire import HEADER_SIZE, transfer_tag
+from kvrelay.transport.pool import ReceivePool, SlotRef
+from kvrelay.transport.protocol import Grant
 
 log = logging.getLogger(__name__)
 _UCXX: Any = None

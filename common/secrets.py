@@ -21,14 +21,21 @@ import os
 import secrets
 import stat
 from pathlib import Path
+from typing import Protocol
 
-from transport.config import TransportConfig
-from transport.errors import ConfigError
+from kvrelay.common.errors import ConfigError
 
 SECRET_ENV = "KVRELAY_SECRET"
 MIN_SECRET_BYTES = 16
 HOW_TO = (f"set {SECRET_ENV} in the environment, or transport.secret_file to a 0600 file; "
           "`kvrelay secret FILE` writes a new one (kvrelay up makes one per stack)")
+
+
+class SecretSource(Protocol):
+    """Where a section names the secret file (``TransportConfig`` is one)."""
+
+    @property
+    def secret_file(self) -> str: ...
 
 
 class KeyUse(bytes, enum.Enum):
@@ -56,7 +63,7 @@ def write_secret_file(path: str | os.PathLike[str], secret: str | None = None) -
     return p
 
 
-def load_secret(transport: TransportConfig, environ: os._Environ[str] | dict[str, str] | None = None) -> bytes:
+def load_secret(transport: SecretSource, environ: os._Environ[str] | dict[str, str] | None = None) -> bytes:
     """The secret from ``KVRELAY_SECRET`` or ``transport.secret_file``; ConfigError if neither."""
     env = os.environ if environ is None else environ
     value = env.get(SECRET_ENV, "")

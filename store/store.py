@@ -25,10 +25,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from transport.errors import ConfigError
-from transport.store.policy import make_policy
-from transport.store.records import RecordSeal
-from transport.store.tiers import DiskTier, RedisTier, Tier, first_missing
+from kvrelay.common.errors import ConfigError
+from kvrelay.store.policy import make_policy
+from kvrelay.store.records import RecordSeal
+from kvrelay.store.tiers import DiskTier, RedisTier, Tier, first_missing
 
 log = logging.getLogger("kvrelay.store")
 

@@ -12,8 +12,7 @@ import threading
 
 import msgspec
 import zmq
-
-from transport.listen import ListeningSocket
+from kvrelay.common.listen import ListeningSocket
 
 STORE_EVENT_VERSION = 1
 

@@ -5,7 +5,7 @@ Header layout (little-endian, ``struct`` format ``HEADER_FMT``)::
     magic        4s   b"KVRC"
     version      H    WIRE_VERSION
     dtype        H    DType code (opaque to the transport, checked by the consumer)
-    key          32s  chained chunk key (transport.keys)
+    key          32s  chained chunk key (kvrelay.common.keys)
     transfer     16s  sha256(transfer_id)[:16]: detects misrouted chunks
     chunk_index  I
     num_layers   I
@@ -30,9 +30,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
-
-from transport.errors import ChecksumError, ChunkError, MisroutedChunk
-from transport.keys import KEY_BYTES
+from kvrelay.common.errors import ChecksumError, ChunkError, MisroutedChunk
+from kvrelay.common.keys import KEY_BYTES
 
 MAGIC = b"KVRC"
 WIRE_VERSION = 1

@@ -1,6 +1,6 @@
 """Storage tiers of the multi-tier KV store, all addressed by 32-byte chunk key.
 
-A stored chunk is a *record* (:mod:`transport.store.records` owns the format). Every
+A stored chunk is a *record* (:mod:`kvrelay.store.records` owns the format). Every
 tier checks a record when it reads it back; a record that fails (a flipped bit on
 disk, a truncated Redis value, a record stored under the wrong key) is dropped and
 reported as a miss, never returned.
@@ -16,7 +16,7 @@ reported as a miss, never returned.
   the tier is skipped (instant misses, no connection attempts) for ``retry_s``, so an
   unreachable server costs one socket timeout per ``retry_s``, not one per lookup.
 
-The CPU tier lives in :mod:`transport.store.store` (it owns the reference-counted buffers).
+The CPU tier lives in :mod:`kvrelay.store.store` (it owns the reference-counted buffers).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from transport.store.policy import Policy, make_policy
-from transport.store.records import RecordSeal, check_record
+from kvrelay.store.policy import Policy, make_policy
+from kvrelay.store.records import RecordSeal, check_record
 
 log = logging.getLogger("kvrelay.store")
 

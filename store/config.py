@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 
-from transport.config import MiB, NonNeg, Port, Seconds, Section, Size
-from transport.errors import ConfigError
+from kvrelay.common.config import MiB, NonNeg, Port, Seconds, Section, Size
+from kvrelay.common.errors import ConfigError
 
 
 class EvictionPolicy(str, enum.Enum):

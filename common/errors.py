@@ -6,8 +6,8 @@ Backends translate their library's exceptions (``zmq.ZMQError``,
 
     KVRelayError
     ├── ConfigError              a config key or value is invalid (the message names the key)
-    ├── ParamsError              malformed kv_transfer_params (core.params)
-    ├── NoHealthyNode            the router has no healthy node in a pool (router.pools)
+    ├── ParamsError              malformed kv_transfer_params (kvrelay.core.params)
+    ├── NoHealthyNode            the router has no healthy node in a pool (kvrelay.router.pools)
     └── TransportError
         ├── ProtocolError        malformed / oversize / wrong-version message (``.code``)
         ├── HandshakeError       Hello refused: fingerprint mismatch, bad HMAC

@@ -1,6 +1,6 @@
 """The store's record format: made, checked and read here and nowhere else.
 
-A record is the wire header (:mod:`transport.wire`: key, xxh3 payload checksum,
+A record is the wire header (:mod:`kvrelay.common.wire`: key, xxh3 payload checksum,
 header checksum) followed by the ``[layer][block]`` payload - the same bytes that
 travel between nodes. Every tier checks a record when it reads it back; one that
 fails (a flipped bit on disk, a truncated Redis value, a record under the wrong key)
@@ -18,9 +18,9 @@ import hashlib
 import hmac
 from collections.abc import Callable
 
-from transport.errors import ChunkError, ProtocolError
-from transport.secrets import KeyUse, derive_key
-from transport.wire import HEADER_SIZE, Buffer, ChunkHeader, make_header, parse_header, verify_chunk
+from kvrelay.common.errors import ChunkError, ProtocolError
+from kvrelay.common.secrets import KeyUse, derive_key
+from kvrelay.common.wire import HEADER_SIZE, Buffer, ChunkHeader, make_header, parse_header, verify_chunk
 
 RECORD_TAG = "store"    # the transfer id records are stamped with (they belong to no transfer)
 
@@ -57,17 +57,11 @@ class RecordSeal:
         return record if hmac.compare_digest(self._tag(key, record), bytes(tag)) else None
 
 
-def make_record(key: bytes, chunk_index: int, payload: Buffer, *, num_layers: int, num_blocks: int) -> bytes:
-    """One stored chunk: header + ``payload`` (``[num_layers][num_blocks]`` whole blocks)."""
-    return make_header(key, RECORD_TAG, chunk_index, [payload], num_layers=num_layers,
-                       num_blocks=num_blocks).pack() + bytes(payload)
-
-
 def build_record(key: bytes, chunk_index: int, payload_len: int, fill: Callable[[memoryview], None], *,
                  num_layers: int, num_blocks: int) -> bytearray:
     """One stored chunk made in place: ``fill`` writes the ``payload_len``-byte payload straight
     into the record, then the header (with the payload's checksum) goes in front. One buffer and
-    one copy (the fill's), where gathering into a buffer of its own and :func:`make_record` take
+    one copy (the fill's), where gathering into a buffer of its own and prepending a header take
     three of each. The record is handed over: the store keeps it as is, so the caller must not
     change it afterwards (reading it, e.g. to push the same chunk, is fine)."""
     record = bytearray(HEADER_SIZE + payload_len)

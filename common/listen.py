@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import zmq
-
-from transport.errors import TransportError
+from kvrelay.common.errors import TransportError
 
 
 class ListeningSocket:
