@@ -91,7 +91,7 @@ def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
     if cfg.connector.metrics_port:
         data["connector"]["metrics_port"] = cfg.connector.metrics_port + spec.port - cfg.deploy.base_port
     kv = {"kv_connector": "PrefillConnector" if spec.role is Role.PREFILL else "DecodeConnector",
-          "kv_connector_module_path": f"{spec.role.value}.connector",
+          "kv_connector_module_path": f"kvrelay.{spec.role.value}.connector",
           "kv_role": "kv_producer" if spec.role is Role.PREFILL else "kv_consumer",
           "kv_connector_extra_config": {"kvrelay": data}}
     if spec.role is Role.DECODE:

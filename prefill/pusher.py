@@ -13,20 +13,16 @@ Chunk ``c`` of a prompt covers tokens ``[c*T, min((c+1)*T, prompt_len))`` with
 ``T = chunk_tokens``, i.e. engine blocks ``[c*T/bs, ...)`` of the request's block
 list. Its payload is ``[layer][block]`` whole blocks (opaque bytes).
 
-How a chunk leaves is the backend's call, not a branch on its name: a backend with
-``capabilities.registered_layout`` gets the host KV cache registered once and each
-chunk named by its block ids (no copy); any other gets the chunk gathered into one
-host buffer (a resident one lent by :mod:`kvrelay.prefill.staging`, taken back when the write is
-done). A chunk already gathered for the store is sent from that buffer.
-``connector.push_hook`` (``"module:function"``) sees every chunk after its header
-(and checksum) is built and returns the bytes to send: tests install their fault
-injection this way.
+How a chunk leaves (straight from the registered cache, or gathered; sent from the
+store's record when it was saved too) is :mod:`kvrelay.prefill.payloads`; the lanes and
+their Senders are :mod:`kvrelay.prefill.lanes`; the store itself is
+:class:`~kvrelay.prefill.store_service.StoreService`, which this worker calls to save each
+full chunk of a request the store wants and to load the store's hits before a forward.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import threading
 import time
@@ -35,80 +31,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from kvrelay.common.errors import (
-    HandshakeError,
-    KVRelayError,
-    PeerDeadError,
-    ProtocolError,
-    TransferAborted,
-    TransferTimeout,
-    TransportError,
-)
+from kvrelay.common.errors import KVRelayError, TransferAborted, TransferTimeout, TransportError
 from kvrelay.common.keys import chunk_keys
-from kvrelay.common.wire import HEADER_SIZE, DType, make_header
+from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.connector_base import WorkerBase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
-from kvrelay.kernels.blocks import gather_into_host
 from kvrelay.kernels.layout import KVLayout
+from kvrelay.prefill.lanes import Lane, Lanes, session_lost
 from kvrelay.prefill.messages import PushSpec, StoreLoad
-from kvrelay.prefill.staging import Staged, StagingPool, staging_slots
+from kvrelay.prefill.payloads import Chunk, ChunkBuffer, PayloadMaker, SavedChunk, load_hook, source_layout
+from kvrelay.prefill.staging import StagingPool, staging_slots
 from kvrelay.prefill.store_service import StoreService
 from kvrelay.transport.backends import make_sender_backend
-from kvrelay.transport.backends.base import (
-    BlockPayload,
-    MemRegion,
-    Payload,
-    SenderBackend,
-    SourceLayout,
-    WriteHandle,
-    WriteState,
-)
+from kvrelay.transport.backends.base import SenderBackend, WriteHandle, WriteState
 from kvrelay.transport.config import TransportConfig
 from kvrelay.transport.sender import Allocation, PendingAlloc, Sender
 
 log = logging.getLogger("vllm.kvrelay.prefill")
 
-_DTYPES = {torch.float16: DType.FLOAT16, torch.bfloat16: DType.BFLOAT16, torch.float32: DType.FLOAT32}
-PushHook = Callable[[str, int, torch.Tensor], torch.Tensor]   # (transfer id, chunk, [L, n, bpb] bytes) -> bytes
-
-
-def load_hook(spec: str) -> PushHook | None:
-    """``"module:function"`` -> the function (None for ``""``)."""
-    if not spec:
-        return None
-    module, _, name = spec.partition(":")
-    try:
-        hook: PushHook = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise KVRelayError(f"connector.push_hook {spec!r} cannot be loaded: {exc}") from exc
-    return hook
-
-
-def source_layout(layout: KVLayout) -> SourceLayout | None:
-    """The host KV cache as registrable memory: one region per layer of back-to-back blocks."""
-    spans = layout.plane_spans()
-    if layout.device.type != "cpu" or spans is None:
-        return None
-    return SourceLayout(tuple(MemRegion(addr, n) for addr, n in spans), layout.bytes_per_block)
-
-
 POLL_S = 0.0005       # a lane with writes in flight polls them this often
 ALLOC_POLL_S = 0.005  # a lane waiting only for Alloc answers waits on its control socket this long
-DOWN_S = 2.0          # after a failed connect, pushes to that decode node fail at once for this long
-
-
-@dataclass
-class _Lane:
-    """One decode endpoint: its Sender and the thread that pushes to it. A dead, slow or full
-    decode node stalls only its own lane ("" = store-only pushes, no Sender)."""
-
-    endpoint: str
-    sender: Sender | None = None
-    thread: threading.Thread | None = None
-    down_until: float = 0.0      # a connect failed: fail pushes at once until then (D recomputes)
-    down_reason: str = ""
 
 
 @dataclass
@@ -117,17 +61,17 @@ class _Push:
     keys: list[bytes]
     n_chunks: int
     deadline: float
-    lane: _Lane
+    lane: Lane
     alloc: Allocation | None = None
     pending: PendingAlloc | None = None   # Alloc sent, D's answer not in yet
     realloc: bool = False                 # the Alloc was sent again on a new session
     sender: Sender | None = None
     next_chunk: int = 0
     ready_chunks: int = 0
-    inflight: list[tuple[WriteHandle, Any, float]] = field(default_factory=list)   # (handle, buffer kept, t0)
+    inflight: list[tuple[WriteHandle, ChunkBuffer, float]] = field(default_factory=list)   # (handle, kept, t0)
     closing: bool = False        # the scheduler finished the request; report once settled
     failed: str = ""             # why the push failed ("" = it has not)
-    span: Any = None             # kvrelay.push (tracing on)
+    span: object = None          # kvrelay.push (tracing on)
     # held while the lane gathers or writes this push's chunks, and while it fails: a
     # preemption (another thread) waits on it, so no gather of a freed block is under way
     guard: threading.RLock = field(default_factory=threading.RLock)
@@ -139,12 +83,9 @@ class PushWorker(WorkerBase):
     def __init__(self, cfg: KVRelayConfig, vllm_config: Any,
                  make_backend: Callable[[TransportConfig], SenderBackend] = make_sender_backend) -> None:
         super().__init__(cfg, vllm_config)
-        self._make_backend = make_backend
         self._pushes: dict[str, _Push] = {}
-        self._lanes: dict[str, _Lane] = {}
-        self._hook = load_hook(cfg.connector.push_hook)
-        self._source: SourceLayout | None = None
-        self.staging: StagingPool | None = None      # made at register(): buffers for gathered chunks
+        self.lanes = Lanes(cfg.transport, cfg.timeouts, make_backend, self._run)
+        self.payloads = PayloadMaker(load_hook(cfg.connector.push_hook))
         self.store: StoreService | None = None
         if cfg.store.active:
             self.store = StoreService(cfg, vllm_config, self.events)
@@ -158,10 +99,10 @@ class PushWorker(WorkerBase):
         assert self.layout is not None
         if self.store is not None:
             self.store.bind(self.layout, self.fingerprint)
-        self._source = source_layout(self.layout)
+        self.lanes.source, self.lanes.fingerprint = source_layout(self.layout), self.fingerprint.digest()
         slot = self.layout.chunk_bytes(self.blocks_per_chunk)
-        self.staging = StagingPool(slot, staging_slots(slot, self.vllm_config.model_config.max_model_len,
-                                                       self.cfg.chunk_tokens))
+        self.payloads.staging = StagingPool(slot, staging_slots(slot, self.vllm_config.model_config.max_model_len,
+                                                                self.cfg.chunk_tokens))
         log.info("kvrelay prefill: %d layers, %d blocks x %d B, chunk %d tokens = %d B, backend %s",
                  self.layout.num_layers, self.layout.num_blocks, self.layout.bytes_per_block,
                  self.cfg.chunk_tokens, self.layout.chunk_bytes(self.blocks_per_chunk),
@@ -190,7 +131,7 @@ class PushWorker(WorkerBase):
                 return                                    # first spec lost (should not happen)
             keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
             p = _Push(spec, keys, len(keys), time.monotonic() + self.cfg.connector.free_deadline_s,
-                      self._lane_for(spec.push_to))
+                      self.lanes.lane_for(spec.push_to))
             if spec.push_to:
                 p.span = self.spans.start("kvrelay.push", spec.traceparent, request_id=spec.req_id,
                                           transfer_id=spec.transfer_id, push_to=spec.push_to, chunks=len(keys))
@@ -212,17 +153,7 @@ class PushWorker(WorkerBase):
                     self._errors |= failed            # reported in this step (a sync load)
 
     # ---------------------------------------------------------------- lane threads
-    def _lane_for(self, endpoint: str) -> _Lane:
-        """The lane of ``endpoint`` (lock held); started on first use."""
-        lane = self._lanes.get(endpoint)
-        if lane is None:
-            lane = self._lanes[endpoint] = _Lane(endpoint)
-            lane.thread = threading.Thread(target=self._run, args=(lane,), daemon=True,
-                                           name=f"kvrelay-push-{len(self._lanes)}")
-            lane.thread.start()
-        return lane
-
-    def _run(self, lane: _Lane) -> None:
+    def _run(self, lane: Lane) -> None:
         """One lane's loop: connect, allocate, write and settle the pushes to its decode node."""
         place_helper_thread(self.cfg.connector.helper_cpus)
         while True:
@@ -271,7 +202,7 @@ class PushWorker(WorkerBase):
                 raise TransportError(f"chunk {handle.chunk_index} write failed: {handle.error}")
             if state is WriteState.DONE:
                 p.inflight.remove(item)
-                self._release(keep, done=True)
+                self.payloads.release(keep, done=True)
                 self._on_written(p, handle.chunk_index, t0)
 
     def preempt(self, req_ids: list[str]) -> None:
@@ -303,7 +234,7 @@ class PushWorker(WorkerBase):
         written yet, so nothing is lost."""
         lane = p.lane
         if p.pending is None:
-            p.sender = self._sender(lane)
+            p.sender = self.lanes.sender(lane)
             p.pending = p.sender.alloc_async(p.spec.transfer_id, p.keys, self._sizes(p), early=p.spec.early)
         assert p.sender is not None
         try:
@@ -313,7 +244,7 @@ class PushWorker(WorkerBase):
                 raise
             log.info("session to %s lost (%s); reconnecting", lane.endpoint, exc)
             if p.sender is lane.sender:
-                self._drop_sender(lane)
+                self.lanes.drop_sender(lane)
             p.pending, p.realloc = None, True
             return False
         if alloc is None:
@@ -334,77 +265,35 @@ class PushWorker(WorkerBase):
         return self.layout
 
     def _write(self, p: _Push, c: int) -> None:
-        layout = self.layout_or_fail()
         ids = self.chunk_block_ids(p.spec.block_ids, p.spec.prompt_len, c)
         full = len(ids) == self.blocks_per_chunk and (c + 1) * self.cfg.chunk_tokens <= p.spec.prompt_len
-        gathered = None
+        saved = None
         if self.store is not None and full and 0 <= p.spec.store_from <= c * self.cfg.chunk_tokens:
-            gathered = self.store.save(p.keys[c], c, ids)     # a view of the stored record
+            saved = self.store.save(p.keys[c], c, ids)        # the stored record's payload and checksum
         if p.spec.push_to:
-            self._push(p, c, layout, ids, gathered)
+            self._push(p, c, ids, saved)
 
-    def _push(self, p: _Push, c: int, layout: KVLayout, ids: list[int], gathered: torch.Tensor | None) -> None:
+    def _push(self, p: _Push, c: int, ids: list[int], saved: SavedChunk | None) -> None:
         assert p.alloc is not None and p.sender is not None
         if c in p.alloc.held:                                # D already has it (its prefix cache)
             self.metrics.chunks.labels("prefill", "held").inc()
             return
+        layout = self.layout_or_fail()
         t0 = time.monotonic()
         self.events.write("push_start", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c)
-        payload, header, keep = self._payload(p, c, layout, ids, gathered)
+        chunk = Chunk(p.keys[c], p.spec.transfer_id, c, ids, saved)
+        payload, header, keep = self.payloads.make(chunk, layout, p.sender.layout is not None)
         try:
             handle = p.sender.write_chunk(p.alloc, c, payload, num_layers=layout.num_layers, num_blocks=len(ids),
                                           header=header)
         except BaseException:
-            self._release(keep, done=False)             # the backend may hold it: never lend it again
+            self.payloads.release(keep, done=False)       # the backend may hold it: never lend it again
             raise
         if handle is not None:
             p.inflight.append((handle, keep, t0))
         else:                                                # receiver already holds it
-            self._release(keep, done=True)
+            self.payloads.release(keep, done=True)
             self._on_written(p, c, t0)
-
-    def _release(self, keep: Any, done: bool) -> None:
-        """A written (``done``) or abandoned chunk's buffer: a staged one goes back to the pool,
-        or, if its write may still read it, is retired."""
-        if isinstance(keep, tuple):                          # (staged, what the push hook returned)
-            keep = keep[0]
-        if isinstance(keep, Staged) and self.staging is not None:
-            if done:
-                self.staging.give_back(keep)
-            else:
-                self.staging.retire(keep)
-
-    def _payload(self, p: _Push, c: int, layout: KVLayout, ids: list[int],
-                 gathered: torch.Tensor | None) -> tuple[Payload, bytes, Any]:
-        """(payload, header, buffer to keep alive until written: a tensor, a :class:`Staged`
-        or None) for chunk ``c``."""
-        def header(regions: list[Any]) -> bytes:
-            return make_header(p.keys[c], p.spec.transfer_id, c, regions, num_layers=layout.num_layers,
-                               num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE)).pack()
-
-        assert p.sender is not None
-        if gathered is None and self._hook is None and p.sender.layout is not None:
-            views = [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids]
-            return BlockPayload(tuple(ids)), header(views), None     # straight from the KV cache
-        if gathered is not None:
-            return self._finish_payload(p, c, gathered, header, gathered)
-        assert self.staging is not None
-        staged = self.staging.take((layout.num_layers, len(ids), layout.bytes_per_block))
-        try:
-            gather_into_host(layout, ids, staged.tensor)                            # [L, n, bpb] uint8
-            return self._finish_payload(p, c, staged.tensor, header, staged)
-        except BaseException:
-            self.staging.give_back(staged)          # nothing was sent from it
-            raise
-
-    def _finish_payload(self, p: _Push, c: int, buf: torch.Tensor, header: Callable[[list[Any]], bytes],
-                        keep: Any) -> tuple[Payload, bytes, Any]:
-        """The header over ``buf``, then the push hook (if any) on it."""
-        hdr = header([buf.numpy().data])
-        if self._hook is not None:
-            hooked = self._hook(p.spec.transfer_id, c, buf)
-            return [hooked.numpy().data], hdr, (keep, hooked)
-        return [buf.numpy().data], hdr, keep
 
     def _on_written(self, p: _Push, c: int, t0: float) -> None:
         dt = time.monotonic() - t0
@@ -436,10 +325,10 @@ class PushWorker(WorkerBase):
             for handle, _keep, _t0 in p.inflight:
                 p.sender.cancel(handle)
         for _handle, keep, _t0 in p.inflight:
-            self._release(keep, done=False)
+            self.payloads.release(keep, done=False)
         p.inflight.clear()
         if p.sender is not None and p.sender is p.lane.sender and session_lost(exc):
-            self._drop_sender(p.lane)
+            self.lanes.drop_sender(p.lane)
 
     def _maybe_settle(self, p: _Push) -> None:
         complete = p.next_chunk >= p.n_chunks and not p.inflight
@@ -459,46 +348,10 @@ class PushWorker(WorkerBase):
             self.events.write("push_end", req=p.spec.req_id, transfer=p.spec.transfer_id,
                               ok=not p.failed, chunks=p.n_chunks)
 
-    def _sender(self, lane: _Lane) -> Sender:
-        """The lane's Sender, connecting it first if needed (blocks only this lane)."""
-        if lane.sender is None:
-            if time.monotonic() < lane.down_until:
-                raise PeerDeadError(f"decode node {lane.endpoint} unreachable ({lane.down_reason}); "
-                                    f"retrying in {lane.down_until - time.monotonic():.1f} s")
-            tc = self.cfg.transport
-            s = Sender(tc, self.cfg.timeouts, lane.endpoint, self._make_backend(tc), self.fingerprint.digest())
-            try:
-                s.connect()
-                if self._source is not None and s.backend.capabilities.registered_layout:
-                    s.register_layout(self._source)       # once per process: the backend shares it
-            except KVRelayError as exc:
-                s.close()
-                lane.down_until, lane.down_reason = time.monotonic() + DOWN_S, str(exc)
-                raise
-            lane.sender = s
-        return lane.sender
-
-    def _drop_sender(self, lane: _Lane) -> None:
-        s, lane.sender = lane.sender, None
-        if s is not None:
-            log.info("dropping the session to %s; the next push reconnects", lane.endpoint)
-            with contextlib.suppress(KVRelayError):
-                s.close()
-
     def close(self) -> None:
         with self._lock:
             self._stop = True
             self._lock.notify_all()
-            lanes = list(self._lanes.values())
-        for lane in lanes:
-            if lane.thread is not None:
-                lane.thread.join(timeout=5)
-            self._drop_sender(lane)
+        self.lanes.close()
         if self.store is not None:
             self.store.close()
-
-
-def session_lost(exc: BaseException) -> bool:
-    """The Sender is no good any more (D died, restarted, or answered an ``Error``, which is
-    never about one transfer - those are ``Refused``): replace it."""
-    return isinstance(exc, PeerDeadError | HandshakeError | ProtocolError)

@@ -25,6 +25,7 @@ import zmq
 from kvrelay.common.errors import KVRelayError
 from kvrelay.common.keys import chunk_keys
 from kvrelay.common.secrets import load_secret
+from kvrelay.common.wire import parse_header
 from kvrelay.core.chunk_records import gather_record, record_payload
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.placement import place_helper_thread
@@ -32,6 +33,7 @@ from kvrelay.core.telemetry import EventLog, metrics
 from kvrelay.kernels.blocks import scatter
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.prefill.lookup import SLOW_LOOKUP_S, Lookup, LookupReply, hit_limit, lookup_endpoint
+from kvrelay.prefill.payloads import SavedChunk
 from kvrelay.store.events import Publisher
 from kvrelay.store.records import read_record, seal_for
 from kvrelay.store.store import MultiTierStore
@@ -146,15 +148,15 @@ class StoreService:
         return failed
 
     # ---------------------------------------------------------------- save (push thread)
-    def save(self, key: bytes, c: int, block_ids: list[int]) -> torch.Tensor:
+    def save(self, key: bytes, c: int, block_ids: list[int]) -> SavedChunk:
         """Gather full chunk ``c`` (engine blocks ``block_ids``) straight into a new record and put
         it into the store; return its payload, ``[L, blocks, bpb]`` uint8 - a view of the record
-        the store keeps, which the push may send but must not change."""
+        the store keeps, which the push may send but must not change - with its checksum."""
         assert self.layout is not None
         record = gather_record(self.layout, block_ids, key, c)
         if self.store.put(key, record):
             self.metrics.store_stored.inc()
-        return record_payload(self.layout, record, len(block_ids))
+        return SavedChunk(record_payload(self.layout, record, len(block_ids)), parse_header(record).payload_sum)
 
     def close(self) -> None:
         self._stop.set()

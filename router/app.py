@@ -52,16 +52,16 @@ from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import load_secret
 from kvrelay.core.config import FirstToken, KVRelayConfig, RoutingPolicy
 from kvrelay.core.logs import set_ids
-from kvrelay.core.params import ParamsSigner, PullParams, PushParams
+from kvrelay.core.params import ParamsSigner
 from kvrelay.core.tracing import annotate, request_span, tracer
-from kvrelay.router import responses, split, validate
+from kvrelay.router import split, validate
 from kvrelay.router.cache_index import ChunkIndex, PromptTokenizer
+from kvrelay.router.decode_path import DecodePath
 from kvrelay.router.discovery import Discovery, Resolver, parse_dns, system_resolver
 from kvrelay.router.job import Job, RequestIds
 from kvrelay.router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.pools import (
-    Node,
     NoHealthyNode,
     Pool,
     PrefillWork,
@@ -72,13 +72,17 @@ from kvrelay.router.pools import (
 )
 from kvrelay.router.responses import error_response, too_many
 from kvrelay.router.split_path import SplitPath
-from kvrelay.router.upstream import note_draining
+from kvrelay.router.upstream import EngineClient
 from prometheus_client import generate_latest
 
 log = logging.getLogger("kvrelay.router")
 
 
-class Router(SplitPath):
+class Router:
+    """The aiohttp app over one :class:`~kvrelay.router.upstream.EngineClient`: who gets in,
+    which path a request takes (:class:`~kvrelay.router.split_path.SplitPath`,
+    :class:`~kvrelay.router.decode_path.DecodePath`), health, models and metrics."""
+
     def __init__(self, cfg: KVRelayConfig, prefill: Pool | None = None, decode: Pool | None = None, *,
                  secret: bytes | None = None, resolver: Resolver = system_resolver) -> None:
         """``resolver``: how ``dns+`` pool entries are looked up (the system resolver by default)."""
@@ -90,9 +94,11 @@ class Router(SplitPath):
         self.metrics = RouterMetrics()
         self.metrics.follow((self.prefill, self.decode))
         rc = cfg.router
-        self.context_limits: dict[str, int] = {}
         self.tracer = tracer(cfg.tracing.endpoint, cfg.tracing.protocol, "kvrelay-router")
-        self.signer = ParamsSigner(load_secret(cfg.transport) if secret is None else secret, rc.params_ttl_s)
+        signer = ParamsSigner(load_secret(cfg.transport) if secret is None else secret, rc.params_ttl_s)
+        self.client = EngineClient(cfg, prefill, decode, self.metrics, signer)
+        self.decode_path = DecodePath(self.client)
+        self.split_path = SplitPath(self.client, self.decode_path)
         engine = cfg.engine
         self._parsers = split.parsers_configured([*engine.extra_args, *engine.prefill_args, *engine.decode_args],
                                                  rc.chat_parsers)
@@ -105,7 +111,6 @@ class Router(SplitPath):
         self.tokenizer: PromptTokenizer | None = None
         if cfg.router.policy is RoutingPolicy.CACHE_AWARE:
             self.index, self.tokenizer = self._cache_aware()
-        self.session: aiohttp.ClientSession | None = None
         self._health: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -154,16 +159,11 @@ class Router(SplitPath):
         return app
 
     async def _start(self, app: web.Application) -> None:
-        # sock_read: silence, not total length - a long generation streams for as long as it needs
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=self.cfg.router.request_timeout_s)
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=self.cfg.router.upstream_connections,
-                                         keepalive_timeout=self.cfg.router.upstream_keepalive_s)
-        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector,
-                                             json_serialize=lambda o: orjson.dumps(o).decode())
+        session = self.client.open()
         for d in self.discovery:                   # know the pools before the first health round
             await d.refresh()
             self._tasks.append(asyncio.create_task(d.run(self.cfg.router.dns_refresh_s)))
-        self._health = asyncio.create_task(health_loop(self.session, (self.prefill, self.decode),
+        self._health = asyncio.create_task(health_loop(session, (self.prefill, self.decode),
                                                        self.cfg.router.health_interval_s,
                                                        self.cfg.router.health_timeouts))
         if self.index is not None:
@@ -177,8 +177,7 @@ class Router(SplitPath):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        if self.session is not None:
-            await self.session.close()
+        await self.client.close()
 
     @web.middleware
     async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -221,8 +220,8 @@ class Router(SplitPath):
     async def models(self, request: web.Request) -> web.Response:
         try:
             node = self.decode.pick()
-            assert self.session is not None
-            async with self.session.get(f"{node.url}/v1/models") as r:
+            assert self.client.session is not None
+            async with self.client.session.get(f"{node.url}/v1/models") as r:
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
         except (NoHealthyNode, aiohttp.ClientError) as exc:
             return error_response(503, f"no decode node available: {exc}", "service_unavailable")
@@ -256,19 +255,19 @@ class Router(SplitPath):
         job = Job(request, request.path, body if isinstance(body, dict) else {}, ids, time.monotonic(), d_node)
         if not isinstance(body, dict):          # vLLM answers malformed bodies itself, as one vLLM would
             self.metrics.errors.labels("bad_request").inc()
-            return await self._pass_through(job, raw)
+            return await self.decode_path.pass_through(job, raw)
         body.pop("kv_transfer_params", None)    # only the router's own, signed, ever reach an engine
         alone = validate.check(job.endpoint, body) or split.decode_only_reason(job.endpoint, body)
         if alone is not None:
             self.metrics.errors.labels("decode_only").inc()
             log.debug("request %s goes to a decode node alone: %s", ids.client, alone)
-            return await self._timed(job, self._decode(job, "", ""))
+            return await self._timed(job, self.decode_path.decode(job, "", ""))
         hint = await self._prefix_hint(body)
         try:
             p_node = self.prefill.pick(hint=hint, load_weight=self.cfg.router.load_weight)
         except NoHealthyNode:                   # no prefill node: the decode node serves the request alone
             self.metrics.errors.labels("no_prefill_decode_only").inc()
-            return await self._timed(job, self._decode(job, "", ""))
+            return await self._timed(job, self.decode_path.decode(job, "", ""))
         set_ids(transfer_id=ids.transfer)
         annotate(request_id=ids.client, transfer_id=ids.transfer, prefill=p_node.url, decode=d_node.url)
         work = PrefillWork(p_node, hint.work(p_node) if hint else 0)
@@ -276,12 +275,12 @@ class Router(SplitPath):
             why = self._split_refusal(job)
             if why is None:
                 try:
-                    return await self._timed(job, self._split(job, p_node, work))
+                    return await self._timed(job, self.split_path.run(job, p_node, work))
                 finally:
                     work.done()
             self.metrics.errors.labels("first_token_fallback").inc()
             log.debug("request %s takes the decode path: %s", ids.client, why)
-        return await self._timed(job, self._prefill_and_decode(job, p_node, work))
+        return await self._timed(job, self.decode_path.prefill_and_decode(job, p_node, work))
 
     def _split_refusal(self, job: Job) -> str | None:
         if split.kind(job.endpoint) == "chat" and self._parsers:
@@ -298,21 +297,6 @@ class Router(SplitPath):
         self.metrics.latency.observe(time.monotonic() - job.t0)
         return resp
 
-    async def _prefill_and_decode(self, job: Job, p_node: Node, work: PrefillWork) -> web.StreamResponse:
-        """The decode path: P prefills and pushes (in the background), D answers the client."""
-        prefill = asyncio.create_task(self._prefill(job, p_node))
-        prefill.add_done_callback(work.done)
-        try:
-            resp = await self._decode(job, job.ids.transfer, p_node.url)
-        except asyncio.CancelledError:          # client went away: abort both sides
-            prefill.cancel()
-            raise
-        if resp.status != 200 and not prefill.done():
-            prefill.cancel()                    # D refused or failed: P's prefill and push are for nothing
-        if not prefill.done():
-            prefill.add_done_callback(_log_task_error)
-        return resp
-
     async def _prefix_hint(self, body: dict[str, Any]) -> PrefixHint | None:
         if self.index is None or self.tokenizer is None or not self.index.fingerprint:
             return None
@@ -323,127 +307,6 @@ class Router(SplitPath):
             log.info("cache_aware: cannot tokenise request (%s); routing by load", exc)
             return None
         return self.index.hint(ids) if ids else None
-
-    async def _prefill(self, job: Job, node: Node) -> None:
-        pbody = dict(job.body)
-        pbody.update(stream=False, max_tokens=1, kv_transfer_params=self._signed(
-            PushParams(transfer_id=job.ids.transfer, push_to=job.decode.kv_endpoint)))
-        pbody.pop("stream_options", None)
-        pbody.pop("seed", None)                 # P's token is discarded: it needs no sampler state
-        if "max_completion_tokens" in pbody:
-            pbody["max_completion_tokens"] = 1
-        tried: tuple[Node, ...] = ()
-        for attempt in range(2):
-            tried += (node,)
-            ok, why = await self._post_prefill(node, job.endpoint, pbody, f"{job.ids.engine}-p")
-            if ok or why == "client_error":
-                return
-            self.metrics.errors.labels("prefill_failed").inc()
-            log.warning("prefill on %s failed (%s) for %s (attempt %d)", node.url, why, job.ids.client, attempt + 1)
-            try:
-                node = self.prefill.pick(exclude=tried)
-            except NoHealthyNode:
-                log.warning("no other prefill node; decode node recomputes the prompt of %s", job.ids.client)
-                return
-
-    async def _post_prefill(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[bool, str]:
-        assert self.session is not None
-        node.outstanding += 1
-        async def read(r: aiohttp.ClientResponse) -> tuple[bool, str]:
-            await r.read()
-            note_draining(node, r)
-            if r.status >= 500:
-                return False, f"HTTP {r.status}"
-            return r.status == 200, "ok" if r.status == 200 else "client_error"
-        try:
-            return await self._send(f"{node.url}{endpoint}", body, rid, read)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            node.failures += 1
-            return False, type(exc).__name__
-        finally:
-            node.outstanding -= 1
-
-    async def _pass_through(self, job: Job, raw: bytes) -> web.StreamResponse:
-        """A body that is not a JSON object goes to a decode node verbatim; its answer comes back verbatim."""
-        assert self.session is not None
-        node = job.decode
-        try:
-            async with self.session.post(f"{node.url}{job.endpoint}", data=raw, headers={
-                    "Content-Type": job.request.headers.get("Content-Type", "application/json"),
-                    "X-Request-Id": job.ids.engine}) as r:
-                return web.Response(body=await r.read(), status=r.status, content_type=r.content_type,
-                                    headers=job.ids.headers())
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",
-                                  "bad_gateway", job.ids.client)
-
-    async def _decode(self, job: Job, tid: str, p_url: str) -> web.StreamResponse:
-        """D answers the client: with pull params for ``tid`` ("" = D computes the prompt itself)."""
-        assert self.session is not None
-        dbody = dict(job.body)
-        if tid:
-            dbody["kv_transfer_params"] = self._signed(PullParams(transfer_id=tid))
-        headers = {**job.ids.headers(), "X-Kvrelay-Prefill": p_url}
-        node = job.decode
-        node.outstanding += 1
-        try:
-            node, r = await self._open_decode(node, job.endpoint, dbody, job.ids.engine)
-            async with r:
-                if r.status != 200 or "text/event-stream" not in r.headers.get("Content-Type", ""):
-                    data = await r.read()
-                    self.metrics.ttft.observe(time.monotonic() - job.t0)
-                    self.metrics.requests.labels(job.endpoint, "ok" if r.status == 200 else f"http_{r.status}").inc()
-                    if r.status >= 500:
-                        self.metrics.errors.labels("decode_failed").inc()
-                        return error_response(502, f"decode node {node.url} failed: HTTP {r.status}",
-                                              "bad_gateway", job.ids.client)
-                    return web.Response(body=data, status=r.status, content_type=r.content_type, headers=headers)
-                return await self._stream(job, r, headers)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self.metrics.errors.labels("decode_failed").inc()
-            self.metrics.requests.labels(job.endpoint, "decode_failed").inc()
-            return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",
-                                  "bad_gateway", job.ids.client)
-        finally:
-            node.outstanding -= 1
-
-    async def _stream(self, job: Job, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> web.StreamResponse:
-        out = await responses.open_stream(job.request, headers)
-        first, tail, last = True, b"", 0.0
-        try:
-            async for piece in upstream.content.iter_any():
-                now = time.monotonic()
-                if first:
-                    self.metrics.ttft.observe(now - job.t0)
-                    first = False
-                else:
-                    self.metrics.itl.observe(now - last)
-                last = now
-                await responses.write(out, piece)
-                tail = (tail + piece)[-64:]
-            failure = "" if tail.rstrip().endswith(b"data: [DONE]") else "the decode node ended the stream early"
-        except responses.ClientGone:
-            self.metrics.errors.labels("client_disconnect").inc()
-            self.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
-            return out
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            failure = f"the decode node failed mid-stream: {type(exc).__name__}: {exc}"
-        with contextlib.suppress(responses.ClientGone):
-            if failure:
-                self.metrics.errors.labels("decode_failed_midstream").inc()
-                self.metrics.requests.labels(job.endpoint, "decode_failed").inc()
-                await responses.write(out, responses.sse_error(failure, job.ids.client))
-            else:
-                self.metrics.requests.labels(job.endpoint, "ok").inc()
-            await out.write_eof()
-        return out
-
-
-
-def _log_task_error(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("prefill task failed: %r", task.exception())
-
 
 async def _freeze_heap(app: web.Application) -> None:
     """Move everything alive after startup (tokenizer, metrics, sessions) out of the garbage

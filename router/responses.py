@@ -20,9 +20,14 @@ import aiohttp
 from aiohttp import web
 
 
+def error_body(message: str, etype: str, code: str | int) -> dict[str, dict[str, object]]:
+    """OpenAI's error object: ``{"error": {message, type, param, code}}`` (the one place it is built)."""
+    return {"error": {"message": message, "type": etype, "param": None, "code": code}}
+
+
 def error_response(status: int, message: str, etype: str = "invalid_request_error",
                    rid: str = "", headers: dict[str, str] | None = None, code: str | int | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": etype, "param": None, "code": code or status}}
+    body = error_body(message, etype, code or status)
     hdrs = {"X-Request-Id": rid} if rid else {}
     return web.json_response(body, status=status, headers={**hdrs, **(headers or {})})
 
@@ -34,7 +39,7 @@ def too_many(message: str, retry_after_s: float) -> web.Response:
 
 def sse_error(message: str, rid: str) -> bytes:
     """An OpenAI-style error event, then the end of the stream."""
-    body = {"error": {"message": f"{message} (request {rid})", "type": "bad_gateway", "param": None, "code": 502}}
+    body = error_body(f"{message} (request {rid})", "bad_gateway", 502)
     return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 

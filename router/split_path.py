@@ -20,73 +20,68 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
-from kvrelay.core.tracing import with_traceparent
+from kvrelay.core.params import PullParams, PushParams
 from kvrelay.router import responses, split
+from kvrelay.router.decode_path import DecodePath
 from kvrelay.router.job import Job
 from kvrelay.router.pools import Node, NoHealthyNode, PrefillWork
-from kvrelay.router.upstream import Upstream
+from kvrelay.router.upstream import EngineClient
 
 log = logging.getLogger("kvrelay.router")
 
 
-class SplitPath(Upstream):
-    """``router.first_token: prefill``; the router provides :meth:`_decode` (the decode path)."""
+class SplitPath:
+    """``router.first_token: prefill`` over one engine client; what it cannot continue exactly
+    goes to ``decode`` (the decode path)."""
 
-    signer: ParamsSigner
+    def __init__(self, client: EngineClient, decode: DecodePath) -> None:
+        self.client, self.fallback = client, decode
 
-    def _signed(self, params: PullParams | PushParams) -> dict[str, Any]:
-        """``kv_transfer_params`` for an engine: signed, with the request's trace context beside them."""
-        return with_traceparent(params_dict(self.signer.sign(params)))
-
-    async def _decode(self, job: Job, tid: str, p_url: str) -> web.StreamResponse:
-        raise NotImplementedError
-
-    async def _split(self, job: Job, p_node: Node, work: PrefillWork) -> web.StreamResponse:
-        limit = await self._context_limit(job.decode)
+    async def run(self, job: Job, p_node: Node, work: PrefillWork) -> web.StreamResponse:
+        limit = await self.client.context_limit(job.decode)
         if limit is None and split.needs_limit(job.endpoint, job.body):
-            self.metrics.errors.labels("first_token_fallback").inc()     # D alone: its own limit applies
-            return await self._decode(job, "", "")
+            self.client.metrics.errors.labels("first_token_fallback").inc()     # D alone: its own limit applies
+            return await self.fallback.decode(job, "", "")
         tid = job.ids.transfer
         pbody = split.prefill_body(job.body)
         if split.max_new(job.endpoint, job.body) != 1:   # token 1 may be all the answer: then nothing is pushed
-            pbody["kv_transfer_params"] = self._signed(PushParams(transfer_id=tid, push_to=job.decode.kv_endpoint,
+            pbody["kv_transfer_params"] = self.client.signed(PushParams(transfer_id=tid, push_to=job.decode.kv_endpoint,
                                                                   early=True))
-        status, answer = await self._ask(p_node, job.endpoint, pbody, f"{job.ids.engine}-p")
+        status, answer = await self.client.ask(p_node, job.endpoint, pbody, f"{job.ids.engine}-p")
         if status == 503 and not p_node.healthy:      # P is draining: another prefill node, if any
             with contextlib.suppress(NoHealthyNode):
-                p_node = self.prefill.pick(exclude=(p_node,))
-                status, answer = await self._ask(p_node, job.endpoint, pbody, f"{job.ids.engine}-p")
+                p_node = self.client.prefill.pick(exclude=(p_node,))
+                status, answer = await self.client.ask(p_node, job.endpoint, pbody, f"{job.ids.engine}-p")
         work.done()                                   # P answered: its prefill no longer queues others
         if status != 200 or not isinstance(answer, dict):
             if status is not None and status < 500:   # P refused the request: the client's error, as vLLM says it
                 return web.json_response(answer, status=status, headers=job.ids.headers())
-            self.metrics.errors.labels("prefill_failed").inc()
-            return await self._decode(job, "", "")
+            self.client.metrics.errors.labels("prefill_failed").inc()
+            return await self.fallback.decode(job, "", "")
         try:
             first = split.FirstToken.parse(job.endpoint, answer)
         except (KeyError, IndexError, TypeError, ValueError) as exc:    # D decodes as usual, from the push
             log.info("prefill answer for %s cannot be continued (%r); decoding on D", job.ids.client, exc)
-            self.metrics.errors.labels("first_token_fallback").inc()
-            return await self._decode(job, tid, p_node.url)
+            self.client.metrics.errors.labels("first_token_fallback").inc()
+            return await self.fallback.decode(job, tid, p_node.url)
         budget = split.answer_budget(job.endpoint, job.body, len(first.prompt_token_ids), limit)
         if budget < 1:
             # one vLLM refuses this (prompt + budget over the context): D says so, with the client's own
             # request (P's early push is dropped by D's orphan collection)
-            return await self._decode(job, tid, p_node.url)
+            return await self.fallback.decode(job, tid, p_node.url)
         writer = split.StreamWriter(job.endpoint, first, job.with_usage)
         headers = {**job.ids.headers(), "X-Kvrelay-Prefill": p_node.url}
         if first.ends_answer(budget):
             return await self._only_token(job, first, writer, headers)
         dbody = split.decode_body(job.body, first, budget)
-        dbody["kv_transfer_params"] = self._signed(PullParams(transfer_id=tid, tail=len(first.token_ids)))
+        dbody["kv_transfer_params"] = self.client.signed(PullParams(transfer_id=tid, tail=len(first.token_ids)))
         return await self._continue(job, first, writer, dbody, headers)
 
     async def _only_token(self, job: Job, first: split.FirstToken, writer: split.StreamWriter,
                           headers: dict[str, str]) -> web.StreamResponse:
         """Token 1 is the whole answer (EOS, a stop token, a budget of 1): D is never asked."""
-        self.metrics.requests.labels(job.endpoint, "ok").inc()
-        self.metrics.ttft.observe(time.monotonic() - job.t0)
+        self.client.metrics.requests.labels(job.endpoint, "ok").inc()
+        self.client.metrics.ttft.observe(time.monotonic() - job.t0)
         if not job.stream:
             return web.json_response(split.final_answer(job.endpoint, first, "", first.finish_reason,
                                                         first.stop_reason, 0), headers=headers)
@@ -103,12 +98,12 @@ class SplitPath(Upstream):
         if job.stream:
             out = await responses.open_stream(job.request, headers)
             await responses.write(out, writer.opening() + writer.token(first.text))
-            self.metrics.ttft.observe(time.monotonic() - job.t0)
+            self.client.metrics.ttft.observe(time.monotonic() - job.t0)
         tail = _Tail()
         node = job.decode
         node.outstanding += 1
         try:
-            node, r = await self._open_decode(node, "/v1/completions", dbody, job.ids.engine)
+            node, r = await self.client.open_decode(node, "/v1/completions", dbody, job.ids.engine)
             async with r:
                 if r.status != 200:
                     data = await r.read()
@@ -119,8 +114,8 @@ class SplitPath(Upstream):
                 else:
                     await self._relay(r, out, writer, tail)
         except responses.ClientGone:
-            self.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
-            self.metrics.errors.labels("client_disconnect").inc()
+            self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
+            self.client.metrics.errors.labels("client_disconnect").inc()
             assert out is not None
             return out
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
@@ -146,7 +141,7 @@ class SplitPath(Upstream):
                         rendered.append(writer.token(c["text"], tail.finish, tail.stop))
             if rendered and out is not None:   # one write per piece D sent, not per token
                 now = time.monotonic()
-                self.metrics.itl.observe(now - last)
+                self.client.metrics.itl.observe(now - last)
                 last = now
                 await responses.write(out, b"".join(rendered))
         if tail.finish is None:
@@ -156,18 +151,18 @@ class SplitPath(Upstream):
                             out: web.StreamResponse | None, tail: _Tail, headers: dict[str, str]) -> web.StreamResponse:
         rid = job.ids.client
         if tail.failure:
-            self.metrics.errors.labels("decode_failed").inc()
-            self.metrics.requests.labels(job.endpoint, "decode_failed").inc()
+            self.client.metrics.errors.labels("decode_failed").inc()
+            self.client.metrics.requests.labels(job.endpoint, "decode_failed").inc()
             if out is None:
                 return responses.error_response(502, f"{tail.failure} (request {rid})", "bad_gateway", rid)
             with contextlib.suppress(responses.ClientGone):
                 await responses.write(out, responses.sse_error(tail.failure, rid))
                 await out.write_eof()
             return out
-        self.metrics.requests.labels(job.endpoint, "ok").inc()
+        self.client.metrics.requests.labels(job.endpoint, "ok").inc()
         text = "".join(tail.text)
         if out is None:                           # not streamed: the first token arrives with the answer
-            self.metrics.ttft.observe(time.monotonic() - job.t0)
+            self.client.metrics.ttft.observe(time.monotonic() - job.t0)
             return web.json_response(split.final_answer(job.endpoint, first, text, tail.finish, tail.stop,
                                                         tail.decoded), headers=headers)
         with contextlib.suppress(responses.ClientGone):

@@ -1,10 +1,12 @@
-"""Talking to engines: one POST with the keep-alive retry, and decode nodes that drain or vanish.
+"""The router's engine client: the HTTP session, both pools, the metrics and the signer.
 
-The router's request paths (:mod:`kvrelay.router.app`) use these helpers; they own no request state.
+One :class:`EngineClient` per router owns everything a request path needs to talk to engines;
+the paths themselves (:mod:`kvrelay.router.decode_path`, :mod:`kvrelay.router.split_path`)
+are small classes that take it and own no shared state.
 
-* :meth:`Upstream._send` - POST and read, once more if a pooled connection turned out to be
+* :meth:`EngineClient.send` - POST and read, once more if a pooled connection turned out to be
   closed before the engine saw the request (keep-alive race).
-* :meth:`Upstream._open_decode` - POST to a decode node and return the open response. A node
+* :meth:`EngineClient.open_decode` - POST to a decode node and return the open response. A node
   that is draining (503 with ``X-Kvrelay-Draining``, :mod:`kvrelay.core.drain`) or refuses the
   connection has not seen the request, so it goes to the next healthy decode node - without
   pull params: the KV was pushed to the first one, the new node computes the prompt itself.
@@ -25,7 +27,8 @@ import aiohttp
 import orjson
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.drain import DRAINING_HEADER
-from kvrelay.core.tracing import inject
+from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
+from kvrelay.core.tracing import inject, with_traceparent
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.pools import Node, NoHealthyNode, Pool
 
@@ -49,15 +52,36 @@ def note_draining(node: Node, r: aiohttp.ClientResponse) -> bool:
     return r.status == 503
 
 
-class Upstream:
-    cfg: KVRelayConfig
-    session: aiohttp.ClientSession | None
-    metrics: RouterMetrics
-    prefill: Pool
-    decode: Pool
-    context_limits: dict[str, int]       # decode node URL -> its max_model_len
+class EngineClient:
+    """What every request path shares: ``session`` (made by :meth:`open`), the pools, the
+    metrics, the params signer and each decode node's context limit."""
 
-    async def _context_limit(self, node: Node) -> int | None:
+    def __init__(self, cfg: KVRelayConfig, prefill: Pool, decode: Pool, metrics: RouterMetrics,
+                 signer: ParamsSigner) -> None:
+        self.cfg, self.prefill, self.decode, self.metrics, self.signer = cfg, prefill, decode, metrics, signer
+        self.session: aiohttp.ClientSession | None = None
+        self.context_limits: dict[str, int] = {}       # decode node URL -> its max_model_len
+
+    def open(self) -> aiohttp.ClientSession:
+        """The HTTP session to the engines (inside the running loop). ``sock_read`` is silence,
+        not total length: a long generation streams for as long as it needs."""
+        rc = self.cfg.router
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=rc.request_timeout_s)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=rc.upstream_connections,
+                                         keepalive_timeout=rc.upstream_keepalive_s)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                             json_serialize=lambda o: orjson.dumps(o).decode())
+        return self.session
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def signed(self, params: PullParams | PushParams) -> dict[str, Any]:
+        """``kv_transfer_params`` for an engine: signed, with the request's trace context beside them."""
+        return with_traceparent(params_dict(self.signer.sign(params)))
+
+    async def context_limit(self, node: Node) -> int | None:
         """The decode node's ``max_model_len`` (from its ``/v1/models``, asked once; None if unknown)."""
         limits = self.context_limits
         if node.url not in limits:
@@ -69,7 +93,7 @@ class Upstream:
                 return None                   # asked again next time
         return limits[node.url]
 
-    async def _ask(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[int | None, Any]:
+    async def ask(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[int | None, Any]:
         """POST and read a JSON answer: (status, body); (None, None) when the node failed."""
         node.outstanding += 1
 
@@ -77,7 +101,7 @@ class Upstream:
             note_draining(node, r)
             return r.status, await r.json(loads=orjson.loads, content_type=None)
         try:
-            return await self._send(f"{node.url}{endpoint}", body, rid, read)
+            return await self.send(f"{node.url}{endpoint}", body, rid, read)
         except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
             node.failures += 1
             log.warning("prefill on %s failed for %s: %r", node.url, rid, exc)
@@ -85,7 +109,7 @@ class Upstream:
         finally:
             node.outstanding -= 1
 
-    async def _send(self, url: str, body: dict[str, Any], rid: str,
+    async def send(self, url: str, body: dict[str, Any], rid: str,
                     read: Callable[[aiohttp.ClientResponse], Awaitable[_T]]) -> _T:
         """POST ``body`` and ``read`` the answer (see :meth:`_post_url`)."""
         async with await self._post_url(url, body, rid) as r:
@@ -108,7 +132,7 @@ class Upstream:
                 log.info("%s: a pooled connection was closed under %s (%r); retrying", url, rid, exc)
         raise AssertionError("unreachable")
 
-    async def _open_decode(self, node: Node, path: str, body: dict[str, Any],
+    async def open_decode(self, node: Node, path: str, body: dict[str, Any],
                            rid: str) -> tuple[Node, aiohttp.ClientResponse]:
         """POST to decode ``node`` (its ``outstanding`` already counted); a draining or vanished node
         hands the request to the next healthy one (see the module docstring). Returns the node that
@@ -125,7 +149,7 @@ class Upstream:
 
     async def _redirecting(self, current: list[Node], path: str, body: dict[str, Any],
                            rid: str) -> tuple[Node, aiohttp.ClientResponse]:
-        """:meth:`_open_decode`'s loop; ``current[0]`` is the node that holds the count."""
+        """:meth:`open_decode`'s loop; ``current[0]`` is the node that holds the count."""
         tried = list[Node]()
         while True:
             node = current[0]

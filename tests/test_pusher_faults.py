@@ -157,7 +157,7 @@ def test_failed_push_with_writes_in_flight_settles_and_goes_idle(caches):
         took = wait_settled(worker, rid, timeout=10)
         assert took >= 1.5                                     # failed at free_deadline_s (2 s), not at once
         assert not worker.busy()
-        assert worker.staging is not None and worker.staging.stats().lent == 0   # the stuck writes' buffers retired
+        assert worker.payloads.staging is not None and worker.payloads.staging.stats().lent == 0   # the stuck writes' buffers retired
         cpu0, t0 = time.process_time(), time.monotonic()
         time.sleep(1.0)
         cpu = (time.process_time() - cpu0) / (time.monotonic() - t0)
@@ -183,8 +183,8 @@ def test_concurrent_pushes_gather_into_reused_buffers_and_arrive_exact(caches):
                 g["thread"].join(15)
                 assert isinstance(g["end"], TransferDone), g["end"]
                 assert g["arrived"] == {0: True, 1: True, 2: True}
-        assert worker.staging is not None
-        st = worker.staging.stats()
+        assert worker.payloads.staging is not None
+        st = worker.payloads.staging.stats()
         assert st.lent == 0 and st.made == st.free and st.made < 27 and st.reused + st.made + st.misses == 27
     finally:
         worker.close()

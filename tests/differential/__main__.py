@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="tcp,nixl", help="comma-separated transports (default tcp,nixl)")
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight against kvrelay (default 4)")
     ap.add_argument("--ref-concurrency", type=int, default=1,
-                    help="requests in flight against the reference (default 1; more is faster and can only add "
-                         "differences, never hide one: the reference runs no kvrelay code)")
+                    help="unseeded requests in flight against the reference (default 1; seeded ones always go one "
+                         "at a time; more is faster and can only add differences, never hide one: the "
+                         "reference runs no kvrelay code)")
     ap.add_argument("--busy", action="store_true", help="also a busy prefill node (preempting), reported")
     ap.add_argument("--workdir", default="", help="where logs go (default: a new temporary directory)")
     ap.add_argument("--json", default="", help="write the summary and every difference here")

@@ -81,7 +81,10 @@ def compare(reqs: list[Request], want: list[Answer], have: list[Answer], target:
 def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, log_dir: Path,
                       concurrency: int = 1) -> list[Answer]:
     """Start one plain vLLM (server 0 of the 2 of a 1P1D stack: the same binding as each engine),
-    ask it every request in turn, stop it."""
+    ask it every request, stop it. ``concurrency`` > 1 asks unseeded requests that many at a
+    time; seeded ones always go one at a time, after them: vLLM 0.32's CPU build kills its
+    engine when a seeded prompt is prefilled over several steps, which sharing a step's token
+    budget with other requests causes (surface.SEEDED_MAX_PROMPT)."""
     spec = launch.NodeSpec(launch.Role.SINGLE, 0, port)
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "reference.log", "w") as log:
@@ -90,7 +93,13 @@ def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, l
     try:
         url = f"http://127.0.0.1:{port}"
         launch.wait_healthy(url, proc, cfg.deploy.startup_timeout_s, str(log_dir / "reference.log"))
-        return ask(url, reqs, concurrency, "one vLLM")
+        if concurrency <= 1:
+            return ask(url, reqs, 1, "one vLLM")
+        seeded = [i for i, r in enumerate(reqs) if "seed" in r.body]
+        rest = [i for i, r in enumerate(reqs) if "seed" not in r.body]
+        answers = dict(zip(rest, ask(url, [reqs[i] for i in rest], concurrency, "one vLLM"), strict=True))
+        answers.update(zip(seeded, ask(url, [reqs[i] for i in seeded], 1, "one vLLM (seeded)"), strict=True))
+        return [answers[i] for i in range(len(reqs))]
     finally:
         launch.stop_group(proc)
 

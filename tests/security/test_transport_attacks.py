@@ -101,7 +101,7 @@ def finish_honest(receiver, peer) -> None:
 def test_unauthenticated_data_connection_cannot_write_a_chunk(honest):
     receiver, peer, sender = honest
     info = msgspec.msgpack.decode(receiver.backend.info(), type=SocketInfo)
-    slot = receiver._transfers["t1"].slots[0]
+    slot = receiver.table.transfers["t1"].slots[0]
     key = keys_for("t1", 2)[0]
     evil = b"\xee" * CHUNK
     header = make_header(key, "t1", 0, [evil]).pack()
@@ -138,7 +138,7 @@ def test_write_into_another_senders_slot_is_refused(honest):
     cfg = make_cfg("tcp")
     with Sender(cfg.transport, cfg.timeouts, receiver.endpoint, make_sender_backend(cfg.transport), FP) as other:
         other.connect()
-        slot = receiver._transfers["t1"].slots[1]
+        slot = receiver.table.transfers["t1"].slots[1]
         forged = P.Grant(chunk_index=1, slot=slot.index, generation=slot.generation,
                          offset=receiver.pool.offset(slot), token=os.urandom(16))
         evil = b"\xee" * CHUNK

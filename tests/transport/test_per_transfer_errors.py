@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from kvrelay.common.errors import ErrorCode, PoolFullError, ProtocolError
-from kvrelay.prefill.pusher import session_lost
+from kvrelay.prefill.lanes import session_lost
 from kvrelay.transport.backends import make_sender_backend
 from kvrelay.transport.sender import Sender
 

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 
-import kvrelay.transport.receiver as rx
+import kvrelay.transport.landing as rx
 import pytest
 from kvrelay.common.errors import TransferTimeout
 from kvrelay.common.wire import HEADER_SIZE

@@ -1,0 +1,171 @@
+"""The decode path: a decode node D emits every token; a prefill node P, if any, only pushes.
+
+``router.first_token: decode``, and every request the split path cannot continue exactly
+(:mod:`kvrelay.router.split`): P gets the request with ``max_tokens=1`` and push params in
+the background, D gets the client's request with pull params at the same time and streams
+its answer back unchanged. With ``tid`` empty D computes the prompt itself (no prefill
+node, or a request D must judge alone). A prefill that fails (connection error or 5xx) is
+retried once on another P with the same transfer id; if none is left D recomputes after
+``connector.first_chunk_s``. If D fails before answering the client gets a clean 502, and
+mid-stream an OpenAI-style error event followed by ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from kvrelay.core.params import PullParams, PushParams
+from kvrelay.router import responses
+from kvrelay.router.job import Job
+from kvrelay.router.pools import Node, NoHealthyNode, PrefillWork
+from kvrelay.router.responses import error_response
+from kvrelay.router.upstream import EngineClient, note_draining
+
+log = logging.getLogger("kvrelay.router")
+
+
+class DecodePath:
+    """The decode path over one :class:`~kvrelay.router.upstream.EngineClient`."""
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    async def prefill_and_decode(self, job: Job, p_node: Node, work: PrefillWork) -> web.StreamResponse:
+        """The decode path: P prefills and pushes (in the background), D answers the client."""
+        prefill = asyncio.create_task(self._prefill(job, p_node))
+        prefill.add_done_callback(work.done)
+        try:
+            resp = await self.decode(job, job.ids.transfer, p_node.url)
+        except asyncio.CancelledError:          # client went away: abort both sides
+            prefill.cancel()
+            raise
+        if resp.status != 200 and not prefill.done():
+            prefill.cancel()                    # D refused or failed: P's prefill and push are for nothing
+        if not prefill.done():
+            prefill.add_done_callback(_log_task_error)
+        return resp
+
+    async def _prefill(self, job: Job, node: Node) -> None:
+        pbody = dict(job.body)
+        pbody.update(stream=False, max_tokens=1, kv_transfer_params=self.client.signed(
+            PushParams(transfer_id=job.ids.transfer, push_to=job.decode.kv_endpoint)))
+        pbody.pop("stream_options", None)
+        pbody.pop("seed", None)                 # P's token is discarded: it needs no sampler state
+        if "max_completion_tokens" in pbody:
+            pbody["max_completion_tokens"] = 1
+        tried: tuple[Node, ...] = ()
+        for attempt in range(2):
+            tried += (node,)
+            ok, why = await self._post_prefill(node, job.endpoint, pbody, f"{job.ids.engine}-p")
+            if ok or why == "client_error":
+                return
+            self.client.metrics.errors.labels("prefill_failed").inc()
+            log.warning("prefill on %s failed (%s) for %s (attempt %d)", node.url, why, job.ids.client, attempt + 1)
+            try:
+                node = self.client.prefill.pick(exclude=tried)
+            except NoHealthyNode:
+                log.warning("no other prefill node; decode node recomputes the prompt of %s", job.ids.client)
+                return
+
+    async def _post_prefill(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[bool, str]:
+        assert self.client.session is not None
+        node.outstanding += 1
+        async def read(r: aiohttp.ClientResponse) -> tuple[bool, str]:
+            await r.read()
+            note_draining(node, r)
+            if r.status >= 500:
+                return False, f"HTTP {r.status}"
+            return r.status == 200, "ok" if r.status == 200 else "client_error"
+        try:
+            return await self.client.send(f"{node.url}{endpoint}", body, rid, read)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            node.failures += 1
+            return False, type(exc).__name__
+        finally:
+            node.outstanding -= 1
+
+    async def pass_through(self, job: Job, raw: bytes) -> web.StreamResponse:
+        """A body that is not a JSON object goes to a decode node verbatim; its answer comes back verbatim."""
+        assert self.client.session is not None
+        node = job.decode
+        try:
+            async with self.client.session.post(f"{node.url}{job.endpoint}", data=raw, headers={
+                    "Content-Type": job.request.headers.get("Content-Type", "application/json"),
+                    "X-Request-Id": job.ids.engine}) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type=r.content_type,
+                                    headers=job.ids.headers())
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",
+                                  "bad_gateway", job.ids.client)
+
+    async def decode(self, job: Job, tid: str, p_url: str) -> web.StreamResponse:
+        """D answers the client: with pull params for ``tid`` ("" = D computes the prompt itself)."""
+        assert self.client.session is not None
+        dbody = dict(job.body)
+        if tid:
+            dbody["kv_transfer_params"] = self.client.signed(PullParams(transfer_id=tid))
+        headers = {**job.ids.headers(), "X-Kvrelay-Prefill": p_url}
+        node = job.decode
+        node.outstanding += 1
+        try:
+            node, r = await self.client.open_decode(node, job.endpoint, dbody, job.ids.engine)
+            async with r:
+                if r.status != 200 or "text/event-stream" not in r.headers.get("Content-Type", ""):
+                    data = await r.read()
+                    self.client.metrics.ttft.observe(time.monotonic() - job.t0)
+                    self.client.metrics.requests.labels(job.endpoint, "ok" if r.status == 200 else f"http_{r.status}").inc()
+                    if r.status >= 500:
+                        self.client.metrics.errors.labels("decode_failed").inc()
+                        return error_response(502, f"decode node {node.url} failed: HTTP {r.status}",
+                                              "bad_gateway", job.ids.client)
+                    return web.Response(body=data, status=r.status, content_type=r.content_type, headers=headers)
+                return await self._stream(job, r, headers)
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.client.metrics.errors.labels("decode_failed").inc()
+            self.client.metrics.requests.labels(job.endpoint, "decode_failed").inc()
+            return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",
+                                  "bad_gateway", job.ids.client)
+        finally:
+            node.outstanding -= 1
+
+    async def _stream(self, job: Job, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> web.StreamResponse:
+        out = await responses.open_stream(job.request, headers)
+        first, tail, last = True, b"", 0.0
+        try:
+            async for piece in upstream.content.iter_any():
+                now = time.monotonic()
+                if first:
+                    self.client.metrics.ttft.observe(now - job.t0)
+                    first = False
+                else:
+                    self.client.metrics.itl.observe(now - last)
+                last = now
+                await responses.write(out, piece)
+                tail = (tail + piece)[-64:]
+            failure = "" if tail.rstrip().endswith(b"data: [DONE]") else "the decode node ended the stream early"
+        except responses.ClientGone:
+            self.client.metrics.errors.labels("client_disconnect").inc()
+            self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
+            return out
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            failure = f"the decode node failed mid-stream: {type(exc).__name__}: {exc}"
+        with contextlib.suppress(responses.ClientGone):
+            if failure:
+                self.client.metrics.errors.labels("decode_failed_midstream").inc()
+                self.client.metrics.requests.labels(job.endpoint, "decode_failed").inc()
+                await responses.write(out, responses.sse_error(failure, job.ids.client))
+            else:
+                self.client.metrics.requests.labels(job.endpoint, "ok").inc()
+            await out.write_eof()
+        return out
+
+
+def _log_task_error(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("prefill task failed: %r", task.exception())
