@@ -307,9 +307,6 @@ class InstallWorker(WorkerBase):
             self._loads.pop(spec.req_id, None)
         self.settled(spec.req_id, errors)
 
-    def pool_stats(self) -> Any:
-        return self.receiver.pool.stats() if self.receiver is not None else None
-
     def close(self) -> None:
         for load in list(self._loads.values()):
             load.cancelled.set()

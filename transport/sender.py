@@ -41,7 +41,6 @@ from kvrelay.common.wire import HEADER_SIZE, DType, make_header
 from kvrelay.transport import protocol as P
 from kvrelay.transport.backends.base import (
     BlockPayload,
-    Buffer,
     Payload,
     SenderBackend,
     SourceLayout,
@@ -295,15 +294,6 @@ class Sender:
     def wait_all(self, alloc: Allocation, timeout: float | None = None) -> None:
         for h in alloc.handles:
             self.wait(h, timeout)
-
-    def push(self, transfer_id: str, keys: Sequence[bytes], chunks: Sequence[Sequence[Buffer]]) -> Allocation:
-        """Allocate and push whole chunks (each a list of regions); waits for completion."""
-        sizes = [HEADER_SIZE + sum(memoryview(r).nbytes for r in c) for c in chunks]
-        alloc = self.alloc(transfer_id, keys, sizes)
-        for i, regions in enumerate(chunks):
-            self.write_chunk(alloc, i, regions)
-        self.wait_all(alloc)
-        return alloc
 
     def close(self) -> None:
         if self._closed:

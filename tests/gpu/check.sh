@@ -22,5 +22,5 @@ else
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
 export UCX_WARN_UNUSED_ENV_VARS=n PYTHONUNBUFFERED=1
-$PY -m pytest -q tests/test_kernels.py -p no:cacheprovider
+$PY -m pytest -q tests/kernels/test_kernels.py -p no:cacheprovider
 exec $PY tests/gpu/check_gpu.py

@@ -20,7 +20,7 @@ from kvrelay.router.app import Router, tls_context
 from kvrelay.router.limits import ApiKeys
 from kvrelay.router.pools import Node, Pool
 
-from tests.test_router import Fake, fake_node, one_pair, run
+from tests.router.test_router import Fake, fake_node, one_pair, run
 
 SECRET = os.environ["KVRELAY_SECRET"].encode()
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 2, "stream": True}

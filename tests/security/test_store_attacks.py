@@ -13,7 +13,7 @@ from kvrelay.store.records import seal_for
 from kvrelay.store.store import MultiTierStore
 from kvrelay.store.tiers import DiskTier, RedisTier
 
-from tests.test_store import record
+from tests.store.test_store import record
 
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed (deploy/setup.sh installs it)")
 SEAL = seal_for(os.environ["KVRELAY_SECRET"].encode())

@@ -344,9 +344,6 @@ class ProcessAgent:
             with contextlib.suppress(Exception):
                 self.agent.remove_remote_agent(remote)
 
-    def remote_count(self) -> int:
-        with self._lock:
-            return len(self._remotes)
 
 
 class NixlSender(SenderBackend):

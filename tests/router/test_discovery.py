@@ -17,7 +17,7 @@ from kvrelay.router.app import Router
 from kvrelay.router.discovery import Discovery, parse_dns
 from kvrelay.router.pools import Node, Pool
 
-from tests.test_router import Fake, fake_node, run, serve
+from tests.router.test_router import Fake, fake_node, run, serve
 
 
 def test_entries_parse_and_bad_ones_say_what_is_expected():

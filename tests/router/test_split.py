@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from kvrelay.router.split import fallback_reason
 
-from tests.test_router import router_for, run
+from tests.router.test_router import router_for, run
 
 PROMPT_IDS = [5, 6, 7]
 ANSWER = ["S", "M", "{", "S", "M"] + [f"<{i}>" for i in range(5, 200)]   # token i's text; ids are 100 + i
@@ -80,7 +80,7 @@ class Engine:
 
 @asynccontextmanager
 async def split_pair(eos_at_1: bool = False, parser: bool = False, **router: object):
-    from tests.test_router import serve
+    from tests.router.test_router import serve
 
     p, d = Engine(eos_at_1, parser), Engine()
     apps = []

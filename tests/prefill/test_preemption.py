@@ -38,7 +38,7 @@ from kvrelay.transport.backends import make_receiver_backend  # noqa: E402
 from kvrelay.transport.events import ChunkArrival, TransferDone, TransferFailed  # noqa: E402
 from kvrelay.transport.receiver import Receiver  # noqa: E402
 
-from tests.test_connector_state import SIGNER  # noqa: E402
+from tests.core.test_connector_state import SIGNER  # noqa: E402
 
 L, NB, H, BS, D2 = 2, 64, 2, 16, 32          # layers, blocks, kv heads, block size, 2*head
 T = 32                                        # chunk_tokens: 2 blocks
