@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from kvrelay.bench import e2e
+from kvrelay.bench import e2e, report
 from kvrelay.common.secrets import SECRET_ENV, generate_secret, load_secret
 from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
 from kvrelay.deploy import launch
@@ -176,7 +176,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         kv.stop()
         sp.stop()
-    e2e.write_report(out, _report(results),
+    report.write_report(out, _report(results),
                      ("breakdown.json", {"args": {k: v for k, v in vars(args).items() if k != "func"},
                                          "results": results}),
                      ("breakdown.png", lambda path: _plot(results, path)))

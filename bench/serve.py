@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrelay.bench import e2e
+from kvrelay.bench import e2e, report
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
 
@@ -254,7 +254,7 @@ def main(args: argparse.Namespace) -> int:
         finally:
             system.stop()
     bar.close()
-    e2e.write_report(out, table(rows),
+    report.write_report(out, table(rows),
                      ("serve.json", {"load": load, "slo": slo, "rates": rates, "rows": rows,
                                      "vllm_results": results, "host": {"cpus": os.cpu_count()}}),
                      ("serve.png", lambda path: plot(rows, slo, path)))

@@ -1,6 +1,6 @@
 """``pip install .`` installs one importable name, ``kvrelay``, with every room under it.
 
-The wheel is built from this checkout (no network: no build isolation, no dependencies) and
+The wheel is built from a copy of this checkout (no network: no build isolation, no dependencies) and
 installed into an empty target directory; the test then reads that installed distribution's
 own metadata (``importlib.metadata`` over the target only) and the files it put there.
 """
@@ -8,6 +8,7 @@ own metadata (``importlib.metadata`` over the target only) and the files it put 
 from __future__ import annotations
 
 import importlib.metadata as md
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,9 +22,11 @@ ROOMS = {"common", "transport", "store", "kernels", "core", "prefill", "decode",
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("pkg")
-    wheels, target = tmp / "wheels", tmp / "site"
+    src, wheels, target = tmp / "src", tmp / "wheels", tmp / "site"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "build", "*.egg-info",
+                                                             "kvrelay-logs", "bench_results"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(ROOT)],
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
                    check=True, capture_output=True, timeout=300)
     (wheel,) = wheels.glob("kvrelay-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--no-compile", "--target", str(target), str(wheel)],
