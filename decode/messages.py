@@ -1,8 +1,7 @@
-"""What the decode node's scheduler half tells its worker half each step.
+"""The decode connector's per-step metadata: loads to start, transfers to cancel, saves.
 
-vLLM runs the two halves of a connector in different processes (the EngineCore and the
-worker); these dataclasses travel between them in :class:`DecodeMeta`, vLLM's
-``KVConnectorMetadata`` for this connector.
+Built by the scheduler half in the EngineCore process and read by the install thread in
+the worker process; :class:`DecodeMeta` is the ``KVConnectorMetadata`` vLLM carries across.
 """
 
 from __future__ import annotations

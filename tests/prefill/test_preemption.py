@@ -25,7 +25,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvrelay.common.errors import TransferTimeout  # noqa: E402
 from kvrelay.common.keys import chunk_keys  # noqa: E402
 from kvrelay.common.wire import HEADER_SIZE  # noqa: E402
 from kvrelay.core import config as kcfg  # noqa: E402
@@ -35,10 +34,11 @@ from kvrelay.prefill.lookup import StoreClient, lookup_endpoint  # noqa: E402
 from kvrelay.prefill.pusher import PushWorker  # noqa: E402
 from kvrelay.store.records import read_record  # noqa: E402
 from kvrelay.transport.backends import make_receiver_backend  # noqa: E402
-from kvrelay.transport.events import ChunkArrival, TransferDone, TransferFailed  # noqa: E402
+from kvrelay.transport.events import TransferDone, TransferFailed  # noqa: E402
 from kvrelay.transport.receiver import Receiver  # noqa: E402
 
 from tests.core.test_connector_state import SIGNER  # noqa: E402
+from tests.helpers import consume_transfer  # noqa: E402
 
 L, NB, H, BS, D2 = 2, 64, 2, 16, 32          # layers, blocks, kv heads, block size, 2*head
 T = 32                                        # chunk_tokens: 2 blocks
@@ -76,19 +76,7 @@ def consume(receiver: Receiver, tid: str, got: dict) -> threading.Thread:
     receiver.expect(tid)
 
     def run() -> None:
-        try:
-            while True:
-                ev = receiver.next_event(tid, 15)
-                if isinstance(ev, ChunkArrival):
-                    got[ev.chunk_index] = bytes(receiver.payload(ev))
-                    receiver.release(ev)
-                elif isinstance(ev, TransferDone | TransferFailed):
-                    got["end"] = ev
-                    return
-        except TransferTimeout as exc:
-            got["end"] = exc
-        finally:
-            receiver.finish(tid)
+        got["end"] = consume_transfer(receiver, tid, got.__setitem__, 15)
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t

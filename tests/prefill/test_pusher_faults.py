@@ -24,7 +24,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvrelay.common.errors import TransferTimeout  # noqa: E402
 from kvrelay.common.wire import HEADER_SIZE  # noqa: E402
 from kvrelay.core import config as kcfg  # noqa: E402
 from kvrelay.core.fingerprint import engine_fingerprint  # noqa: E402
@@ -34,10 +33,10 @@ from kvrelay.prefill.pusher import PushWorker  # noqa: E402
 from kvrelay.transport.backends import make_receiver_backend  # noqa: E402
 from kvrelay.transport.backends.base import WriteHandle, WriteState  # noqa: E402
 from kvrelay.transport.backends.sockets import SocketSender  # noqa: E402
-from kvrelay.transport.events import ChunkArrival, TransferDone, TransferFailed  # noqa: E402
+from kvrelay.transport.events import TransferDone  # noqa: E402
 from kvrelay.transport.receiver import Receiver  # noqa: E402
 
-from tests.helpers import gather_to_host  # noqa: E402
+from tests.helpers import consume_transfer, gather_to_host  # noqa: E402
 
 L, NB, H, BS, D2 = 2, 64, 2, 16, 32          # layers, blocks, kv heads, block size, 2*head
 T = 32                                        # chunk_tokens: 2 blocks
@@ -74,22 +73,12 @@ class Node:
         self.receiver.expect(tid)
         out: dict = {"arrived": {}, "end": None}
 
+        def check(c: int, data: bytes) -> None:
+            blocks = block_ids[c * 2:(c + 1) * 2]
+            out["arrived"][c] = data == gather_to_host(self.worker.layout, blocks).numpy().tobytes()
+
         def consume() -> None:
-            try:
-                while True:
-                    ev = self.receiver.next_event(tid, 10)
-                    if isinstance(ev, ChunkArrival):
-                        blocks = block_ids[ev.chunk_index * 2:(ev.chunk_index + 1) * 2]
-                        want = gather_to_host(self.worker.layout, blocks).numpy().tobytes()
-                        out["arrived"][ev.chunk_index] = bytes(self.receiver.payload(ev)) == want
-                        self.receiver.release(ev)
-                    elif isinstance(ev, TransferDone | TransferFailed):
-                        out["end"] = ev
-                        return
-            except TransferTimeout as exc:
-                out["end"] = exc
-            finally:
-                self.receiver.finish(tid)
+            out["end"] = consume_transfer(self.receiver, tid, check, 10)
 
         out["thread"] = threading.Thread(target=consume, daemon=True)
         out["thread"].start()
