@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from kvrelay.core.params import PullParams, PushParams
-from kvrelay.router import responses
+from kvrelay.router import responses, split
 from kvrelay.router.job import Job
 from kvrelay.router.pools import Node, NoHealthyNode, PrefillWork
 from kvrelay.router.responses import error_response
@@ -52,13 +52,9 @@ class DecodePath:
         return resp
 
     async def _prefill(self, job: Job, node: Node) -> None:
-        pbody = dict(job.body)
-        pbody.update(stream=False, max_tokens=1, kv_transfer_params=self.client.signed(
-            PushParams(transfer_id=job.ids.transfer, push_to=job.decode.kv_endpoint)))
-        pbody.pop("stream_options", None)
-        pbody.pop("seed", None)                 # P's token is discarded: it needs no sampler state
-        if "max_completion_tokens" in pbody:
-            pbody["max_completion_tokens"] = 1
+        pbody = split.prefill_body(job.body, token_ids=False)
+        pbody["kv_transfer_params"] = self.client.signed(PushParams(transfer_id=job.ids.transfer,
+                                                                    push_to=job.decode.kv_endpoint))
         tried: tuple[Node, ...] = ()
         for attempt in range(2):
             tried += (node,)

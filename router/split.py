@@ -179,10 +179,16 @@ class FirstToken:
         return self.finish_reason == "stop" or budget <= 1
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The request P computes: the client's, for one token, with the token ids returned."""
+def prefill_body(body: dict[str, Any], *, token_ids: bool = True) -> dict[str, Any]:
+    """The request P computes: the client's, for one token, not streamed. ``token_ids``: the
+    split path continues from P's token, so its ids come back; the decode path discards P's
+    token, so P's copy carries no seed (it needs no sampler state)."""
     pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    pbody.update(max_tokens=1, stream=False, return_token_ids=True)
+    pbody.update(max_tokens=1, stream=False)
+    if token_ids:
+        pbody["return_token_ids"] = True
+    else:
+        pbody.pop("seed", None)
     if "max_completion_tokens" in pbody:
         pbody["max_completion_tokens"] = 1
     return pbody
