@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow          # builds and installs a wheel (~40 s)
 ROOT = Path(__file__).resolve().parents[1]
 ROOMS = {"common", "transport", "store", "kernels", "core", "prefill", "decode", "router", "deploy", "bench"}
 
