@@ -111,7 +111,7 @@ def _stack(args: argparse.Namespace, out: Path, store: bool, redis_url: str = ""
                               "prefill_args": ["--no-enable-prefix-caching"]}
     data: dict[str, Any] = {
         "engine": engine, "deploy": {"base_port": base, "kv_base_port": base + 500, "log_dir": str(sub / "logs")},
-        "router": {"port": base + 50},
+        "router": {"port": base + 50, "expose_nodes": True},   # the bench reads X-Kvrelay-Prefill
         "connector": {"events_path": str(sub / "events.jsonl")},
         "store": {"enabled": store, "cpu_bytes": "1GiB", "disk_path": str(sub / "disk"), "disk_bytes": "2GiB"},
         "transport": {"backend": "tcp"}}

@@ -118,6 +118,8 @@ class RouterConfig(Section, frozen=True):
     params_ttl_s: Seconds = 900.0    # signed kv_transfer_params expire after this (>= request_timeout_s)
     first_token: FirstToken = FirstToken.PREFILL   # who emits the first output token (see router/split.py)
     chat_parsers: bool = False       # the engines run a reasoning / tool-call parser: chat is never split
+    expose_nodes: bool = False       # answers name their prefill node (X-Kvrelay-Prefill); for debugging only
+    body_timeout_s: Seconds = 30.0   # a request body must arrive within this (then 408), before admission
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -309,6 +311,10 @@ FIELD_HELP: dict[str, str] = {
                          "router -> prefill -> decode, with transfer spans; the engines get --otlp-traces-endpoint. "
                          "'' = off"),
     'tracing.protocol': 'OTLP protocol: http/protobuf or grpc (then the endpoint is host:port)',
+    'router.expose_nodes': ("answers carry X-Kvrelay-Prefill with the prefill node's URL (debugging; off by default: "
+                            "internal addresses stay inside)"),
+    'router.body_timeout_s': ("a client must send its whole request body within this many seconds, else 408; bodies "
+                              "are read before admission, so slow clients never hold an admission slot"),
     'deploy.prefill': 'kvrelay up: number of prefill servers',
     'deploy.decode': 'kvrelay up: number of decode servers',
     'deploy.host': 'kvrelay up: address every server binds to',

@@ -228,6 +228,13 @@ class Router:
 
     # ---------------------------------------------------------------- completions
     async def completions(self, request: web.Request) -> web.StreamResponse:
+        # the body first, under a deadline: a client that trickles its body never holds an admission slot
+        try:
+            raw = await asyncio.wait_for(request.read(), self.cfg.router.body_timeout_s)
+        except asyncio.TimeoutError:
+            self.metrics.errors.labels("body_timeout").inc()
+            return error_response(408, f"the request body did not arrive within {self.cfg.router.body_timeout_s:g} s "
+                                  "(router.body_timeout_s)", code="request_timeout")
         try:
             await self.admission.acquire()
         except Overloaded as exc:
@@ -235,14 +242,13 @@ class Router:
             return too_many(str(exc), exc.retry_after_s)
         try:
             with request_span(self.tracer, "kvrelay.request", request.headers):   # tracing.endpoint set
-                return await self._completion(request)
+                return await self._completion(request, raw)
         finally:
             self.admission.release()
 
-    async def _completion(self, request: web.Request) -> web.StreamResponse:  # noqa: PLR0911 - one exit per path
+    async def _completion(self, request: web.Request, raw: bytes) -> web.StreamResponse:  # noqa: PLR0911
         ids = RequestIds.make(request.headers.get("X-Request-Id"))
         set_ids(request_id=ids.client)          # on every log line of this request (log_format: json)
-        raw = await request.read()
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -106,7 +106,7 @@ class DecodePath:
         dbody = dict(job.body)
         if tid:
             dbody["kv_transfer_params"] = self.client.signed(PullParams(transfer_id=tid))
-        headers = {**job.ids.headers(), "X-Kvrelay-Prefill": p_url}
+        headers = self.client.answer_headers(job, p_url)
         node = job.decode
         node.outstanding += 1
         try:

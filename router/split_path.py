@@ -70,7 +70,7 @@ class SplitPath:
             # request (P's early push is dropped by D's orphan collection)
             return await self.fallback.decode(job, tid, p_node.url)
         writer = split.StreamWriter(job.endpoint, first, job.with_usage)
-        headers = {**job.ids.headers(), "X-Kvrelay-Prefill": p_node.url}
+        headers = self.client.answer_headers(job, p_node.url)
         if first.ends_answer(budget):
             return await self._only_token(job, first, writer, headers)
         dbody = split.decode_body(job.body, first, budget)

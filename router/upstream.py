@@ -29,6 +29,7 @@ from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.drain import DRAINING_HEADER
 from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
 from kvrelay.core.tracing import inject, with_traceparent
+from kvrelay.router.job import Job
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.pools import Node, NoHealthyNode, Pool
 
@@ -76,6 +77,14 @@ class EngineClient:
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
+
+    def answer_headers(self, job: Job, p_url: str) -> dict[str, str]:
+        """The headers of a client's answer: its X-Request-Id, and the prefill node's URL only with
+        ``router.expose_nodes`` (internal addresses stay inside by default)."""
+        headers = job.ids.headers()
+        if self.cfg.router.expose_nodes and p_url:
+            headers["X-Kvrelay-Prefill"] = p_url
+        return headers
 
     def signed(self, params: PullParams | PushParams) -> dict[str, Any]:
         """``kv_transfer_params`` for an engine: signed, with the request's trace context beside them."""

@@ -178,7 +178,8 @@ def two_prefill_stack(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("stack-route")
     handle = start_stack(tiny_model, tmp, 19500, transport__backend="tcp", store__enabled=True,
                          store__cpu_bytes="64MiB", store__publish_port=19700, deploy__prefill=2,
-                         router__policy="cache_aware", engine__prefill_args=["--no-enable-prefix-caching"])
+                         router__policy="cache_aware", router__expose_nodes=True,
+                         engine__prefill_args=["--no-enable-prefix-caching"])
     yield handle
     handle.stack.stop()
 

@@ -120,7 +120,7 @@ def test_cache_aware_routing_follows_dns_discovered_prefill_pods_and_their_store
                 "policy": "cache_aware", "tokenizer": str(tiny_model), "first_token": "decode",
                 "prefill": [f"dns+http://kv-prefill:{p_port}=tcp://kv-prefill:{e_port}"],
                 "decode": [f"dns+http://kv-decode:{d_port}=tcp://kv-decode:9100"],
-                "health_interval_s": 0.1, "dns_refresh_s": 0.1}})
+                "health_interval_s": 0.1, "dns_refresh_s": 0.1, "expose_nodes": True}})
             router = Router(cfg, secret=b"k" * 32, resolver=resolver)
             prompt = "".join(chr(97 + i % 26) for i in range(600))
             assert router.tokenizer is not None and router.index is not None

@@ -92,6 +92,44 @@ def test_a_flood_past_admission_gets_429s_while_the_admitted_requests_complete()
     run(go())
 
 
+def test_slow_body_clients_hold_no_admission_slot_and_get_a_json_408():
+    """Bodies are read before admission, under router.body_timeout_s: clients that trickle
+    their bodies never fill admission, and each ends with a 408 JSON error."""
+    async def slow_body(url: str) -> bytes:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        await writer.drain()
+        try:
+            for _ in range(40):                    # 1 byte every 0.1 s: never the whole body in time
+                writer.write(b" ")
+                await writer.drain()
+                await asyncio.sleep(0.1)
+        except ConnectionError:                    # the router answered and closed
+            pass
+        answer = await reader.read()
+        writer.close()
+        return answer
+
+    async def go():
+        async with one_pair(max_inflight=1, max_queued=0, body_timeout_s=1.0) as (url, s, pn, dn):
+            slow = [asyncio.create_task(slow_body(url)) for _ in range(6)]
+            await asyncio.sleep(0.3)               # the slow clients are connected and trickling
+            for _ in range(3):                     # admission (1 slot, no queue) is free for honest ones
+                async with s.post(f"{url}/v1/completions", json=BODY) as r:
+                    assert r.status == 200 and "X-Kvrelay-Prefill" not in r.headers
+            answers = await asyncio.gather(*slow)
+            for a in answers:
+                assert a.startswith(b"HTTP/1.1 408") and b"router.body_timeout_s" in a, a[:200]
+            assert len(dn.requests) == 3                          # no slow body reached an engine
+            async with s.get(f"{url}/metrics") as r:
+                text = await r.text()
+                assert 'kvrelay_router_errors_total{cause="body_timeout"} 6.0' in text
+                assert 'cause="overloaded"' not in text
+    run(go())
+
+
 def test_rate_limit_per_key():
     async def go():
         async with one_pair(api_keys=["a", "b"], rate_limit_rps=0.5, rate_limit_burst=2) as (url, s, pn, dn):
