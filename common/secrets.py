@@ -26,6 +26,7 @@ from typing import Protocol
 from kvrelay.common.errors import ConfigError
 
 SECRET_ENV = "KVRELAY_SECRET"
+API_KEY_ENV = "KVRELAY_API_KEY"    # clients' bearer key for the router (kvrelay.router.limits); the router's alone
 MIN_SECRET_BYTES = 16
 HOW_TO = (f"set {SECRET_ENV} in the environment, or transport.secret_file to a 0600 file; "
           "`kvrelay secret FILE` writes a new one (kvrelay up makes one per stack)")
@@ -52,15 +53,20 @@ def generate_secret() -> str:
     return secrets.token_urlsafe(32)
 
 
-def write_secret_file(path: str | os.PathLike[str], secret: str | None = None) -> Path:
-    """Create ``path`` with mode 0600 holding ``secret`` (a new one by default)."""
+def write_private(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` to ``path`` with mode 0600, readable by no one else at any moment."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)            # O_CREAT's mode does not apply to an existing file
     with os.fdopen(fd, "w") as f:
-        f.write((secret or generate_secret()) + "\n")
-    os.chmod(p, 0o600)              # O_CREAT's mode does not apply to an existing file
+        f.write(text)
     return p
+
+
+def write_secret_file(path: str | os.PathLike[str], secret: str | None = None) -> Path:
+    """Create ``path`` with mode 0600 holding ``secret`` (a new one by default)."""
+    return write_private(path, (secret or generate_secret()) + "\n")
 
 
 def load_secret(transport: SecretSource, environ: os._Environ[str] | dict[str, str] | None = None) -> bytes:

@@ -36,7 +36,7 @@ from kvrelay.transport import config as tcfg
 from kvrelay.transport.config import TimeoutConfig, TransportConfig
 
 __all__ = ["ConfigError", "KVRelayConfig", "add_config_args", "config_from_args", "from_dict", "load",
-           "to_dict"]
+           "to_dict", "engine_view", "without_secrets"]
 
 
 class LoadFailurePolicy(str, enum.Enum):
@@ -342,6 +342,30 @@ def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
 
 def to_dict(cfg: KVRelayConfig) -> dict[str, Any]:
     data: dict[str, Any] = msgspec.to_builtins(cfg)
+    return data
+
+
+SECRET_FIELDS = {"router": ("api_keys", "api_keys_file", "tls_cert", "tls_key")}
+
+
+def engine_view(cfg: KVRelayConfig) -> dict[str, Any]:
+    """The tree an engine's connector is given on vLLM's command line (``--kv-transfer-config``),
+    where anyone who can run ``ps`` reads it: no client API keys or router TLS files, no deploy
+    section, and of the router only ``router.decode`` (:func:`push_allowlist` reads it). The shared
+    secret and the Redis password never appear in any tree (files or the environment)."""
+    data = to_dict(cfg)
+    data.pop("deploy", None)
+    data["router"] = {"decode": data["router"]["decode"]}
+    return data
+
+
+def without_secrets(cfg: KVRelayConfig) -> dict[str, Any]:
+    """``cfg`` as a dict with every client-facing secret field (:data:`SECRET_FIELDS`) at its default."""
+    data = to_dict(cfg)
+    defaults = to_dict(KVRelayConfig())
+    for section, fields in SECRET_FIELDS.items():
+        for f in fields:
+            data[section][f] = defaults[section][f]
     return data
 
 

@@ -34,6 +34,7 @@ from kvrelay.core import config as kcfg
 
 PART_OF = "kvrelay"
 CONFIG_DIR, SECRET_DIR = "/etc/kvrelay/config", "/etc/kvrelay/secret"
+API_KEYS = "api_keys"          # the Secret's key (and file under SECRET_DIR) of the router's client API keys
 HTTP_PORT = 8100          # every engine pod serves vLLM on this port
 KV_PORT = 9100            # decode pods: transfer control port (tcp data on KV_PORT + 100)
 EVENTS_PORT = 9400        # prefill pods (store on, cache_aware): store events for the router
@@ -81,6 +82,8 @@ def cluster_config(cfg: kcfg.KVRelayConfig, ns: str, gpus: int, redis: bool) -> 
         data["engine"]["extra_args"] = [*data["engine"]["extra_args"], "--tensor-parallel-size", str(gpus)]
     if redis and data["store"]["enabled"]:
         data["store"]["redis_url"] = f"redis://kvrelay-redis.{svc}:6379/0"
+    if data["router"]["api_keys"]:              # client keys live in the Secret, never in the ConfigMap
+        data["router"].update(api_keys=[], api_keys_file=f"{SECRET_DIR}/{API_KEYS}")
     return kcfg.from_dict(data)
 
 
@@ -131,8 +134,13 @@ def headless_service(role: str, ns: str) -> dict[str, Any]:
     ports = [{"name": "http", "port": HTTP_PORT, "targetPort": "http"}]
     if role == "decode":
         ports.append({"name": "kv", "port": KV_PORT, "targetPort": "kv"})
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(f"kvrelay-{role}", ns, role),
-            "spec": {"clusterIP": "None", "selector": _labels(role), "ports": ports}}
+    spec: dict[str, Any] = {"clusterIP": "None", "selector": _labels(role), "ports": ports}
+    if role == "decode":
+        # a draining decode pod is not ready but still finishes its streams: prefill pods keep it in
+        # their push allowlist (router.decode resolves through this Service); the router health-checks
+        # every address itself, so a starting pod gets no traffic
+        spec["publishNotReadyAddresses"] = True
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(f"kvrelay-{role}", ns, role), "spec": spec}
 
 
 def router_objects(cfg: kcfg.KVRelayConfig, ns: str, image: str) -> list[dict[str, Any]]:
@@ -174,7 +182,9 @@ def render(cfg: kcfg.KVRelayConfig, ns: str, image: str, gpus: int, secret: str,
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta("kvrelay-config", ns, "config"),
          "data": {"kvrelay.yaml": yaml.safe_dump(kcfg.to_dict(tree), sort_keys=False)}},
         {"apiVersion": "v1", "kind": "Secret", "metadata": _meta("kvrelay-secret", ns, "config"),
-         "type": "Opaque", "stringData": {"secret": secret}},
+         "type": "Opaque", "stringData": {"secret": secret,
+                                          **({API_KEYS: "\n".join(cfg.router.api_keys) + "\n"}
+                                             if cfg.router.api_keys else {})}},
     ]
     for role, n in (("prefill", cfg.deploy.prefill), ("decode", cfg.deploy.decode)):
         objs += [headless_service(role, ns), engine_deployment(role, n, ns, image, gpus, cfg.engine.drain_timeout_s),

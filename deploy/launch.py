@@ -24,7 +24,7 @@ from pathlib import Path
 
 import msgspec
 import yaml
-from kvrelay.common.secrets import SECRET_ENV, write_secret_file
+from kvrelay.common.secrets import API_KEY_ENV, SECRET_ENV, write_private, write_secret_file
 from kvrelay.core import config as kcfg
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.telemetry import read_events
@@ -79,7 +79,9 @@ def drain_path(cfg: KVRelayConfig, spec: NodeSpec) -> str:
 
 
 def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
-    data = kcfg.to_dict(cfg)
+    """vLLM's ``--kv-transfer-config`` for node ``spec``: the engine's view of the tree
+    (:func:`kvrelay.core.config.engine_view`: nothing secret, since command lines are public)."""
+    data = kcfg.engine_view(cfg)
     data["connector"]["drain_file"] = drain_path(cfg, spec)
     if spec.role is Role.DECODE:
         data["transport"].update(host=cfg.deploy.host, control_port=spec.kv_port,
@@ -128,7 +130,7 @@ def split_cores(k: int, n: int) -> list[int]:
 
 def server_env(cfg: KVRelayConfig, k: int, n: int) -> dict[str, str]:
     """Environment of server ``k`` of ``n`` (CPU hosts: KV cache size and OpenMP core binding)."""
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}   # client keys are the router's alone
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gib))
     if cfg.tracing.endpoint:                  # how vLLM exports its spans (OpenTelemetry's own variable)
         env.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", cfg.tracing.protocol.value)
@@ -254,11 +256,11 @@ class Stack:
         model_path(self.cfg)                                  # create the tiny model once, up front
         self.ensure_secret()
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        (self.log_dir / "nodes.yaml").write_text(yaml.safe_dump(kcfg.to_dict(self.cfg), sort_keys=False))
+        write_private(self.log_dir / "nodes.yaml", yaml.safe_dump(kcfg.without_secrets(self.cfg), sort_keys=False))
         for k in range(len(self.specs)):
             self._spawn_node(k)
         router_yaml = self.log_dir / "router.yaml"
-        router_yaml.write_text(yaml.safe_dump(kcfg.to_dict(self.router_config()), sort_keys=False))
+        write_private(router_yaml, yaml.safe_dump(kcfg.to_dict(self.router_config()), sort_keys=False))
         self._spawn("router", [sys.executable, "-m", "kvrelay.cli", "router", "--config", str(router_yaml)],
                     dict(os.environ))
         self._wait_all(progress)

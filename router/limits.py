@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kvrelay.common.errors import ConfigError, KVRelayError
+from kvrelay.common.secrets import API_KEY_ENV
 from kvrelay.core.config import RouterConfig
 
-API_KEY_ENV = "KVRELAY_API_KEY"
 MAX_BUCKETS = 100_000          # distinct clients tracked; the least recently seen is forgotten
 
 

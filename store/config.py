@@ -34,6 +34,9 @@ class StoreConfig(Section, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if _url_password(self.redis_url):
+            raise ConfigError("store.redis_url must not carry a password (it would reach every engine's command "
+                              "line); put it in a 0600 file and set store.redis_password_file")
         if self.enabled and self.save_decoded and not self.redis_url:
             raise ConfigError("store.save_decoded: prefill nodes can only find a decode node's chunks in a "
                               "shared tier; set store.redis_url")
@@ -53,6 +56,15 @@ class StoreConfig(Section, frozen=True):
     def active(self) -> bool:
         """Enabled with a non-empty CPU tier."""
         return self.enabled and int(self.cpu_bytes) > 0
+
+
+def _url_password(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        return bool(url) and urlsplit(url).password is not None
+    except ValueError:                  # a malformed port: the Redis tier says so when it connects
+        return False
 
 
 FIELD_HELP: dict[str, str] = {

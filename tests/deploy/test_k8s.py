@@ -122,3 +122,20 @@ def test_probe_needs_the_engine_and_the_transfer_endpoint() -> None:
     finally:
         http.shutdown()
         kv.close()
+
+
+def test_client_keys_go_to_the_secret_and_draining_decode_pods_stay_listed(tmp_path: Path) -> None:
+    conf = tmp_path / "kvrelay.yaml"
+    conf.write_text("router:\n  api_keys: [sk-k8s-one, sk-k8s-two]\n")
+    objs = _render(tmp_path, "--config", str(conf))
+    text = objs["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]
+    assert "sk-k8s" not in text
+    cfg = kcfg.from_dict(yaml.safe_load(text))
+    assert cfg.router.api_keys == [] and cfg.router.api_keys_file == f"{k8s.SECRET_DIR}/{k8s.API_KEYS}"
+    assert objs["Secret/kvrelay-secret"]["stringData"][k8s.API_KEYS].split() == ["sk-k8s-one", "sk-k8s-two"]
+    # a draining (not ready) decode pod still finishes its streams: it stays in P's push allowlist
+    assert objs["Service/kvrelay-decode"]["spec"]["publishNotReadyAddresses"] is True
+    assert "publishNotReadyAddresses" not in objs["Service/kvrelay-prefill"]["spec"]
+    for obj in objs.values():
+        if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            kubernetes_validate.validate(obj, VERSION, strict=True)

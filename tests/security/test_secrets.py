@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,3 +62,108 @@ def test_kvrelay_up_makes_a_secret_per_stack_and_passes_it_by_file(tmp_path: Pat
     other = launch.Stack(kcfg.from_dict({"deploy": {"log_dir": str(tmp_path / "logs2")}}))
     other.ensure_secret()
     assert Path(other.cfg.transport.secret_file).read_text().strip() != secret    # one per stack
+
+
+def test_engines_get_a_view_without_client_keys_and_redis_urls_carry_no_password(tmp_path: Path):
+    cfg = kcfg.from_dict({"router": {"api_keys": ["sk-yaml-1"], "api_keys_file": "/run/keys", "tls_key": "/k.pem",
+                                     "decode": ["http://d:1=tcp://d:2"]},
+                          "deploy": {"log_dir": str(tmp_path)}})
+    for spec in launch.node_specs(cfg):
+        cmd = " ".join(launch.server_command(cfg, spec))
+        assert "sk-yaml-1" not in cmd and "/run/keys" not in cmd and "/k.pem" not in cmd
+        seen = kcfg.from_connector_extra(launch.connector_config(cfg, spec)["kv_connector_extra_config"])
+        assert kcfg.push_allowlist(seen) == ["tcp://d:2"]          # what P's allowlist needs stays
+    with pytest.raises(ConfigError, match="store.redis_password_file"):
+        kcfg.from_dict({"store": {"redis_url": "redis://:hunter2@r:6379/0"}})
+    with pytest.raises(ConfigError, match="store.redis_password_file"):
+        kcfg.from_dict({"store": {"redis_url": "rediss://user:hunter2@r:6379/0"}})
+    assert kcfg.from_dict({"store": {"redis_url": "redis://user@r:6379/0"}}).store.redis_url   # a user is fine
+    env = launch.server_env(cfg, 0, 2) if "KVRELAY_API_KEY" not in os.environ else {}
+    assert "KVRELAY_API_KEY" not in env
+
+
+def test_serve_dry_run_shows_no_client_key(tmp_path: Path):
+    conf = tmp_path / "kvrelay.yaml"
+    conf.write_text("router:\n  api_keys: [sk-yaml-dry]\n")
+    env = {**os.environ, "KVRELAY_API_KEY": "sk-env-dry"}
+    for role in ("prefill", "decode"):
+        r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "serve", "--config", str(conf), "--role", role,
+                            "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-800:]
+        assert "--kv-transfer-config" in r.stdout
+        assert "sk-yaml-dry" not in r.stdout + r.stderr and "sk-env-dry" not in r.stdout + r.stderr
+
+
+def _proc_texts(name: str) -> dict[int, bytes]:
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                out[int(d.name)] = (d / name).read_bytes()
+            except OSError:               # gone, or not ours
+                continue
+    return out
+
+
+def _descendants(pid: int) -> set[int]:
+    kids = {pid}
+    for p, stat in _proc_texts("stat").items():
+        fields = stat.rsplit(b")", 1)[-1].split()
+        if len(fields) > 1 and int(fields[1]) in kids:
+            kids.add(p)
+    return kids
+
+
+@pytest.mark.slow
+def test_a_running_stack_shows_no_secret_on_a_command_line_or_in_a_log(tiny_model: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    """Keys in the YAML, in a keys file and in KVRELAY_API_KEY, a Redis password file and the
+    shared secret: each works, and none is on any process's command line, in any log, in a
+    world-readable file, or in an engine's environment (the client keys)."""
+    import urllib.error
+    import urllib.request
+
+    from kvrelay.bench.local_redis import REDIS, redis_server
+
+    from tests.e2e.harness import start_stack
+    if REDIS is None:
+        pytest.skip("redis-server not installed (deploy/setup.sh installs it)")
+    yaml_key, file_key, env_key, redis_pw = (f"sk-{w}-{os.urandom(6).hex()}" for w in ("yaml", "file", "env", "redis"))
+    keys_file = write_secret_file(tmp_path / "keys", file_key)
+    pw_file = write_secret_file(tmp_path / "redis-pw", redis_pw)
+    monkeypatch.setenv("KVRELAY_API_KEY", env_key)
+    secrets = [yaml_key, file_key, env_key, redis_pw, os.environ[SECRET_ENV]]
+    (tmp_path / "redis").mkdir()
+    with redis_server(tmp_path / "redis", password=redis_pw) as (url, _):
+        handle = start_stack(tiny_model, tmp_path / "stack", 21300, transport__backend="tcp",
+                             router__api_keys=[yaml_key], router__api_keys_file=str(keys_file),
+                             store__enabled=True, store__redis_url=url, store__redis_password_file=str(pw_file),
+                             store__save_decoded=True)
+        try:
+            def post(key: str) -> int:
+                body = json.dumps({"model": "kvrelay-tiny", "prompt": "hello " * 40, "max_tokens": 4}).encode()
+                req = urllib.request.Request(f"{handle.router_url}/v1/completions", data=body, headers={
+                    "Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+                try:
+                    with urllib.request.urlopen(req, timeout=120) as r:
+                        return r.status
+                except urllib.error.HTTPError as exc:
+                    return exc.code
+            assert [post(k) for k in (yaml_key, file_key, env_key, "")] == [200, 200, 200, 401]
+            for pid, cmdline in _proc_texts("cmdline").items():
+                for s in secrets:
+                    assert s.encode() not in cmdline, f"a secret on the command line of pid {pid}"
+            stack_dir = tmp_path / "stack"
+            for f in stack_dir.rglob("*"):
+                if f.is_file():
+                    text = f.read_bytes()
+                    if any(s.encode() in text for s in secrets):
+                        assert f.stat().st_mode & 0o077 == 0, f"{f} holds a secret and others can read it"
+                        assert f.suffix != ".log", f"a secret in the log {f}"
+            assert yaml_key not in (stack_dir / "logs" / "nodes.yaml").read_text()
+            engines = set().union(*(_descendants(p.pid) for n, p in handle.stack.procs.items() if n != "router"))
+            environs = _proc_texts("environ")
+            for pid in engines & set(environs):
+                assert env_key.encode() not in environs[pid], f"the client key in engine pid {pid}'s environment"
+        finally:
+            handle.stack.stop()
