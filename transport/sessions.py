@@ -2,11 +2,14 @@
 
 Contract (see :mod:`kvrelay.transport.protocol` for the messages):
 
-* :meth:`Gatekeeper.challenge` issues a fresh 32-byte challenge to a socket identity;
-  it is good for one Hello from that identity within ``ttl_s``. At most
-  ``MAX_CHALLENGES`` are outstanding (the oldest is dropped).
-* :meth:`Gatekeeper.authenticate` checks a Hello's challenge (known, unused, unexpired,
-  issued to this identity) and MAC; it returns the refusal or None.
+* :meth:`Gatekeeper.challenge` issues a fresh challenge to a socket identity; it is good
+  for one Hello from that identity within ``ttl_s``. Challenges are stateless cookies
+  (``expiry | random | HMAC(D's own key, identity | expiry | random)``): issuing one stores
+  nothing, so no flood of requests for challenges can push out an honest sender's.
+* :meth:`Gatekeeper.authenticate` checks a Hello's challenge (its cookie MAC, its identity,
+  unexpired, unused) and the Hello's MAC; it returns the refusal or None. Only a challenge
+  answered by a valid Hello is remembered as used, until it expires: that memory grows with
+  authenticated senders, never with unauthenticated traffic.
 * :meth:`Gatekeeper.open_session` makes the session a successful Hello starts (replacing
   that sender's previous one) and returns the signed HelloAck fields' session id and key.
 * :meth:`Gatekeeper.sender_of` attributes a sealed message to its session's sender, or
@@ -20,17 +23,18 @@ receiver's control thread owns it (``end`` may be called under the receiver's lo
 from __future__ import annotations
 
 import collections
+import hmac
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrelay.common.errors import ErrorCode, ProtocolError
-from kvrelay.common.secrets import KeyUse, derive_key
+from kvrelay.common.secrets import KeyUse, derive_key, mac
 from kvrelay.transport import protocol as P
 from kvrelay.transport.events import Refusal
 
-MAX_CHALLENGES = 1024
+COOKIE_TAG = 16                 # bytes of the cookie's HMAC kept
 
 
 @dataclass
@@ -45,27 +49,37 @@ class Gatekeeper:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.hello_key, self._root = derive_key(secret, KeyUse.HELLO), derive_key(secret, KeyUse.SESSION)
         self._ttl, self._refused, self._clock = ttl_s, refused, clock
-        self._challenges: collections.OrderedDict[bytes, tuple[bytes, float]] = collections.OrderedDict()
+        self._cookie_key = os.urandom(32)                 # this process's: challenges come back to it
+        self._used: collections.OrderedDict[bytes, float] = collections.OrderedDict()   # answered -> expiry
         self._sessions: dict[bytes, Session] = {}         # session id -> its sender
         self._session_of: dict[str, bytes] = {}          # sender id -> its current session
         self.failures = 0                                 # refused Hellos and sealed messages
 
     def challenge(self, ident: bytes) -> bytes:
-        nonce = os.urandom(32)
-        self._challenges[nonce] = (ident, self._clock() + self._ttl)
-        while len(self._challenges) > MAX_CHALLENGES:
-            self._challenges.popitem(last=False)
-        return nonce
+        """A cookie for ``ident``: expiry (8 bytes, ms of the clock) | random (16) | tag (16)."""
+        head = int((self._clock() + self._ttl) * 1000).to_bytes(8, "big") + os.urandom(16)
+        return head + mac(self._cookie_key, ident, head)[:COOKIE_TAG]
+
+    def _cookie_expiry(self, ident: bytes, challenge: bytes) -> float | None:
+        """The expiry of a challenge this gatekeeper issued to ``ident``; None if it did not."""
+        head, tag = challenge[:-COOKIE_TAG], challenge[-COOKIE_TAG:]
+        if len(head) != 24 or not hmac.compare_digest(tag, mac(self._cookie_key, ident, head)[:COOKIE_TAG]):
+            return None
+        return int.from_bytes(head[:8], "big") / 1000
 
     def authenticate(self, ident: bytes, hello: P.Hello) -> str | None:
         """None if ``hello`` answers a live challenge issued to ``ident`` under the secret."""
-        issued = self._challenges.pop(hello.challenge, None)
-        if issued is None or issued[0] != ident or self._clock() > issued[1]:
+        now = self._clock()
+        while self._used and next(iter(self._used.values())) < now:     # expired: refused by the cookie
+            self._used.popitem(last=False)
+        expiry = self._cookie_expiry(ident, hello.challenge)
+        if expiry is None or now > expiry or hello.challenge in self._used:
             self._fail(Refusal.REPLAY, f"Hello from {hello.sender_id!r} with an unknown, used or expired challenge")
             return "authentication failed: unknown, used or expired challenge (a replayed Hello?)"
         if not P.check_hello(self.hello_key, hello):
             self._fail(Refusal.BAD_MAC, f"Hello from {hello.sender_id!r} with a bad MAC")
             return "authentication failed: HMAC over the shared secret does not match"
+        self._used[hello.challenge] = expiry
         return None
 
     def open_session(self, hello: P.Hello) -> tuple[bytes, bytes]:
