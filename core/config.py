@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import msgspec.inspect
 import yaml
-from kvrelay.common.config import MiB, Port, Positive, Seconds, Section, Size
+from kvrelay.common.config import MiB, NonNeg, Port, Positive, Seconds, Section, Size
 from kvrelay.common.errors import ConfigError
 from kvrelay.core.logs import LogFormat
 from kvrelay.core.tracing import TraceProtocol
@@ -120,6 +120,12 @@ class RouterConfig(Section, frozen=True):
     chat_parsers: bool = False       # the engines run a reasoning / tool-call parser: chat is never split
     expose_nodes: bool = False       # answers name their prefill node (X-Kvrelay-Prefill); for debugging only
     body_timeout_s: Seconds = 30.0   # a request body must arrive within this (then 408), before admission
+    max_migrations: NonNeg = 2       # a decode node failing mid-answer: continue on another node this often (0 = off)
+    stall_timeout_s: Seconds = 60.0  # a decode node silent this long mid-answer has failed (then it migrates)
+    prefill_attempts: Positive = 2   # prefill nodes tried for token 1 before the decode node serves alone
+    breaker_failures: NonNeg = 3     # consecutive request failures that take a node out (0 = no breaker)
+    breaker_backoff_s: Seconds = 2.0     # first time out; doubles each time the node fails again
+    breaker_max_backoff_s: Seconds = 60.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -315,6 +321,19 @@ FIELD_HELP: dict[str, str] = {
                             "internal addresses stay inside)"),
     'router.body_timeout_s': ("a client must send its whole request body within this many seconds, else 408; bodies "
                               "are read before admission, so slow clients never hold an admission slot"),
+    'router.max_migrations': ("a decode node that fails mid-answer (connection lost, 5xx, error event, early end, "
+                              "silence) hands the rest to another decode node, which continues from the tokens "
+                              "already sent; at most this many times per request (0 = off: the client gets an error "
+                              "event)"),
+    'router.stall_timeout_s': ("a decode node silent this long in the middle of an answer has failed (its answer "
+                               "moves to another node); before its first piece router.request_timeout_s applies"),
+    'router.prefill_attempts': ("prefill nodes asked for token 1 (a failed, draining or refusing one is replaced); "
+                                "with none left the decode node serves the request alone"),
+    'router.breaker_failures': ("consecutive request failures that take a node out of rotation, independently of "
+                                "/health (0 = no circuit breaker)"),
+    'router.breaker_backoff_s': ("how long a node whose breaker opened stays out; doubles each time it fails again, "
+                                 "then one probe request (half-open) brings it back"),
+    'router.breaker_max_backoff_s': 'the longest a node whose breaker opened stays out',
     'deploy.prefill': 'kvrelay up: number of prefill servers',
     'deploy.decode': 'kvrelay up: number of decode servers',
     'deploy.host': 'kvrelay up: address every server binds to',

@@ -4,7 +4,9 @@ vLLM loads this as API-server middleware (``--middleware kvrelay.core.guard.kvre
 which ``kvrelay serve`` / ``kvrelay up`` add for prefill and decode nodes). For every
 completion or chat request that carries kvrelay params it runs :class:`ParamsVerifier`
 with this node's role, secret and push allowlist, and answers a refusal with an
-OpenAI-style 400, so nothing is scheduled, pushed or loaded. Refusals are counted in
+OpenAI-style 400 carrying ``X-Kvrelay-Params-Refused: <cause>`` (so the router knows the
+refusal is its own params', never the client's request, and falls back), so nothing is
+scheduled, pushed or loaded. Refusals are counted in
 ``kvrelay_params_refused_total{cause}`` on the engine's own ``/metrics``.
 
 The connectors check the same params again (a request can reach the engine by other
@@ -26,7 +28,7 @@ from typing import Any
 from kvrelay.common.secrets import load_secret
 from kvrelay.core.config import KVRelayConfig, from_connector_extra, push_allowlist
 from kvrelay.core.drain import DRAINING_HEADER, DrainPhase, read_phase
-from kvrelay.core.params import ParamsError, ParamsVerifier, PullParams, PushParams
+from kvrelay.core.params import PARAMS_REFUSED_HEADER, ParamsError, ParamsVerifier, PullParams, PushParams
 
 log = logging.getLogger("vllm.kvrelay")
 GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -125,7 +127,8 @@ async def kvrelay_guard(request: Any, call_next: Callable[[Any], Awaitable[Any]]
 
             count_refusal(exc)
             log.warning("refused a request's kv_transfer_params (%s): %s", exc.cause.value, exc)
-            return JSONResponse(openai_error(400, str(exc), "kv_transfer_params"), status_code=400)
+            return JSONResponse(openai_error(400, str(exc), "kv_transfer_params"), status_code=400,
+                                headers={PARAMS_REFUSED_HEADER: exc.cause.value})
     response = await call_next(request)
     if phase is not DrainPhase.SERVING:
         response.headers[DRAINING_HEADER] = phase.value

@@ -26,6 +26,7 @@ from kvrelay.common.errors import KVRelayError
 from kvrelay.common.secrets import KeyUse, derive_key, mac, same
 
 PARAMS_KEY = "kvrelay"
+PARAMS_REFUSED_HEADER = "X-Kvrelay-Params-Refused"   # on an engine's 400 for refused params: the cause
 PARAMS_VERSION = 2          # 2: signed (exp, sig)
 
 

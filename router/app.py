@@ -55,6 +55,7 @@ from kvrelay.core.logs import set_ids
 from kvrelay.core.params import ParamsSigner
 from kvrelay.core.tracing import annotate, request_span, tracer
 from kvrelay.router import split, validate
+from kvrelay.router.breaker import Breaker
 from kvrelay.router.cache_index import ChunkIndex, PromptTokenizer
 from kvrelay.router.decode_path import DecodePath
 from kvrelay.router.discovery import Discovery, Resolver, parse_dns, system_resolver
@@ -88,12 +89,15 @@ class Router:
         """``resolver``: how ``dns+`` pool entries are looked up (the system resolver by default)."""
         self.cfg = cfg
         self._resolver = resolver
-        if prefill is None or decode is None:
-            prefill, decode = pools_from_config(cfg.router)
-        self.prefill, self.decode = prefill, decode
         self.metrics = RouterMetrics()
-        self.metrics.follow((self.prefill, self.decode))
         rc = cfg.router
+        breaker = Breaker(rc.breaker_failures, rc.breaker_backoff_s, rc.breaker_max_backoff_s,
+                          on_open=lambda url: self.metrics.breaker_opens.labels(url).inc())
+        if prefill is None or decode is None:
+            prefill, decode = pools_from_config(rc)
+        prefill.breaker = decode.breaker = breaker
+        self.prefill, self.decode = prefill, decode
+        self.metrics.follow((self.prefill, self.decode))
         self.tracer = tracer(cfg.tracing.endpoint, cfg.tracing.protocol, "kvrelay-router")
         signer = ParamsSigner(load_secret(cfg.transport) if secret is None else secret, rc.params_ttl_s)
         self.client = EngineClient(cfg, prefill, decode, self.metrics, signer)
@@ -255,9 +259,10 @@ class Router:
             body = None
         try:
             d_node = self.decode.pick()
-        except NoHealthyNode as exc:
+        except NoHealthyNode as exc:           # nothing can answer: come back when the health loop may have news
             self.metrics.errors.labels("no_healthy_node").inc()
-            return error_response(503, str(exc), "service_unavailable", ids.client)
+            retry = str(max(1, round(self.cfg.router.health_interval_s)))
+            return error_response(503, str(exc), "service_unavailable", ids.client, headers={"Retry-After": retry})
         job = Job(request, request.path, body if isinstance(body, dict) else {}, ids, time.monotonic(), d_node)
         if not isinstance(body, dict):          # vLLM answers malformed bodies itself, as one vLLM would
             self.metrics.errors.labels("bad_request").inc()

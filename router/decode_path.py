@@ -82,6 +82,7 @@ class DecodePath:
             return await self.client.send(f"{node.url}{endpoint}", body, rid, read)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             node.failures += 1
+            self.client.breaker.failure(node.url)
             return False, type(exc).__name__
         finally:
             node.outstanding -= 1
@@ -117,12 +118,14 @@ class DecodePath:
                     self.client.metrics.ttft.observe(time.monotonic() - job.t0)
                     self.client.metrics.requests.labels(job.endpoint, "ok" if r.status == 200 else f"http_{r.status}").inc()
                     if r.status >= 500:
+                        self.client.breaker.failure(node.url)
                         self.client.metrics.errors.labels("decode_failed").inc()
                         return error_response(502, f"decode node {node.url} failed: HTTP {r.status}",
                                               "bad_gateway", job.ids.client)
                     return web.Response(body=data, status=r.status, content_type=r.content_type, headers=headers)
                 return await self._stream(job, r, headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            self.client.breaker.failure(node.url)
             self.client.metrics.errors.labels("decode_failed").inc()
             self.client.metrics.requests.labels(job.endpoint, "decode_failed").inc()
             return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",

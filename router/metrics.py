@@ -26,6 +26,13 @@ class RouterMetrics:
                                  buckets=LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram("kvrelay_router_ttft_seconds", "Time to the first token the client gets",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.migrations = Counter("kvrelay_router_migrations", "Answers moved to another decode node mid-stream, "
+                                  "by what the failed node did", ["cause"], registry=self.registry)
+        self.migrated = Counter("kvrelay_router_migrated_requests", "Requests that lost a decode node, by how they "
+                                "ended (exact: greedy, token-identical; sampled; failed)", ["outcome"],
+                                registry=self.registry)
+        self.breaker_opens = Counter("kvrelay_router_breaker_opens", "Times a node's circuit breaker opened "
+                                     "(consecutive request failures)", ["node"], registry=self.registry)
         self.itl = Histogram("kvrelay_router_itl_seconds", "Time between streamed pieces the client gets",
                              buckets=ITL_BUCKETS, registry=self.registry)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import aiohttp
 from kvrelay.common.errors import KVRelayError
 from kvrelay.core.config import RouterConfig, RoutingPolicy
+from kvrelay.router.breaker import Breaker, BreakerState
 
 log = logging.getLogger("kvrelay.router")
 
@@ -28,7 +29,7 @@ class Node:
 
 
 class NoHealthyNode(KVRelayError):
-    """Every node of a pool is out of rotation (failed health checks)."""
+    """Every node of a pool is out of rotation (failed health checks or an open breaker)."""
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,16 @@ class PrefillWork:
 
 
 class Pool:
-    def __init__(self, name: str, nodes: list[Node], policy: RoutingPolicy, *, discovered: bool = False) -> None:
-        """``discovered``: DNS fills the pool (router/discovery.py), so it may start empty."""
+    def __init__(self, name: str, nodes: list[Node], policy: RoutingPolicy, *, discovered: bool = False,
+                 breaker: Breaker | None = None) -> None:
+        """``discovered``: DNS fills the pool (router/discovery.py), so it may start empty.
+        ``breaker``: per-node circuit breaker (:mod:`kvrelay.router.breaker`); None = never opens."""
         if not nodes and not discovered:
             raise ValueError(f"the {name} pool is empty")
         self.name = name
         self.nodes = nodes
         self.policy = policy
+        self.breaker = breaker or Breaker(threshold=0)
         self._rr = itertools.count()
 
     def pick(self, exclude: tuple[Node, ...] = (), hint: PrefixHint | None = None,
@@ -79,8 +83,15 @@ class Pool:
         prompt from a 40-token one). Without a hint, ``cache_aware`` and ``least_outstanding``
         pick the fewest outstanding requests. Nodes that tie take turns, so an idle pool spreads
         new prefixes over every node instead of piling them on the first one."""
-        live = [n for n in self.nodes if n.healthy and n not in exclude]
+        healthy = [n for n in self.nodes if n.healthy and n not in exclude]
+        states = [self.breaker.state(n.url) for n in healthy]
+        for n, state in zip(healthy, states, strict=True):    # a node whose backoff is over gets its probe
+            if state is BreakerState.HALF_OPEN and self.breaker.allows(n.url):
+                return n
+        live = [n for n, state in zip(healthy, states, strict=True) if state is BreakerState.CLOSED]
         if not live:
+            if healthy:
+                raise NoHealthyNode(f"every healthy {self.name} node is out for failing requests (circuit breaker)")
             raise NoHealthyNode(f"no healthy {self.name} node")
         if self.policy is RoutingPolicy.CACHE_AWARE and hint is not None:
             costs = [(hint.work(n) + load_weight * n.pending_tokens, n.outstanding) for n in live]

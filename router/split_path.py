@@ -8,6 +8,11 @@ chat request's context limit is unknown - goes the decode path instead.
 
 D always gets an explicit budget (:func:`kvrelay.router.split.answer_budget` less token 1): the
 client's, or what one vLLM would allow when the client sent none.
+
+Losing a node: token 1 is asked of up to ``router.prefill_attempts`` prefill nodes (a failed
+or refusing one is replaced, with a new transfer id); with none left, D serves the request
+alone. A decode node that fails mid-answer is replaced by another, which continues from the
+tokens already sent (:mod:`kvrelay.router.migration`), at most ``router.max_migrations`` times.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from kvrelay.core.params import PullParams, PushParams
 from kvrelay.router import responses, split
 from kvrelay.router.decode_path import DecodePath
 from kvrelay.router.job import Job
+from kvrelay.router.migration import MOVABLE, Cause, Progress, outcome, resume_body
 from kvrelay.router.pools import Node, NoHealthyNode, PrefillWork
 from kvrelay.router.upstream import EngineClient
 
@@ -42,22 +48,14 @@ class SplitPath:
         if limit is None and split.needs_limit(job.endpoint, job.body):
             self.client.metrics.errors.labels("first_token_fallback").inc()     # D alone: its own limit applies
             return await self.fallback.decode(job, "", "")
-        tid = job.ids.transfer
-        pbody = split.prefill_body(job.body)
-        if split.max_new(job.endpoint, job.body) != 1:   # token 1 may be all the answer: then nothing is pushed
-            pbody["kv_transfer_params"] = self.client.signed(PushParams(transfer_id=tid, push_to=job.decode.kv_endpoint,
-                                                                  early=True))
-        status, answer = await self.client.ask(p_node, job.endpoint, pbody, f"{job.ids.engine}-p")
-        if status == 503 and not p_node.healthy:      # P is draining: another prefill node, if any
-            with contextlib.suppress(NoHealthyNode):
-                p_node = self.client.prefill.pick(exclude=(p_node,))
-                status, answer = await self.client.ask(p_node, job.endpoint, pbody, f"{job.ids.engine}-p")
+        asked = await self._first_token(job, p_node)
         work.done()                                   # P answered: its prefill no longer queues others
-        if status != 200 or not isinstance(answer, dict):
-            if status is not None and status < 500:   # P refused the request: the client's error, as vLLM says it
-                return web.json_response(answer, status=status, headers=job.ids.headers())
-            self.client.metrics.errors.labels("prefill_failed").inc()
+        if asked is None:                             # no prefill node could give token 1: D serves alone
+            self.client.metrics.errors.labels("prefill_failed_decode_only").inc()
             return await self.fallback.decode(job, "", "")
+        p_node, tid, status, answer = asked
+        if status != 200 or not isinstance(answer, dict):   # P refused the request: the client's error, as vLLM says it
+            return web.json_response(answer, status=status or 502, headers=job.ids.headers())
         try:
             first = split.FirstToken.parse(job.endpoint, answer)
         except (KeyError, IndexError, TypeError, ValueError) as exc:    # D decodes as usual, from the push
@@ -77,6 +75,34 @@ class SplitPath:
         dbody["kv_transfer_params"] = self.client.signed(PullParams(transfer_id=tid, tail=len(first.token_ids)))
         return await self._continue(job, first, writer, dbody, headers)
 
+    async def _first_token(self, job: Job, node: Node) -> tuple[Node, str, int, Any] | None:
+        """Token 1 from a prefill node: (node, transfer id, status, answer). A node that fails (no
+        answer, 5xx), drains or refuses the params is replaced by another, up to
+        ``router.prefill_attempts`` nodes, each with a transfer id of its own (the failed node may
+        have pushed part of the prompt under the first). None: no prefill node answered."""
+        tried: list[Node] = []
+        for attempt in range(self.client.cfg.router.prefill_attempts):
+            tid = job.ids.transfer if attempt == 0 else f"{job.ids.transfer}-r{attempt}"
+            pbody = split.prefill_body(job.body)
+            if split.max_new(job.endpoint, job.body) != 1:   # token 1 may be all the answer: then nothing is pushed
+                pbody["kv_transfer_params"] = self.client.signed(PushParams(transfer_id=tid,
+                                                                            push_to=job.decode.kv_endpoint, early=True))
+            tried.append(node)
+            got = await self.client.ask(node, job.endpoint, pbody, f"{job.ids.engine}-p")
+            if got.status is not None and got.status < 500 and not got.params_refused:
+                self.client.breaker.success(node.url)
+                return node, tid, got.status, got.body       # an answer (200), or the client's own error
+            cause = "params_refused" if got.params_refused else "prefill_draining" if got.draining else "prefill_failed"
+            self.client.metrics.errors.labels(cause).inc()
+            if cause == "prefill_failed":
+                self.client.breaker.failure(node.url)
+            log.warning("token 1 of %s: prefill node %s %s", job.ids.client, node.url, cause.replace("_", " "))
+            try:
+                node = self.client.prefill.pick(exclude=tuple(tried))
+            except NoHealthyNode:
+                return None
+        return None
+
     async def _only_token(self, job: Job, first: split.FirstToken, writer: split.StreamWriter,
                           headers: dict[str, str]) -> web.StreamResponse:
         """Token 1 is the whole answer (EOS, a stop token, a budget of 1): D is never asked."""
@@ -93,92 +119,131 @@ class SplitPath:
 
     async def _continue(self, job: Job, first: split.FirstToken, writer: split.StreamWriter, dbody: dict[str, Any],
                         headers: dict[str, str]) -> web.StreamResponse:
-        """Token 1 to the client (streamed at once), then D's continuation in the client's format."""
+        """Token 1 to the client (streamed at once), then D's continuation in the client's format;
+        a decode node that fails mid-answer hands the rest to another (:mod:`kvrelay.router.migration`)."""
         out = None
         if job.stream:
             out = await responses.open_stream(job.request, headers)
             await responses.write(out, writer.opening() + writer.token(first.text))
             self.client.metrics.ttft.observe(time.monotonic() - job.t0)
-        tail = _Tail()
-        node = job.decode
+        progress, node, tried, body = Progress(), job.decode, list[Node](), dbody
+        while True:
+            try:
+                node, refused = await self._segment(job, node, body, out, writer, progress)
+            except responses.ClientGone:
+                self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
+                self.client.metrics.errors.labels("client_disconnect").inc()
+                assert out is not None
+                return out
+            if refused is not None:
+                return refused
+            tried.append(node)
+            if not progress.failure or not self._left_to_continue(dbody, progress):
+                break
+            nxt = self._next_node(job, tried, progress)
+            if nxt is None:
+                break
+            body, node = resume_body(dbody, progress), nxt
+            progress.resumed()
+        if progress.migrations or progress.cause in MOVABLE:
+            self.client.metrics.migrated.labels(outcome(job.body, bool(progress.failure)).value).inc()
+        return await self._finish_split(job, first, writer, out, progress, headers)
+
+    @staticmethod
+    def _left_to_continue(dbody: dict[str, Any], progress: Progress) -> bool:
+        """False when the failed node had already sent the whole budget: the answer is complete
+        and ends for its length."""
+        if len(progress.ids) < dbody["max_tokens"] or progress.cause not in MOVABLE:
+            return True
+        progress.failure, progress.cause, progress.finish, progress.stop = "", None, "length", None
+        progress.decoded = len(progress.ids)
+        return False
+
+    def _next_node(self, job: Job, tried: list[Node], progress: Progress) -> Node | None:
+        """Another decode node to continue on (None: the failure is the node's answer, attempts or nodes are out)."""
+        if progress.cause not in MOVABLE or progress.migrations >= self.client.cfg.router.max_migrations:
+            return None
+        try:
+            nxt = self.client.decode.pick(exclude=tuple(tried))
+        except NoHealthyNode:
+            return None
+        assert progress.cause is not None
+        self.client.metrics.migrations.labels(progress.cause.value).inc()
+        log.warning("%s: %s after %d tokens; continuing on %s", job.ids.client, progress.failure,
+                    len(progress.ids) + 1, nxt.url)
+        return nxt
+
+    async def _segment(self, job: Job, node: Node, body: dict[str, Any], out: web.StreamResponse | None,
+                       writer: split.StreamWriter, progress: Progress) -> tuple[Node, web.Response | None]:
+        """One node's part of the continuation, into ``progress``. Returns the node that served it
+        (a refused connection moves the request before it is sent) and, for a client that does
+        not stream, the node's own 4xx answer to pass on."""
         node.outstanding += 1
         try:
-            node, r = await self.client.open_decode(node, "/v1/completions", dbody, job.ids.engine)
+            node, r = await self.client.open_decode(node, "/v1/completions", body, job.ids.engine)
             async with r:
-                if r.status != 200:
-                    data = await r.read()
-                    if out is None:
-                        return web.Response(body=data, status=502 if r.status >= 500 else r.status,
-                                            content_type="application/json", headers=headers)
-                    tail.failure = f"the decode node answered HTTP {r.status}"
+                if r.status == 200:
+                    await self._relay(r, out, writer, progress)
+                elif r.status < 500 and out is None and not progress.ids:
+                    return node, web.Response(body=await r.read(), status=r.status, content_type="application/json",
+                                              headers=self.client.answer_headers(job, ""))
                 else:
-                    await self._relay(r, out, writer, tail)
-        except responses.ClientGone:
-            self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
-            self.client.metrics.errors.labels("client_disconnect").inc()
-            assert out is not None
-            return out
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            tail.failure = f"the decode node failed: {type(exc).__name__}: {exc}"
+                    await r.read()
+                    progress.fail(Cause.HTTP_5XX if r.status >= 500 else Cause.HTTP_4XX,
+                                  f"the decode node answered HTTP {r.status}")
+        except asyncio.TimeoutError:
+            progress.fail(Cause.STALL, "the decode node was silent too long (router.stall_timeout_s)")
+        except (aiohttp.ClientError, ValueError) as exc:
+            progress.fail(Cause.CONNECT, f"the decode node failed: {type(exc).__name__}: {exc}")
         finally:
             node.outstanding -= 1
-        return await self._finish_split(job, first, writer, out, tail, headers)
+        if progress.cause in MOVABLE:
+            self.client.breaker.failure(node.url)
+        elif not progress.failure:
+            self.client.breaker.success(node.url)
+        return node, None
 
     async def _relay(self, r: aiohttp.ClientResponse, out: web.StreamResponse | None, writer: split.StreamWriter,
-                     tail: _Tail) -> None:
-        """D's events into ``tail`` (and, streamed, into the client's format)."""
-        pending, last = b"", time.monotonic()
-        async for piece in r.content.iter_any():
-            events, pending = split.decode_events(piece, pending)
-            rendered = []                 # what this piece adds to the client's stream
-            for ev in events:
-                if ev.get("usage"):
-                    tail.decoded = int(ev["usage"]["completion_tokens"])
-                for c in ev.get("choices", ()):
-                    tail.text.append(c["text"])
-                    tail.finish, tail.stop = c.get("finish_reason"), c.get("stop_reason")
-                    if out is not None:
-                        rendered.append(writer.token(c["text"], tail.finish, tail.stop))
-            if rendered and out is not None:   # one write per piece D sent, not per token
-                now = time.monotonic()
-                self.client.metrics.itl.observe(now - last)
-                last = now
-                await responses.write(out, b"".join(rendered))
-        if tail.finish is None:
-            tail.failure = "the decode node ended the stream early"
+                     progress: Progress) -> None:
+        """D's events into ``progress`` (and, streamed, into the client's format). Once D has sent
+        its first piece, silence past ``router.stall_timeout_s`` is a failure (asyncio.TimeoutError)."""
+        pending, last, stall = b"", time.monotonic(), self.client.cfg.router.stall_timeout_s
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(None) as quiet:
+            while piece := await r.content.readany():
+                quiet.reschedule(loop.time() + stall)
+                events, pending = split.decode_events(piece, pending)
+                rendered = [writer.token(text, finish, stop) for ev in events for text, finish, stop in progress.take(ev)]
+                if rendered and out is not None:   # one write per piece D sent, not per token
+                    now = time.monotonic()
+                    self.client.metrics.itl.observe(now - last)
+                    last = now
+                    await responses.write(out, b"".join(rendered))
+        if progress.finish is None:
+            progress.fail(Cause.EARLY_END, "the decode node ended the stream early")
 
     async def _finish_split(self, job: Job, first: split.FirstToken, writer: split.StreamWriter,
-                            out: web.StreamResponse | None, tail: _Tail, headers: dict[str, str]) -> web.StreamResponse:
+                            out: web.StreamResponse | None, progress: Progress,
+                            headers: dict[str, str]) -> web.StreamResponse:
         rid = job.ids.client
-        if tail.failure:
+        if progress.failure:
             self.client.metrics.errors.labels("decode_failed").inc()
             self.client.metrics.requests.labels(job.endpoint, "decode_failed").inc()
             if out is None:
-                return responses.error_response(502, f"{tail.failure} (request {rid})", "bad_gateway", rid)
+                return responses.error_response(502, f"{progress.failure} (request {rid})", "bad_gateway", rid)
             with contextlib.suppress(responses.ClientGone):
-                await responses.write(out, responses.sse_error(tail.failure, rid))
+                await responses.write(out, responses.sse_error(progress.failure, rid))
                 await out.write_eof()
             return out
         self.client.metrics.requests.labels(job.endpoint, "ok").inc()
-        text = "".join(tail.text)
+        text = "".join(progress.text)
         if out is None:                           # not streamed: the first token arrives with the answer
             self.client.metrics.ttft.observe(time.monotonic() - job.t0)
-            return web.json_response(split.final_answer(job.endpoint, first, text, tail.finish, tail.stop,
-                                                        tail.decoded), headers=headers)
+            return web.json_response(split.final_answer(job.endpoint, first, text, progress.finish, progress.stop,
+                                                        progress.decoded), headers=headers)
         with contextlib.suppress(responses.ClientGone):
             if job.with_usage:
-                await responses.write(out, writer.usage(split.usage(first, tail.decoded)))
+                await responses.write(out, writer.usage(split.usage(first, progress.decoded)))
             await responses.write(out, b"data: [DONE]\n\n")
             await out.write_eof()
         return out
-
-
-class _Tail:
-    """What D's continuation said: its text pieces, how it ended, how many tokens it counted."""
-
-    def __init__(self) -> None:
-        self.text: list[str] = []
-        self.finish: str | None = None
-        self.stop: Any = None
-        self.decoded = 0
-        self.failure = ""

@@ -10,7 +10,9 @@ are small classes that take it and own no shared state.
   that is draining (503 with ``X-Kvrelay-Draining``, :mod:`kvrelay.core.drain`) or refuses the
   connection has not seen the request, so it goes to the next healthy decode node - without
   pull params: the KV was pushed to the first one, the new node computes the prompt itself.
-  Clients see no error for a node that leaves.
+  Clients see no error for a node that leaves. A decode node that refuses the router's own
+  transfer params (400 with ``X-Kvrelay-Params-Refused``: expired in a long queue, say) gets
+  the request again without them and computes the prompt itself; the client never sees it.
 * Any answer carrying ``X-Kvrelay-Draining`` takes its node out of rotation at once (the
   health loop puts it back when ``/health`` says 200 again).
 """
@@ -21,14 +23,15 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 import orjson
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.drain import DRAINING_HEADER
-from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
+from kvrelay.core.params import PARAMS_REFUSED_HEADER, ParamsSigner, PullParams, PushParams, params_dict
 from kvrelay.core.tracing import inject, with_traceparent
+from kvrelay.router.breaker import Breaker
 from kvrelay.router.job import Job
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.pools import Node, NoHealthyNode, Pool
@@ -53,13 +56,24 @@ def note_draining(node: Node, r: aiohttp.ClientResponse) -> bool:
     return r.status == 503
 
 
+class Answer(NamedTuple):
+    """A prefill node's JSON answer (:meth:`EngineClient.ask`)."""
+
+    status: int | None               # None: the node failed (no answer)
+    body: Any
+    params_refused: bool = False     # the engine refused the router's own transfer params (e.g. not allowed)
+    draining: bool = False           # the node drains: it takes no new work
+
+
 class EngineClient:
     """What every request path shares: ``session`` (made by :meth:`open`), the pools, the
-    metrics, the params signer and each decode node's context limit."""
+    metrics, the params signer, the nodes' circuit breaker (shared by both pools) and each
+    decode node's context limit."""
 
     def __init__(self, cfg: KVRelayConfig, prefill: Pool, decode: Pool, metrics: RouterMetrics,
                  signer: ParamsSigner) -> None:
         self.cfg, self.prefill, self.decode, self.metrics, self.signer = cfg, prefill, decode, metrics, signer
+        self.breaker: Breaker = prefill.breaker
         self.session: aiohttp.ClientSession | None = None
         self.context_limits: dict[str, int] = {}       # decode node URL -> its max_model_len
 
@@ -102,19 +116,20 @@ class EngineClient:
                 return None                   # asked again next time
         return limits[node.url]
 
-    async def ask(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> tuple[int | None, Any]:
-        """POST and read a JSON answer: (status, body); (None, None) when the node failed."""
+    async def ask(self, node: Node, endpoint: str, body: dict[str, Any], rid: str) -> Answer:
+        """POST and read a JSON answer; ``Answer(None, None)`` when the node failed."""
         node.outstanding += 1
 
-        async def read(r: aiohttp.ClientResponse) -> tuple[int | None, Any]:
-            note_draining(node, r)
-            return r.status, await r.json(loads=orjson.loads, content_type=None)
+        async def read(r: aiohttp.ClientResponse) -> Answer:
+            draining = note_draining(node, r)
+            return Answer(r.status, await r.json(loads=orjson.loads, content_type=None),
+                          PARAMS_REFUSED_HEADER in r.headers, draining)
         try:
             return await self.send(f"{node.url}{endpoint}", body, rid, read)
-        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as exc:
             node.failures += 1
             log.warning("prefill on %s failed for %s: %r", node.url, rid, exc)
-            return None, None
+            return Answer(None, None)
         finally:
             node.outstanding -= 1
 
@@ -166,6 +181,13 @@ class EngineClient:
             refused: Exception | None = None
             try:
                 r = await self._post(node, path, body, rid)
+                if r.status == 400 and PARAMS_REFUSED_HEADER in r.headers and "kv_transfer_params" in body:
+                    r.release()                               # our own params refused (e.g. expired in a queue):
+                    log.warning("%s refused the transfer params of %s (%s); it computes the prompt itself",
+                                node.url, rid, r.headers[PARAMS_REFUSED_HEADER])
+                    self.metrics.errors.labels("params_refused").inc()
+                    body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+                    r = await self._post(node, path, body, rid)
             except aiohttp.ClientConnectorError as exc:
                 node.healthy, refused = False, exc            # nothing listens: the health loop brings it back
             else:

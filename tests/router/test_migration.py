@@ -1,0 +1,238 @@
+"""Losing a node, against scripted engines (real HTTP) and the breaker's state machine on a fake clock:
+a decode node that dies mid-answer hands the rest to another with no duplicate or missing token;
+a failed prefill node is replaced, then the decode node serves alone; the breaker opens,
+backs off and half-opens. The same on real vLLM engines: tests/e2e/test_node_loss.py."""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from kvrelay.router.breaker import Breaker, BreakerState
+from kvrelay.router.migration import Cause, Progress, resume_body
+
+from tests.router.test_router import router_for, run, serve
+from tests.router.test_split import CONTEXT, PROMPT_IDS, events
+
+
+def text_of(i: int) -> str:
+    return f"<{i}>"          # the text of answer token i (its id is 100 + i); token 0 comes from P
+
+
+class Decoder:
+    """A decode node continuing ``PROMPT_IDS + [100]`` (+ tokens so far) deterministically: token i
+    is 100 + i, whatever node computes it. ``die_after``: it drops the connection after that many
+    tokens of a request (or answers ``status`` before any)."""
+
+    def __init__(self, die_after: int | None = None, status: int = 200) -> None:
+        self.die_after, self.status = die_after, status
+        self.prompts: list[list[int]] = []
+        self.alone = 0                                   # requests it served alone (no prefill node)
+        self.url = ""
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": CONTEXT}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):                       # P: token 1; or the client's own request, served alone
+            answer = _first_token_answer()
+            if body["max_tokens"] > 1:
+                self.alone += 1
+                answer["choices"][0]["text"] = "".join(text_of(i) for i in range(body["max_tokens"]))
+            return web.json_response(answer)
+        prompt = body["prompt"]
+        self.prompts.append(prompt)
+        if self.status != 200:
+            return web.json_response({"error": {"message": "boom"}}, status=self.status)
+        start = len(prompt) - len(PROMPT_IDS)            # the answer's next token index
+        assert prompt == PROMPT_IDS + [100 + i for i in range(start)] and body["return_token_ids"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = body["max_tokens"]
+        for k, i in enumerate(range(start, start + n)):
+            if self.die_after is not None and k == self.die_after:
+                assert request.transport is not None
+                request.transport.abort()                # SIGKILL-like: the connection just drops
+                return resp
+            ev = {"id": "cmpl-d", "object": "text_completion", "created": 8, "model": "m",
+                  "choices": [{"index": 0, "text": text_of(i), "logprobs": None,
+                               "finish_reason": "length" if k == n - 1 else None, "stop_reason": None,
+                               "token_ids": [100 + i]}]}
+            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        usage = {"id": "cmpl-d", "object": "text_completion", "created": 8, "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n, "completion_tokens": n}}
+        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        return resp
+
+
+def _first_token_answer() -> dict[str, Any]:
+    return {"id": "cmpl-p", "object": "text_completion", "created": 7, "model": "m", "system_fingerprint": "fp",
+            "choices": [{"index": 0, "text": text_of(0), "logprobs": None, "finish_reason": "length",
+                         "stop_reason": None, "token_ids": [100], "prompt_token_ids": PROMPT_IDS}],
+            "usage": {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}}
+
+
+class DeadPrefill(Decoder):
+    """A prefill node whose requests fail: 500, or a dropped connection."""
+
+    def __init__(self, status: int = 500) -> None:
+        super().__init__(status=status)
+        self.asked = 0
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.asked += 1
+        if self.status == 0:
+            assert request.transport is not None
+            request.transport.abort()
+            return web.Response()
+        return web.json_response({"error": {"message": "boom"}}, status=self.status)
+
+
+@asynccontextmanager
+async def stack(prefills: list[Decoder], decodes: list[Decoder], **router: object):
+    apps = []
+    for e in prefills + decodes:
+        app = web.Application()
+        app.router.add_get("/health", e.health)
+        app.router.add_get("/v1/models", e.models)
+        app.router.add_post("/v1/completions", e.handle)
+        apps.append(serve(app))
+    entered = [await a.__aenter__() for a in apps]
+    try:
+        for e, url in zip(prefills + decodes, entered, strict=True):
+            e.url = url
+        async with router_for(prefills, decodes, first_token="prefill", policy="round_robin",  # type: ignore[arg-type]
+                              **router) as (url, r), aiohttp.ClientSession() as s:
+            yield url, s, r
+    finally:
+        for a in reversed(apps):
+            await a.__aexit__(None, None, None)
+
+
+BODY = {"model": "m", "prompt": "abc", "max_tokens": 12, "temperature": 0}
+
+
+def _want(n: int) -> str:
+    return "".join(text_of(i) for i in range(n))
+
+
+def test_a_decode_node_dying_mid_stream_hands_the_rest_to_another_without_a_gap_or_a_duplicate():
+    async def go():
+        dying, spare = Decoder(die_after=4), Decoder()
+        async with stack([Decoder()], [dying, spare]) as (url, s, router):
+            async with s.post(f"{url}/v1/completions", json={**BODY, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as r:
+                evs = events(await r.read())
+            assert evs[-1] == "[DONE]"
+            text = "".join(c["text"] for e in evs[:-1] if isinstance(e, dict) for c in e.get("choices", ()))
+            assert text == _want(12)                                   # token 1 from P, 4 from dying, 7 from spare
+            assert evs[-2]["usage"]["completion_tokens"] == 12
+            assert [c["finish_reason"] for e in evs[:-1] for c in e.get("choices", ())].count("length") == 1
+            assert spare.prompts == [PROMPT_IDS + [100 + i for i in range(5)]]    # prompt + every token sent
+            m = router.metrics
+            assert m.migrations.labels("connect")._value.get() == 1
+            assert m.migrated.labels("exact")._value.get() == 1
+            # not streamed: the same, in one answer
+            dying.prompts.clear()
+            async with s.post(f"{url}/v1/completions", json=BODY) as r:
+                answer = await r.json()
+            assert r.status == 200, answer
+            assert answer["choices"][0]["text"] == _want(12) and answer["usage"]["completion_tokens"] == 12
+    run(go())
+
+
+def test_a_5xx_migrates_and_when_no_node_is_left_the_client_gets_an_error_event_and_it_is_counted():
+    async def go():
+        async with stack([Decoder()], [Decoder(status=500), Decoder(die_after=2)], breaker_failures=0) as (url, s, r):
+            async with s.post(f"{url}/v1/completions", json={**BODY, "stream": True}) as resp:
+                raw = await resp.read()
+            evs = events(raw)
+            assert evs[-1] == "[DONE]" and "error" in evs[-2]
+            got = "".join(c["text"] for e in evs[:-2] for c in e.get("choices", ()))
+            assert got == _want(3)                                      # what was sent stays sent, nothing twice
+            assert r.metrics.migrations.labels("http_5xx")._value.get() == 1
+            assert r.metrics.migrated.labels("failed")._value.get() == 1
+    run(go())
+
+
+def test_a_failed_prefill_node_is_replaced_and_with_none_left_the_decode_node_serves_alone():
+    async def go():
+        dead, good = DeadPrefill(status=0), Decoder()
+        async with stack([dead, good], [Decoder()]) as (url, s, r):
+            for _ in range(2):                                         # whichever P round robin picks first
+                async with s.post(f"{url}/v1/completions", json=BODY) as resp:
+                    answer = await resp.json()
+                assert answer["choices"][0]["text"] == _want(12)
+            assert dead.asked >= 2 and r.metrics.errors.labels("prefill_failed")._value.get() == 2
+        alone = Decoder()
+        async with stack([DeadPrefill(status=503)], [alone]) as (url, s, r):   # the only P fails: D serves alone
+            async with s.post(f"{url}/v1/completions", json=BODY) as resp:
+                answer = await resp.json()
+            assert answer["choices"][0]["text"] == _want(12)
+            assert alone.prompts == [] and alone.alone == 1 and r.metrics.errors.labels("prefill_failed_decode_only")._value.get() == 1
+    run(go())
+
+
+def test_the_breaker_takes_a_failing_node_out_backs_off_and_lets_one_probe_through():
+    now = [0.0]
+    opened: list[str] = []
+    b = Breaker(threshold=3, base_s=2.0, max_s=5.0, clock=lambda: now[0], on_open=opened.append)
+    for _ in range(2):
+        b.failure("a")
+    assert b.state("a") is BreakerState.CLOSED and b.allows("a")
+    b.success("a")                                   # a success resets the count
+    for _ in range(3):
+        b.failure("a")
+    assert b.state("a") is BreakerState.OPEN and not b.allows("a") and opened == ["a"]
+    now[0] = 2.0
+    assert b.state("a") is BreakerState.HALF_OPEN
+    assert b.allows("a") and not b.allows("a")        # one probe, then wait
+    b.failure("a")                                    # the probe failed: open for twice as long
+    now[0] = 5.9
+    assert not b.allows("a")
+    now[0] = 6.0
+    assert b.allows("a")
+    b.failure("a")                                    # capped at max_s
+    now[0] = 10.9
+    assert not b.allows("a")
+    now[0] = 11.0
+    assert b.allows("a")
+    b.success("a")
+    assert b.state("a") is BreakerState.CLOSED and b.allows("a") and b.allows("a")
+    assert Breaker(threshold=0).state("x") is BreakerState.CLOSED
+
+
+def test_an_open_breaker_keeps_a_node_out_of_picks_while_health_still_says_yes():
+    async def go():
+        bad, good = Decoder(status=500), Decoder()
+        async with stack([Decoder()], [bad, good], breaker_failures=2, breaker_backoff_s=60,
+                         max_migrations=1) as (url, s, r):
+            for _ in range(6):
+                async with s.post(f"{url}/v1/completions", json=BODY) as resp:
+                    assert (await resp.json())["choices"][0]["text"] == _want(12)
+            assert len(bad.prompts) == 2                               # then its breaker opened
+            assert r.metrics.breaker_opens.labels(bad.url)._value.get() == 1
+    run(go())
+
+
+def test_progress_and_the_resumed_body():
+    p = Progress()
+    p.take({"choices": [{"text": "a", "token_ids": [1], "finish_reason": None}]})
+    p.fail(Cause.EARLY_END, "gone")
+    p.fail(Cause.CONNECT, "later")                      # the first cause stays
+    assert p.cause is Cause.EARLY_END
+    first = {"prompt": [9, 8], "max_tokens": 5, "kv_transfer_params": {"x": 1}, "temperature": 0}
+    body = resume_body(first, p)
+    assert body == {"prompt": [9, 8, 1], "max_tokens": 4, "temperature": 0}
+    p.resumed()
+    p.take({"choices": [], "usage": {"completion_tokens": 4}})
+    assert p.decoded == 5 and not p.failure and p.migrations == 1
+    p.take({"error": {"message": "x"}})
+    assert p.cause is Cause.ERROR_EVENT
