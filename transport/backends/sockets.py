@@ -12,8 +12,12 @@ a fixed, versioned frame (``FRAME``); what differs is where the bytes travel:
 
 A connection proves itself before anything on it is read: its preamble names the
 sender and presents the session's data token (:func:`kvrelay.transport.protocol.data_token`),
-which D accepts once. A connection that fails is closed and counted, and its close
-says nothing about the sender it named. Every chunk frame presents the transfer's
+which D accepts once. Preambles are read by one gate thread (:mod:`kvrelay.transport.backends.gate`:
+one overall deadline per connection, a cap on connections without one, accepting never
+stops), so a connection costs a thread only once it has authenticated. A connection that
+fails is closed and counted, and its close says nothing about the sender it named. The
+sender's socket has a send timeout (``SEND_STALL_S``): a receiver that stops reading fails
+the write, and the push frees its blocks, instead of hanging it. Every chunk frame presents the transfer's
 grant token; D asks ``admit`` *before* reading the payload, and discards a refused
 one without touching the slot.
 
@@ -44,6 +48,7 @@ from kvrelay.transport.backends.base import (
     WriteState,
     host_buffers,
 )
+from kvrelay.transport.backends.gate import Gate
 from kvrelay.transport.events import Refusal
 from kvrelay.transport.pool import ReceivePool, SharedArena, SlotRef
 from kvrelay.transport.protocol import Grant
@@ -54,7 +59,9 @@ FRAME = struct.Struct("<4sBBH16s16sIIIQ")
 FRAME_MAGIC = b"KVRD"
 FRAME_VERSION = 2               # 2: grant token; the preamble presents the session's data token
 TOKEN_BYTES = 32                # the data token (HMAC-SHA256) in the preamble
-PREAMBLE_S = 5.0                # a connection must present its preamble within this
+PREAMBLE_S = 5.0                # a connection must present its whole preamble within this of its accept
+MAX_PENDING = 256               # connections waiting for their preamble; beyond, the oldest is closed
+SEND_STALL_S = 10.0             # a send that makes no progress this long fails (timeouts.chunk_s's default)
 KIND_HELLO, KIND_CHUNK = 0, 1
 MAX_SENDER_ID = 512
 _DRAIN = 1 << 20
@@ -88,6 +95,16 @@ def _recv_exact(sock: socket.socket, view: memoryview, *, piece: int = 0,
         if on_data is not None:
             on_data(got)
     return True
+
+
+def _preamble_need(buf: bytes) -> int:
+    """How long the preamble that starts with ``buf`` is (the frame first, then name and token)."""
+    if len(buf) < FRAME.size:
+        return FRAME.size
+    magic, ver, kind, _, _, _, _, _, _, n = FRAME.unpack(buf[:FRAME.size])
+    if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_HELLO or n > MAX_SENDER_ID:
+        raise ValueError("data connection without a valid preamble")
+    return FRAME.size + n + TOKEN_BYTES
 
 
 def _recv_hashed(sock: socket.socket, view: memoryview, skip: int) -> int | None:
@@ -146,12 +163,15 @@ class SocketReceiver(ReceiverBackend):
         self._pool: ReceivePool | None = None
         self._tokens: dict[str, bytes] = {}      # sender -> data token its next connection presents
         self._tokens_lock = threading.Lock()
+        self._gate: Gate | None = None
 
     def start(self, pool: ReceivePool, hooks: ReceiverHooks) -> None:
         self._pool, self._hooks = pool, hooks
         if not self.inline:
             self._info = SocketInfo("unix", self._info.address, shm_name=pool.arena.name)
-        threading.Thread(target=self._accept_loop, name="kvrelay-sock-accept", daemon=True).start()
+        self._gate = Gate(self._lsock, need=_preamble_need, check=self._check, serve=self._serve,
+                          refused=self._refused, on_accept=self._tune, deadline_s=PREAMBLE_S, max_pending=MAX_PENDING)
+        threading.Thread(target=self._gate.run, name="kvrelay-sock-gate", daemon=True).start()
 
     def info(self) -> bytes:
         return msgspec.msgpack.encode(self._info)
@@ -164,24 +184,10 @@ class SocketReceiver(ReceiverBackend):
         with self._tokens_lock:
             self._tokens.pop(sender_id, None)
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = self._lsock.accept()
-            except OSError:
-                return
-            if self.inline:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-            self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvrelay-sock-rx", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        sender = None
+    def _serve(self, conn: socket.socket, sender: str) -> None:
+        """An authenticated connection's frames (its own thread, from the gate)."""
+        self._conns.add(conn)
         try:
-            sender = self._authenticate(conn)
-            if sender is None:
-                return
             while self._read_chunk(conn, sender):
                 pass
             reason = "data connection closed"
@@ -191,34 +197,27 @@ class SocketReceiver(ReceiverBackend):
             self._conns.discard(conn)
             with contextlib.suppress(OSError):
                 conn.close()
-        if sender is not None and not self._closed.is_set():
+        if not self._closed.is_set():
             self._hooks.peer_lost(sender, reason)
 
-    def _authenticate(self, conn: socket.socket) -> str | None:
-        """The sender whose session token this connection presents, or None (refused, counted)."""
-        conn.settimeout(PREAMBLE_S)
-        try:
-            frame = bytearray(FRAME.size)
-            if not _recv_exact(conn, memoryview(frame)):
-                return None
-            magic, ver, kind, _, _, _, _, _, _, n = FRAME.unpack(frame)
-            if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_HELLO or n > MAX_SENDER_ID:
-                self._hooks.refused(Refusal.UNAUTHENTICATED_DATA, "data connection without a valid preamble")
-                return None
-            rest = bytearray(n + TOKEN_BYTES)
-            if not _recv_exact(conn, memoryview(rest)):
-                return None
-        except (OSError, TransportError) as exc:
-            self._hooks.refused(Refusal.UNAUTHENTICATED_DATA, f"data connection preamble: {exc}")
-            return None
-        conn.settimeout(None)
-        name = rest[:n].decode(errors="replace")
+    def _tune(self, conn: socket.socket) -> None:
+        if self.inline:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+
+    def _refused(self, reason: str) -> None:
+        self._hooks.refused(Refusal.UNAUTHENTICATED_DATA, reason)
+
+    def _check(self, preamble: bytes) -> str | None:
+        """The sender whose session token this preamble presents (single use), or None (refused, counted)."""
+        n = len(preamble) - FRAME.size - TOKEN_BYTES
+        name, token = preamble[FRAME.size:FRAME.size + n].decode(errors="replace"), preamble[FRAME.size + n:]
         with self._tokens_lock:
             want = self._tokens.get(name)
-            if want is not None and hmac.compare_digest(want, bytes(rest[n:])):
+            if want is not None and hmac.compare_digest(want, token):
                 del self._tokens[name]                   # single use
                 return name
-        self._hooks.refused(Refusal.UNAUTHENTICATED_DATA, f"data connection for {name!r} without its session token")
+        self._refused(f"data connection for {name!r} without its session token")
         return None
 
     def _read_chunk(self, conn: socket.socket, sender: str) -> bool:
@@ -269,6 +268,8 @@ class SocketReceiver(ReceiverBackend):
         if self._closed.is_set():
             return
         self._closed.set()
+        if self._gate is not None:
+            self._gate.close()
         with contextlib.suppress(OSError):
             self._lsock.shutdown(socket.SHUT_RDWR)
         self._lsock.close()
@@ -297,7 +298,7 @@ class SocketSender(SenderBackend):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.connect("\0" + info.address)
                 self._arena = SharedArena(0, name=info.shm_name, create=False)
-            sock.settimeout(None)
+            sock.settimeout(SEND_STALL_S)          # a peer that stops reading fails the write, never hangs it
             name = sender_id.encode()
             sock.sendall(FRAME.pack(FRAME_MAGIC, FRAME_VERSION, KIND_HELLO, 0, b"\0" * 16, b"\0" * 16, 0, 0, 0,
                                     len(name)) + name + data_token)

@@ -1,0 +1,163 @@
+"""Losing a node under load, on real vLLM engines, answers compared with one plain vLLM with the
+same dtype and thread binding (one pinned thread per engine).
+
+A 2P2D stack per transport (tcp and nixl), ``router.first_token: prefill`` (the default):
+* 16 concurrent greedy streams with 240-token answers; once every stream has tokens, SIGKILL
+  one decode node's process group. Every stream completes - no error event, no duplicate or
+  missing token - and equals the uninterrupted answer; the router counts the migrations.
+* The same load; SIGKILL a prefill node while it computes token 1s: every answer completes
+  and is exact. Then SIGKILL the other one: with no prefill node left, the decode nodes serve
+  requests alone, still exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+from kvrelay.deploy import launch
+
+from tests.e2e.harness import MODEL, Case, _cfg, scrape, start_stack
+
+pytestmark = pytest.mark.chaos
+N, ANSWER = 16, 240
+LOSS = [Case(f"loss{i}", "completion", True, 300 + 37 * i, 4000 + i) for i in range(N)]
+
+
+def _body(case: Case, stream: bool) -> dict:
+    return {"model": MODEL, "prompt": case.text(), "max_tokens": ANSWER, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+
+
+@pytest.fixture(scope="module")
+def want(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The uninterrupted answers: one plain vLLM, bound like each engine of the stack (one core)."""
+    tmp = tmp_path_factory.mktemp("loss-reference")
+    cfg = _cfg(tiny_model, tmp, 18720)
+    spec = launch.NodeSpec(launch.Role.SINGLE, 0, 18720)
+    with open(tmp / "single.log", "w") as log:
+        proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 4),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = "http://127.0.0.1:18720"
+        launch.wait_healthy(url, proc, 900, str(tmp / "single.log"))
+        out = {}
+        for case in LOSS:
+            req = urllib.request.Request(f"{url}/v1/completions", json.dumps(_body(case, False)).encode(),
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                out[case.name] = json.loads(r.read())["choices"][0]["text"]
+        return out
+    finally:
+        launch.stop_group(proc)
+
+
+@pytest.fixture(scope="module", params=["tcp", "nixl"])
+def loss_stack(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    port0 = {"tcp": 22300, "nixl": 22600}[request.param]
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp(f"loss-{request.param}"), port0,
+                         transport__backend=request.param, deploy__prefill=2, deploy__decode=2,
+                         router__first_token="prefill", router__health_interval_s=0.5, connector__first_chunk_s=10)
+    yield handle
+    handle.stack.stop()
+
+
+class Stream:
+    """One client stream: the text it got, how it ended."""
+
+    def __init__(self, case: Case) -> None:
+        self.case, self.text, self.errors, self.done, self.status = case, "", list[str](), False, 0
+
+    async def run(self, session: aiohttp.ClientSession, url: str) -> None:
+        async with session.post(f"{url}/v1/completions", json=_body(self.case, True)) as r:
+            self.status = r.status
+            pending = b""
+            async for piece in r.content.iter_any():
+                *events, pending = (pending + piece).split(b"\n\n")
+                for raw in events:
+                    data = raw.strip().removeprefix(b"data: ")
+                    if data == b"[DONE]":
+                        self.done = True
+                    elif data:
+                        ev = json.loads(data)
+                        if "error" in ev:
+                            self.errors.append(ev["error"]["message"])
+                        self.text += "".join(c["text"] for c in ev.get("choices", ()))
+
+
+async def _load(url: str, cases: list[Case], kill_when, kill) -> list[Stream]:
+    """Run ``cases`` as concurrent streams; call ``kill()`` (in a thread) once ``kill_when(streams)``."""
+    streams = [Stream(c) for c in cases]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        tasks = [asyncio.create_task(s.run(session, url)) for s in streams]
+        while not kill_when(streams):
+            assert not all(t.done() for t in tasks), "every stream ended before the kill"
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(kill)
+        await asyncio.gather(*tasks)
+    return streams
+
+
+def _check(streams: list[Stream], want: dict[str, str]) -> None:
+    bad = [(s.case.name, s.status, s.errors, len(s.text)) for s in streams
+           if s.status != 200 or s.errors or not s.done]
+    assert not bad, f"streams that did not complete: {bad}"
+    wrong = [s.case.name for s in streams if s.text != want[s.case.name]]
+    assert not wrong, f"answers that differ from one vLLM's: {wrong}"
+
+
+@contextlib.contextmanager
+def _restored(stack: launch.Stack, *names: str):
+    try:
+        yield
+    finally:
+        for name in names:
+            if name not in stack.procs:
+                stack.restart(name)
+
+
+def _healthy_prefill(url: str) -> list[str]:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return list(json.loads(r.read())["prefill"])
+    except urllib.error.HTTPError as exc:          # 503: a pool is empty
+        return list(json.loads(exc.read())["prefill"])
+
+
+def _router_count(url: str, series: str) -> float:
+    return sum(v for k, v in scrape(f"{url}/metrics").items() if k.startswith(series))
+
+
+def test_a_killed_decode_node_loses_no_stream_and_no_token(loss_stack, want):
+    stack, url = loss_stack.stack, loss_stack.router_url
+    t0 = time.monotonic()
+    with _restored(stack, "decode0"):
+        streams = asyncio.run(_load(url, LOSS, lambda ss: all(len(s.text) >= 5 for s in ss),
+                                    lambda: stack.kill("decode0")))
+        moved = _router_count(url, "kvrelay_router_migrations_total")
+        print(f"decode loss: {N} streams in {time.monotonic() - t0:.0f} s, {moved:.0f} migrated")
+        _check(streams, want)
+        assert moved >= 1, "the kill moved no stream (every stream had ended?)"
+        assert _router_count(url, 'kvrelay_router_migrated_requests_total{outcome="exact"}') == moved
+
+
+def test_a_killed_prefill_node_then_both_lose_nothing(loss_stack, want):
+    stack, url = loss_stack.stack, loss_stack.router_url
+    with _restored(stack, "prefill0", "prefill1"):
+        streams = asyncio.run(_load(url, LOSS, lambda ss: any(s.text for s in ss),
+                                    lambda: stack.kill("prefill0")))
+        _check(streams, want)
+        stack.kill("prefill1")
+        deadline = time.monotonic() + 15
+        while _healthy_prefill(url) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        streams = asyncio.run(_load(url, LOSS[:4], lambda ss: True, lambda: None))
+        _check(streams, want)
