@@ -46,6 +46,7 @@ class KeyUse(bytes, enum.Enum):
     SESSION = b"kvrelay/session/v1"      # per-connection message MACs and the data-plane token
     PARAMS = b"kvrelay/params/v1"        # the router's signature on kv_transfer_params
     STORE = b"kvrelay/store/v1"          # MAC on records in the shared store tiers
+    EVENTS = b"kvrelay/events/v1"        # salts the chunk keys store events publish
 
 
 def generate_secret() -> str:

@@ -24,7 +24,7 @@ import torch
 import zmq
 from kvrelay.common.errors import KVRelayError
 from kvrelay.common.keys import chunk_keys
-from kvrelay.common.secrets import load_secret
+from kvrelay.common.secrets import KeyUse, derive_key, load_secret
 from kvrelay.common.wire import parse_header
 from kvrelay.core.chunk_records import gather_record, record_payload
 from kvrelay.core.config import KVRelayConfig
@@ -48,11 +48,13 @@ class StoreService:
         self.cfg, self.events = cfg, events
         self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         s = cfg.store
-        self.publisher = Publisher(cfg.transport.host, s.publish_port) if s.publish_port else None
+        secret = load_secret(cfg.transport)
+        self.publisher = (Publisher(s.publish_host or cfg.transport.host, s.publish_port,
+                                    derive_key(secret, KeyUse.EVENTS)) if s.publish_port else None)
         self.store = MultiTierStore(int(s.cpu_bytes), policy=s.eviction_policy.value, disk_path=s.disk_path,
                                     disk_bytes=int(s.disk_bytes), redis_url=s.redis_url,
                                     deferred_bytes=int(s.deferred_bytes), prefetch_ahead=s.prefetch_ahead,
-                                    on_event=self.publisher, seal=seal_for(load_secret(cfg.transport)),
+                                    on_event=self.publisher, seal=seal_for(secret),
                                     redis_password=s.redis_password(), redis_ca_file=s.redis_ca_file)
         self._export_stats()
         self.endpoint = lookup_endpoint(vllm_config)

@@ -49,7 +49,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from kvrelay.common.errors import ConfigError
-from kvrelay.common.secrets import load_secret
+from kvrelay.common.secrets import KeyUse, derive_key, load_secret
 from kvrelay.core.config import FirstToken, KVRelayConfig, RoutingPolicy
 from kvrelay.core.logs import set_ids
 from kvrelay.core.params import ParamsSigner
@@ -99,7 +99,8 @@ class Router:
         self.prefill, self.decode = prefill, decode
         self.metrics.follow((self.prefill, self.decode))
         self.tracer = tracer(cfg.tracing.endpoint, cfg.tracing.protocol, "kvrelay-router")
-        signer = ParamsSigner(load_secret(cfg.transport) if secret is None else secret, rc.params_ttl_s)
+        self._secret = load_secret(cfg.transport) if secret is None else secret
+        signer = ParamsSigner(self._secret, rc.params_ttl_s)
         self.client = EngineClient(cfg, prefill, decode, self.metrics, signer)
         self.decode_path = DecodePath(self.client)
         self.split_path = SplitPath(self.client, self.decode_path)
@@ -133,7 +134,7 @@ class Router:
             log.warning("cache_aware: %s publish no store events; they are picked by load only", silent)
         if not rc.tokenizer:
             raise ConfigError("router.policy cache_aware needs router.tokenizer (the model path)")
-        return ChunkIndex(self.prefill), PromptTokenizer(rc.tokenizer)
+        return ChunkIndex(self.prefill, derive_key(self._secret, KeyUse.EVENTS)), PromptTokenizer(rc.tokenizer)
 
     def _discoveries(self) -> list[Discovery]:
         """One DNS discovery per pool with ``dns+`` entries; admission follows the decode pool's

@@ -26,7 +26,7 @@ import zmq
 import zmq.asyncio
 from kvrelay.common.keys import chunk_keys_from_digest
 from kvrelay.router.pools import Pool, PrefixHint
-from kvrelay.store.events import StoreEvent, decode_event
+from kvrelay.store.events import StoreEvent, decode_event, published_key
 
 log = logging.getLogger("kvrelay.router")
 
@@ -36,8 +36,9 @@ class ChunkIndex:
     :meth:`sync` (at start, and whenever DNS discovery changes the pool) subscribes to every
     node that lists an events endpoint and forgets nodes that left, with their keys."""
 
-    def __init__(self, pool: Pool) -> None:
-        self.pool = pool
+    def __init__(self, pool: Pool, salt: bytes) -> None:
+        """``salt``: the deployment secret's ``KeyUse.EVENTS`` key (events publish salted keys)."""
+        self.pool, self.salt = pool, salt
         self.holders: dict[bytes, set[str]] = defaultdict(set)
         self.fingerprint = b""
         self.chunk_tokens = 0
@@ -114,7 +115,8 @@ class ChunkIndex:
             return hits
         alive: set[str] | None = None
         whole = token_ids[: len(token_ids) // self.chunk_tokens * self.chunk_tokens]
-        for depth, key in enumerate(chunk_keys_from_digest(whole, self.fingerprint, self.chunk_tokens), 1):
+        for depth, raw in enumerate(chunk_keys_from_digest(whole, self.fingerprint, self.chunk_tokens), 1):
+            key = published_key(self.salt, raw)
             alive = set(self.holders.get(key, ())) if alive is None else alive & self.holders.get(key, set())
             if not alive:
                 break

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from kvrelay.core.params import PullParams, PushParams
+from kvrelay.core.params import PARAMS_REFUSED_HEADER, PullParams, PushParams
 from kvrelay.router import responses, split
 from kvrelay.router.job import Job
 from kvrelay.router.pools import Node, NoHealthyNode, PrefillWork
@@ -77,6 +77,9 @@ class DecodePath:
             note_draining(node, r)
             if r.status >= 500:
                 return False, f"HTTP {r.status}"
+            if PARAMS_REFUSED_HEADER in r.headers:    # our own params, not the client's request: another P
+                self.client.metrics.errors.labels("params_refused").inc()
+                return False, f"params refused ({r.headers[PARAMS_REFUSED_HEADER]})"
             return r.status == 200, "ok" if r.status == 200 else "client_error"
         try:
             return await self.client.send(f"{node.url}{endpoint}", body, rid, read)

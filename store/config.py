@@ -29,6 +29,7 @@ class StoreConfig(Section, frozen=True):
     redis_password_file: str = ""    # 0600 file with the Redis password (AUTH / ACL user's password)
     redis_ca_file: str = ""          # rediss://: CA bundle that verifies the server
     publish_port: Port = 0           # ZeroMQ PUB of chunk stored/evicted events for the router (0 = off)
+    publish_host: str = ""           # where that PUB binds ("" = transport.host)
     save_decoded: bool = False       # decode nodes store the chunks their generated tokens complete (Redis)
     epoch: NonNeg = 0                # part of every chunk key: raise it to drop every stored record at once
 
@@ -81,6 +82,8 @@ FIELD_HELP: dict[str, str] = {
     'store.disk_bytes': 'multi-tier store: disk tier size cap',
     'store.publish_port': 'prefill nodes publish chunk stored/evicted events here (ZeroMQ PUB) for cache-aware routing; '
                           '0 = off (kvrelay up under router.policy cache_aware: kv_base_port + 300 + node index)',
+    'store.publish_host': ('address the store events publisher binds ("" = transport.host); it is unauthenticated, '
+                           'keep it on the private network (published keys are salted with the deployment secret)'),
     'store.redis_url': 'multi-tier store: redis://[user@]host:port/db or rediss:// for TLS ("" = no Redis tier)',
     'store.redis_password_file': 'file (mode 0600) holding the Redis password; keeps it off command lines and configs',
     'store.redis_ca_file': 'rediss://: CA certificate file that verifies the Redis server',

@@ -58,6 +58,7 @@ from kvrelay.transport.sessions import Gatekeeper, hello_refusal
 from kvrelay.transport.transfers import TableParts, TransferTable
 
 log = logging.getLogger(__name__)
+_WARN_EVERY_S = 10.0
 MAX_TRANSFER_ID = 256
 
 
@@ -80,6 +81,8 @@ class Receiver:
                                 clock=clock, shared=backend.needs_shared_pool)
         self.stats = ReceiverStats()
         self._clock = clock
+        self._warned: dict[Refusal, float] = {}        # cause -> when it was last logged
+        self._warned_at: dict[Refusal, int] = {}       # cause -> its count then
         self.table = TransferTable(TableParts(self.pool, backend, self.stats, timeouts, clock, self._reply,
                                               self._refused, consumer_wait_s))
         self.landing = Landing(self.table, self._refused, self._seen, verify_payload)
@@ -198,10 +201,17 @@ class Receiver:
         return None
 
     def _refused(self, cause: Refusal, detail: str) -> None:
-        """Count a refusal by cause (any thread)."""
+        """Count a refusal by cause (any thread); log it, at most once per cause every
+        ``_WARN_EVERY_S`` (a flood of refusals must not become a flood of log lines)."""
         self.stats.refusals[cause.value] += 1
-        if cause is not Refusal.STALE:
-            log.warning("refused (%s): %s", cause.value, detail)
+        if cause is Refusal.STALE:
+            return
+        now = self._clock()
+        if now - self._warned.get(cause, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+            since = self.stats.refusals[cause.value] - self._warned_at.get(cause, 0) - 1
+            more = f" (and {since} more since the last one logged)" if since > 0 else ""
+            self._warned[cause], self._warned_at[cause] = now, self.stats.refusals[cause.value]
+            log.warning("refused (%s): %s%s", cause.value, detail, more)
 
     def _on_hello(self, ident: bytes, hello: P.Hello) -> None:
         reason = hello_refusal(self._gate, ident, hello, self.fingerprint, self.transport.backend.value)

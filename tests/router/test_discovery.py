@@ -100,7 +100,8 @@ def test_cache_aware_routing_follows_dns_discovered_prefill_pods_and_their_store
     # resolving, the router forgets what it held and routes to the other.
     from kvrelay.bench.local_redis import free_port
     from kvrelay.common.keys import chunk_keys_from_digest
-    from kvrelay.store.events import Publisher
+    from kvrelay.common.secrets import KeyUse, derive_key
+    from kvrelay.store.events import Publisher, published_key
 
     answers = {"kv-prefill": ["127.0.0.1", "127.0.0.2"], "kv-decode": ["127.0.0.1"]}
 
@@ -110,7 +111,8 @@ def test_cache_aware_routing_follows_dns_discovered_prefill_pods_and_their_store
     async def go() -> None:
         p_port, e_port = free_port(), free_port()
         p1, p2, dn = Fake(), Fake(), Fake()
-        pubs = [Publisher(host, e_port) for host in ("127.0.0.1", "127.0.0.2")]
+        salt = derive_key(b"k" * 32, KeyUse.EVENTS)                 # the router's secret, below
+        pubs = [Publisher(host, e_port, salt) for host in ("127.0.0.1", "127.0.0.2")]
         fp = b"f" * 32
         for pub in pubs:
             pub.bind_engine(fp, 256)
@@ -129,6 +131,8 @@ def test_cache_aware_routing_follows_dns_discovered_prefill_pods_and_their_store
                 await _until(lambda: sum(n.healthy for n in router.prefill.nodes) == 2)
                 await _until(lambda: router.index.events > 0, lambda: pubs[1]("stored", keys))
                 assert await _prefill_of(s, url, prompt) == p2.url
+                # what went over the wire names no chunk key: only their salted names
+                assert keys[0] not in router.index.holders and published_key(salt, keys[0]) in router.index.holders
                 answers["kv-prefill"] = ["127.0.0.1"]                  # pod 2 is gone
                 await _until(lambda: [n.url for n in router.prefill.nodes] == [p1.url])
                 assert all(p2.url not in held for held in router.index.holders.values())

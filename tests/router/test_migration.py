@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from kvrelay.core.params import PARAMS_REFUSED_HEADER
 from kvrelay.router.breaker import Breaker, BreakerState
 from kvrelay.router.migration import Cause, Progress, resume_body
 
@@ -92,11 +93,12 @@ class DeadPrefill(Decoder):
             assert request.transport is not None
             request.transport.abort()
             return web.Response()
-        return web.json_response({"error": {"message": "boom"}}, status=self.status)
+        headers = {PARAMS_REFUSED_HEADER: "not_allowed"} if self.status == 400 else {}
+        return web.json_response({"error": {"message": "boom"}}, status=self.status, headers=headers)
 
 
 @asynccontextmanager
-async def stack(prefills: list[Decoder], decodes: list[Decoder], **router: object):
+async def stack(prefills: list[Decoder], decodes: list[Decoder], first_token: str = "prefill", **router: object):
     apps = []
     for e in prefills + decodes:
         app = web.Application()
@@ -108,7 +110,7 @@ async def stack(prefills: list[Decoder], decodes: list[Decoder], **router: objec
     try:
         for e, url in zip(prefills + decodes, entered, strict=True):
             e.url = url
-        async with router_for(prefills, decodes, first_token="prefill", policy="round_robin",  # type: ignore[arg-type]
+        async with router_for(prefills, decodes, first_token=first_token, policy="round_robin",  # type: ignore[arg-type]
                               **router) as (url, r), aiohttp.ClientSession() as s:
             yield url, s, r
     finally:
@@ -177,6 +179,19 @@ def test_a_failed_prefill_node_is_replaced_and_with_none_left_the_decode_node_se
                 answer = await resp.json()
             assert answer["choices"][0]["text"] == _want(12)
             assert alone.prompts == [] and alone.alone == 1 and r.metrics.errors.labels("prefill_failed_decode_only")._value.get() == 1
+    run(go())
+
+
+def test_a_refusal_of_the_routers_own_params_never_reaches_the_client():
+    # a prefill node whose push allowlist lacks the decode node (a rolling update): 400 + X-Kvrelay-Params-Refused
+    async def go():
+        for first_token in ("prefill", "decode"):
+            refusing, d = DeadPrefill(status=400), Decoder()
+            async with stack([refusing], [d], first_token=first_token) as (url, s, r):
+                async with s.post(f"{url}/v1/completions", json=BODY) as resp:
+                    answer = await resp.json()
+                assert resp.status == 200 and answer["choices"][0]["text"] == _want(12), answer
+                assert r.metrics.errors.labels("params_refused")._value.get() == 1
     run(go())
 
 

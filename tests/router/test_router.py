@@ -369,7 +369,7 @@ def test_cache_index_drops_keys_no_node_holds():
     from kvrelay.router.cache_index import ChunkIndex
     from kvrelay.store.events import StoreEvent, StoreEventKind
 
-    index = ChunkIndex(Pool("prefill", [Node("http://a"), Node("http://b")], RoutingPolicy.CACHE_AWARE))
+    index = ChunkIndex(Pool("prefill", [Node("http://a"), Node("http://b")], RoutingPolicy.CACHE_AWARE), b"salt")
     keys = [bytes([i]) * 32 for i in range(3)]
     index.apply("http://a", StoreEvent(StoreEventKind.STORED, keys, b"f" * 32, 256))
     index.apply("http://b", StoreEvent(StoreEventKind.STORED, keys[:1], b"f" * 32, 256))

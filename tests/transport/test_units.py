@@ -302,13 +302,13 @@ def test_the_store_event_publishers_port_binds_again_at_once_after_close():
     router.connect(f"tcp://127.0.0.1:{port}")
     try:
         for _ in range(30):
-            Publisher("127.0.0.1", port).close()
+            Publisher("127.0.0.1", port, b"salt").close()
     finally:
         router.close(linger=0)
-    first = Publisher("127.0.0.1", port)
+    first = Publisher("127.0.0.1", port, b"salt")
     try:
         with pytest.raises(TransportError, match=f"cannot bind the store event publisher tcp://127.0.0.1:{port}"):
-            Publisher("127.0.0.1", port)
+            Publisher("127.0.0.1", port, b"salt")
     finally:
         first.close()
 

@@ -1,0 +1,178 @@
+"""Floods on a decode node's transfer ports while honest traffic runs (real vLLM, tcp transport).
+
+2,000 connections to the data port that never authenticate - most idle, the rest sending one
+byte a second, each reopened within a second when the node closes it - and a flood of
+challenge requests on the control port. Honest requests (the e2e cases, streamed) run
+before, during and after: every answer equals one vLLM's, and the TTFT p99 under the flood
+is within 2x of the same run's without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import zmq
+from kvrelay.transport import protocol as P
+
+from tests.e2e.harness import CASES, MAX_TOKENS, MODEL, Case, start_stack
+
+pytestmark = pytest.mark.chaos
+CONNECTIONS = 2000
+
+
+@pytest.fixture(scope="module")
+def flood_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-floods"), 22900, transport__backend="tcp")
+    yield handle
+    handle.stack.stop()
+
+
+class DataFlood:
+    """``n`` unauthenticated connections to ``addr``; every second a tenth of them send one byte
+    of a preamble, and those the node closed are opened again."""
+
+    def __init__(self, addr: tuple[str, int], n: int) -> None:
+        self.addr, self.n = addr, n
+        self.socks: list[socket.socket | None] = [None] * n
+        self.opened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> DataFlood:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for s in self.socks:
+            if s is not None:
+                s.close()
+
+    def _run(self) -> None:
+        tick = 0
+        while not self._stop.is_set():
+            for i in range(self.n):
+                s = self.socks[i]
+                if s is None:
+                    with contextlib.suppress(OSError):
+                        s = socket.create_connection(self.addr, timeout=1)
+                        s.setblocking(False)
+                        self.opened += 1
+                elif i % 10 == tick % 10:
+                    try:
+                        s.send(b"K")                  # one byte of what could be a frame's magic
+                    except OSError:
+                        s.close()
+                        s = None
+                self.socks[i] = s
+            tick += 1
+            self._stop.wait(1.0)
+
+
+class ChallengeFlood:
+    """DEALER sockets asking the control port for challenges as fast as it answers."""
+
+    def __init__(self, endpoint: str, dealers: int = 8) -> None:
+        self.endpoint, self.dealers, self.sent = endpoint, dealers, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> ChallengeFlood:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        ctx = zmq.Context.instance()
+        socks = []
+        for i in range(self.dealers):
+            s = ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.IDENTITY, f"flood-{i}".encode())
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.SNDHWM, 100)
+            s.connect(self.endpoint)
+            socks.append(s)
+        try:
+            while not self._stop.is_set():
+                for s in socks:
+                    with contextlib.suppress(zmq.Again):
+                        s.send(P.encode(P.Challenge(sender_id=f"attacker-{self.sent}")), zmq.NOBLOCK)
+                        self.sent += 1
+                    with contextlib.suppress(zmq.Again):
+                        while True:
+                            s.recv(zmq.NOBLOCK)
+                time.sleep(0.001)
+        finally:
+            for s in socks:
+                s.close()
+
+
+async def _ttft(session: aiohttp.ClientSession, url: str, case: Case) -> tuple[float, str]:
+    """Stream one case; (seconds to the first text, the whole text)."""
+    body: dict = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
+                  "stream_options": {"include_usage": True}}
+    if case.kind == "chat":
+        body["messages"] = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": case.text()}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"], path = case.text(), "/v1/completions"
+    t0, first, text = time.monotonic(), None, ""
+    async with session.post(f"{url}{path}", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            data = line.strip().removeprefix(b"data: ")
+            if not data or data == b"[DONE]":
+                continue
+            for c in json.loads(data).get("choices", ()):
+                piece = (c["delta"].get("content") or "") if case.kind == "chat" else c["text"]
+                if piece and first is None:
+                    first = time.monotonic() - t0
+                text += piece
+    return (first if first is not None else time.monotonic() - t0), text
+
+
+async def _pass(url: str, reference: dict[str, str]) -> list[float]:
+    """Every case twice, two at a time; the TTFTs. Each answer must equal one vLLM's."""
+    sem = asyncio.Semaphore(2)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        async def one(case: Case) -> float:
+            async with sem:
+                ttft, text = await _ttft(session, url, case)
+            assert text == reference[case.name], f"{case.name}: not one vLLM's answer"
+            return ttft
+        return list(await asyncio.gather(*(one(c) for c in CASES * 2)))
+
+
+def _p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
+def test_honest_requests_stay_exact_and_fast_under_data_and_control_floods(flood_stack, reference):
+    cfg, url = flood_stack.cfg, flood_stack.router_url
+    data_addr = ("127.0.0.1", cfg.deploy.kv_base_port + 100)
+    control = f"tcp://127.0.0.1:{cfg.deploy.kv_base_port}"
+    asyncio.run(_pass(url, reference))                          # warm: both engines have seen every shape
+    before = asyncio.run(_pass(url, reference))
+    with DataFlood(data_addr, CONNECTIONS) as data, ChallengeFlood(control) as challenges:
+        time.sleep(3)                                           # the flood is at full size
+        during = asyncio.run(_pass(url, reference))
+        opened, asked = data.opened, challenges.sent
+    after = asyncio.run(_pass(url, reference))
+    calm = (_p99(before) + _p99(after)) / 2
+    print(f"floods: {opened} data connections opened, {asked} challenges asked; TTFT p99 {_p99(during) * 1e3:.0f} ms "
+          f"under the flood, {calm * 1e3:.0f} ms without (ratio {_p99(during) / calm:.2f})")
+    assert opened >= CONNECTIONS and asked > 1000, "the flood never reached its size"
+    assert _p99(during) <= 2 * calm, f"TTFT p99 {_p99(during):.3f} s under the flood vs {calm:.3f} s without"
