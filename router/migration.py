@@ -59,6 +59,7 @@ class Progress:
     failure: str = ""              # why the current segment failed ("" = it did not)
     cause: Cause | None = None
     migrations: int = 0
+    tracked: bool = True           # every piece came with its token ids (else nothing can be continued)
 
     def take(self, event: dict[str, Any]) -> list[tuple[str, str | None, Any]]:
         """Record one event of D's stream; returns the (text, finish, stop) pieces it adds."""
@@ -69,7 +70,10 @@ class Progress:
             self.decoded = self.base + int(event["usage"]["completion_tokens"])
         pieces = []
         for c in event.get("choices", ()):
-            self.ids.extend(c.get("token_ids") or ())
+            ids = c.get("token_ids")
+            if ids is None and c.get("text"):
+                self.tracked = False       # a node that does not say which tokens it sent: never continued
+            self.ids.extend(ids or ())
             self.text.append(c["text"])
             self.finish, self.stop = c.get("finish_reason"), c.get("stop_reason")
             pieces.append((c["text"], self.finish, self.stop))

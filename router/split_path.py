@@ -161,7 +161,8 @@ class SplitPath:
 
     def _next_node(self, job: Job, tried: list[Node], progress: Progress) -> Node | None:
         """Another decode node to continue on (None: the failure is the node's answer, attempts or nodes are out)."""
-        if progress.cause not in MOVABLE or progress.migrations >= self.client.cfg.router.max_migrations:
+        if (progress.cause not in MOVABLE or not progress.tracked
+                or progress.migrations >= self.client.cfg.router.max_migrations):
             return None
         try:
             nxt = self.client.decode.pick(exclude=tuple(tried))

@@ -250,4 +250,6 @@ def test_progress_and_the_resumed_body():
     p.take({"choices": [], "usage": {"completion_tokens": 4}})
     assert p.decoded == 5 and not p.failure and p.migrations == 1
     p.take({"error": {"message": "x"}})
-    assert p.cause is Cause.ERROR_EVENT
+    assert p.cause is Cause.ERROR_EVENT and p.tracked
+    p.take({"choices": [{"text": "b", "token_ids": None, "finish_reason": None}]})
+    assert not p.tracked                                # text without its ids: no continuation can be exact
