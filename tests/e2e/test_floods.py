@@ -1,7 +1,7 @@
 """Floods on a decode node's transfer ports while honest traffic runs (real vLLM, tcp transport).
 
-2,000 connections to the data port that never authenticate - most idle, the rest sending one
-byte a second, each reopened within a second when the node closes it - and a flood of
+2,000 connections to the data port that never authenticate - most idle, a tenth sending one
+byte a second, each reopened when the node has closed it - and a flood of
 challenge requests on the control port. Honest requests (the e2e cases, streamed) run
 before, during and after: every answer equals one vLLM's, and the TTFT p99 under the flood
 is within 2x of the same run's without it.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import socket
 import threading
@@ -24,7 +25,7 @@ from kvrelay.transport import protocol as P
 
 from tests.e2e.harness import CASES, MAX_TOKENS, MODEL, Case, start_stack
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]   # the reference and a stack start first
 CONNECTIONS = 2000
 
 
@@ -36,8 +37,8 @@ def flood_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 class DataFlood:
-    """``n`` unauthenticated connections to ``addr``; every second a tenth of them send one byte
-    of a preamble, and those the node closed are opened again."""
+    """``n`` unauthenticated connections to ``addr``: a tenth send one byte a second, the rest are
+    idle; those the node closed (seen when a byte is sent) are opened again."""
 
     def __init__(self, addr: tuple[str, int], n: int) -> None:
         self.addr, self.n = addr, n
@@ -62,15 +63,20 @@ class DataFlood:
         while not self._stop.is_set():
             for i in range(self.n):
                 s = self.socks[i]
-                if s is None:
-                    with contextlib.suppress(OSError):
-                        s = socket.create_connection(self.addr, timeout=1)
-                        s.setblocking(False)
+                if s is None:                         # connect without waiting: a full backlog holds SYNs
+                    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                    s.setblocking(False)
+                    if s.connect_ex(self.addr) in (0, errno.EINPROGRESS):
                         self.opened += 1
-                elif i % 10 == tick % 10:
+                    else:
+                        s.close()
+                        s = None
+                elif i % 10 == 0 or i % 100 == tick % 100:   # a tenth trickle; the rest are probed now and then
                     try:
                         s.send(b"K")                  # one byte of what could be a frame's magic
-                    except OSError:
+                    except BlockingIOError:
+                        pass                          # still connecting
+                    except OSError:                   # the node closed it: open another
                         s.close()
                         s = None
                 self.socks[i] = s
@@ -79,7 +85,9 @@ class DataFlood:
 
 
 class ChallengeFlood:
-    """DEALER sockets asking the control port for challenges as fast as it answers."""
+    """DEALER sockets asking the control port for challenges, about 1,000 a second (the old
+    design kept 1,024 outstanding challenges: this flushed them every second). Faster floods
+    only measure the attacker's own CPU, which on this 2-core host is the engines' too."""
 
     def __init__(self, endpoint: str, dealers: int = 8) -> None:
         self.endpoint, self.dealers, self.sent = endpoint, dealers, 0
@@ -113,7 +121,7 @@ class ChallengeFlood:
                     with contextlib.suppress(zmq.Again):
                         while True:
                             s.recv(zmq.NOBLOCK)
-                time.sleep(0.001)
+                time.sleep(0.008)
         finally:
             for s in socks:
                 s.close()
@@ -144,7 +152,7 @@ async def _ttft(session: aiohttp.ClientSession, url: str, case: Case) -> tuple[f
 
 
 async def _pass(url: str, reference: dict[str, str]) -> list[float]:
-    """Every case twice, two at a time; the TTFTs. Each answer must equal one vLLM's."""
+    """Every case three times, two at a time; the TTFTs. Each answer must equal one vLLM's."""
     sem = asyncio.Semaphore(2)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         async def one(case: Case) -> float:
@@ -152,7 +160,7 @@ async def _pass(url: str, reference: dict[str, str]) -> list[float]:
                 ttft, text = await _ttft(session, url, case)
             assert text == reference[case.name], f"{case.name}: not one vLLM's answer"
             return ttft
-        return list(await asyncio.gather(*(one(c) for c in CASES * 2)))
+        return list(await asyncio.gather(*(one(c) for c in CASES * 3)))
 
 
 def _p99(xs: list[float]) -> float:
