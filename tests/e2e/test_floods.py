@@ -36,24 +36,37 @@ def flood_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     handle.stack.stop()
 
 
-class DataFlood:
-    """``n`` unauthenticated connections to ``addr``: a tenth send one byte a second, the rest are
-    idle; those the node closed (seen when a byte is sent) are opened again."""
+class Flood:
+    """A flood on a thread of its own, for the length of a ``with`` block."""
 
-    def __init__(self, addr: tuple[str, int], n: int) -> None:
-        self.addr, self.n = addr, n
-        self.socks: list[socket.socket | None] = [None] * n
-        self.opened = 0
+    def __init__(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> DataFlood:
+    def __enter__(self) -> Flood:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(10)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class DataFlood(Flood):
+    """``n`` unauthenticated connections to ``addr``: a tenth send one byte a second, the rest are
+    idle; those the node closed (seen when a byte is sent) are opened again."""
+
+    def __init__(self, addr: tuple[str, int], n: int) -> None:
+        super().__init__()
+        self.addr, self.n = addr, n
+        self.socks: list[socket.socket | None] = [None] * n
+        self.opened = 0
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
         for s in self.socks:
             if s is not None:
                 s.close()
@@ -84,23 +97,14 @@ class DataFlood:
             self._stop.wait(1.0)
 
 
-class ChallengeFlood:
+class ChallengeFlood(Flood):
     """DEALER sockets asking the control port for challenges, about 1,000 a second (the old
     design kept 1,024 outstanding challenges: this flushed them every second). Faster floods
     only measure the attacker's own CPU, which on this 2-core host is the engines' too."""
 
     def __init__(self, endpoint: str, dealers: int = 8) -> None:
+        super().__init__()
         self.endpoint, self.dealers, self.sent = endpoint, dealers, 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> ChallengeFlood:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
 
     def _run(self) -> None:
         ctx = zmq.Context.instance()

@@ -16,14 +16,14 @@ from kvrelay.router.breaker import Breaker, BreakerState
 from kvrelay.router.migration import Cause, Progress, resume_body
 
 from tests.router.test_router import router_for, run, serve
-from tests.router.test_split import CONTEXT, PROMPT_IDS, events
+from tests.router.test_split import PROMPT_IDS, Scripted, events
 
 
 def text_of(i: int) -> str:
     return f"<{i}>"          # the text of answer token i (its id is 100 + i); token 0 comes from P
 
 
-class Decoder:
+class Decoder(Scripted):
     """A decode node continuing ``PROMPT_IDS + [100]`` (+ tokens so far) deterministically: token i
     is 100 + i, whatever node computes it. ``die_after``: it drops the connection after that many
     tokens of a request (or answers ``status`` before any)."""
@@ -33,12 +33,6 @@ class Decoder:
         self.prompts: list[list[int]] = []
         self.alone = 0                                   # requests it served alone (no prefill node)
         self.url = ""
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "m", "max_model_len": CONTEXT}]})
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

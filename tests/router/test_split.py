@@ -20,7 +20,17 @@ ANSWER = ["S", "M", "{", "S", "M"] + [f"<{i}>" for i in range(5, 200)]   # token
 CONTEXT = 64                                   # the scripted engines' max_model_len
 
 
-class Engine:
+class Scripted:
+    """What every scripted engine answers besides completions: ``/v1/models`` and ``/health``."""
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": CONTEXT}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+
+class Engine(Scripted):
     """P answers max_tokens=1 with token ids; D streams a token-id completion like vLLM."""
 
     def __init__(self, eos_at_1: bool = False, parser: bool = False) -> None:
@@ -30,12 +40,6 @@ class Engine:
         self.parser = parser             # a reasoning parser: token 1 lands in reasoning_content
         self.slow = False                # D writes a token every 50 ms
         self.url = ""
-
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "m", "max_model_len": CONTEXT}]})
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({})
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
