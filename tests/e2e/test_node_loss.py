@@ -1,13 +1,15 @@
 """Losing a node under load, on real vLLM engines, answers compared with one plain vLLM with the
 same dtype and thread binding (one pinned thread per engine).
 
-A 2P2D stack per transport (tcp and nixl), ``router.first_token: prefill`` (the default):
-* 16 concurrent greedy streams with 240-token answers; once every stream has tokens, SIGKILL
-  one decode node's process group. Every stream completes - no error event, no duplicate or
-  missing token - and equals the uninterrupted answer; the router counts the migrations.
-* The same load on what is left (2P1D); SIGKILL a prefill node while it computes token 1s:
-  every answer completes and is exact. Then SIGKILL the other one: with no prefill node
-  left, the decode node serves requests alone, still exact.
+One 2P2D stack per transport (tcp and nixl), ``router.first_token: prefill`` (the default):
+
+* 1P2D (one prefill node killed first): 16 concurrent greedy streams with 240-token
+  answers; once every stream has tokens, SIGKILL one decode node's process group. Every
+  stream completes - no error event, no duplicate or missing token - and equals the
+  uninterrupted answer; the router counts the migrations.
+* 2P1D (that prefill node restarted): the same load; SIGKILL a prefill node while it
+  computes token 1s: every answer completes and is exact. Then SIGKILL the other one: with
+  no prefill node left, the decode node serves requests alone, still exact.
 """
 
 from __future__ import annotations
@@ -113,6 +115,13 @@ def _check(streams: list[Stream], want: dict[str, str]) -> None:
     assert not wrong, f"answers that differ from one vLLM's: {wrong}"
 
 
+def _until(predicate, what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f} s"
+        time.sleep(0.2)
+
+
 def _healthy_prefill(url: str) -> list[str]:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
@@ -127,6 +136,8 @@ def _router_count(url: str, series: str) -> float:
 
 def test_a_killed_decode_node_loses_no_stream_and_no_token(loss_stack, want):
     stack, url = loss_stack.stack, loss_stack.router_url
+    stack.kill("prefill1")                        # 1P2D
+    _until(lambda: len(_healthy_prefill(url)) == 1, "prefill1 out of rotation")
     t0 = time.monotonic()
     streams = asyncio.run(_load(url, LOSS, lambda ss: all(len(s.text) >= 5 for s in ss),
                                 lambda: stack.kill("decode0")))
@@ -139,14 +150,15 @@ def test_a_killed_decode_node_loses_no_stream_and_no_token(loss_stack, want):
 
 def test_a_killed_prefill_node_then_both_lose_nothing(loss_stack, want):
     stack, url = loss_stack.stack, loss_stack.router_url
-    if "decode0" in stack.procs:                  # run alone: the acceptance's 2P1D
+    if "decode0" in stack.procs:                  # 2P1D
         stack.kill("decode0")
+    if "prefill1" not in stack.procs:
+        stack.restart("prefill1")
+    _until(lambda: len(_healthy_prefill(url)) == 2, "both prefill nodes in rotation")
     streams = asyncio.run(_load(url, LOSS, lambda ss: any(s.text for s in ss), lambda: stack.kill("prefill0")))
     _check(streams, want)
     stack.kill("prefill1")                        # no prefill node left: the decode node serves alone
-    deadline = time.monotonic() + 15
-    while _healthy_prefill(url) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    _until(lambda: not _healthy_prefill(url), "no prefill node in rotation")
     streams = asyncio.run(_load(url, LOSS[:4], lambda ss: True, lambda: None))
     _check(streams, want)
     assert _router_count(url, 'kvrelay_router_errors_total{cause="no_prefill_decode_only"}') >= 1
