@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import enum
 import functools
+import re
+import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -89,6 +91,13 @@ class EngineConfig(Section, frozen=True):
                                       # (-1 = vLLM's own 1 s; see core/vllm_plugin.py)
 
 
+_URL = r"(?:dns\+)?https?://[^\s=/]+:\d+/?"
+_PREFILL_ENTRY = re.compile(rf"{_URL}(?:=tcp://[^\s=/]+:\d+)?")
+_DECODE_ENTRY = re.compile(rf"{_URL}=tcp://[^\s=/]+:\d+")
+_ENTRY_HELP = {"prefill": "http://HOST:PORT[=tcp://HOST:EVENTS_PORT] (or dns+http://NAME:PORT...)",
+               "decode": "http://HOST:PORT=tcp://HOST:KV_PORT (or dns+http://NAME:PORT=tcp://NAME:KV_PORT)"}
+
+
 class RouterConfig(Section, frozen=True):
     """The OpenAI-compatible router and the pools it balances."""
 
@@ -129,6 +138,10 @@ class RouterConfig(Section, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for key, entries, shape in (("prefill", self.prefill, _PREFILL_ENTRY), ("decode", self.decode, _DECODE_ENTRY)):
+            for entry in entries:
+                if not shape.fullmatch(entry):
+                    raise ConfigError(f"router.{key}: {entry!r} is not a node: expected {_ENTRY_HELP[key]}")
         if self.params_ttl_s < self.request_timeout_s:
             raise ConfigError(f"router.params_ttl_s ({self.params_ttl_s:g}) must be at least router.request_timeout_s "
                               f"({self.request_timeout_s:g}): a request queued that long would lose its transfer")
@@ -173,18 +186,36 @@ def _schema() -> Any:
     return msgspec.inspect.type_info(KVRelayConfig)
 
 
-def _as_text(data: Any, info: Any) -> Any:
+def _as_text(data: Any, info: Any, name: str = "") -> Any:
     """Scalars YAML reads as numbers or booleans, given where the field is text, become that
-    text (``--connector.helper_cpus 3``, ``--engine.prefill_args '[--max-num-seqs, 8]'``)."""
+    text (``--connector.helper_cpus 3``, ``--engine.prefill_args '[--max-num-seqs, 8]'``); a
+    plain string where a list belongs becomes a list: split like a shell line for the engine
+    flag lists (``--engine.decode_args "--max-num-seqs 8"``), at commas for the others
+    (``--router.prefill http://a:8100,http://b:8100``)."""
     mi = msgspec.inspect
     if isinstance(info, mi.StrType) and isinstance(data, bool | int | float):
         return str(data).lower() if isinstance(data, bool) else str(data)
+    if isinstance(info, mi.ListType) and isinstance(data, str):
+        data = shlex.split(data) if name.endswith("_args") else [v.strip() for v in data.split(",") if v.strip()]
     if isinstance(info, mi.ListType) and isinstance(data, list):
         return [_as_text(v, info.item_type) for v in data]
     if isinstance(info, mi.StructType) and isinstance(data, Mapping):
         fields = {f.name: f.type for f in info.fields}
-        return {k: _as_text(v, fields[k]) if k in fields else v for k, v in data.items()}
+        return {k: _as_text(v, fields[k], k) if k in fields else v for k, v in data.items()}
     return data
+
+
+def _enum_values(path: str) -> str:
+    """For a validation error at ``path`` (``transport.backend``) on an enum field: its values."""
+    info = _schema()
+    for part in path.split("."):
+        fields = {f.name: f.type for f in getattr(info, "fields", ())}
+        if part not in fields:
+            return ""
+        info = fields[part]
+    if isinstance(info, msgspec.inspect.EnumType):
+        return "; valid values: " + ", ".join(str(m.value) for m in info.cls)
+    return ""
 
 
 def _convert(data: Mapping[str, Any]) -> KVRelayConfig:
@@ -192,6 +223,8 @@ def _convert(data: Mapping[str, Any]) -> KVRelayConfig:
         return msgspec.convert(_as_text(dict(data), _schema()), KVRelayConfig, strict=False)
     except msgspec.ValidationError as exc:
         msg = str(exc).replace("`$.", "`").replace("`$`", "`<root>`")
+        if (where := re.search(r"at `([\w.]+)`", msg)) is not None:
+            msg += _enum_values(where.group(1))
         if "shared_secret" in msg:
             msg += ("; the secret no longer lives in the config (it would reach command lines and logs): "
                     "set KVRELAY_SECRET or transport.secret_file")
@@ -350,7 +383,9 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE", help="deployment YAML")
     for key, default in leaf_fields():
         shown = default.value if isinstance(default, enum.Enum) else default
-        group.add_argument(f"--{key}", dest=f"cfg:{key}", metavar="V", default=None,
+        kebab = key.replace("_", "-")               # vLLM's own flags are kebab-case: both spellings work
+        names = [f"--{key}"] + ([f"--{kebab}"] if kebab != key else [])
+        group.add_argument(*names, dest=f"cfg:{key}", metavar="V", default=None,
                            help=f"{FIELD_HELP.get(key, '')} (default: {shown})".strip())
 
 

@@ -110,3 +110,28 @@ def test_signed_params_outlive_the_longest_request():
     assert cfg.router.params_ttl_s >= cfg.router.request_timeout_s
     with pytest.raises(ConfigError, match="params_ttl_s"):
         config.from_dict({"router": {"params_ttl_s": 300, "request_timeout_s": 600}})
+
+
+def test_the_command_line_takes_what_a_vllm_user_types():
+    """Kebab-case flags as vLLM spells them, lists without YAML, enum errors that list the values,
+    and pool entries checked when the config loads (not when the router first uses them)."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    config.add_config_args(p)
+    args = p.parse_args(["--chunk-tokens", "128", "--router.first-token", "decode",
+                         "--router.prefill", "http://a:8100,http://b:8100",
+                         "--engine.decode_args", "--max-num-seqs 8 --enforce-eager"])
+    cfg = config.config_from_args(args)
+    assert cfg.chunk_tokens == 128 and cfg.router.first_token.value == "decode"
+    assert cfg.router.prefill == ["http://a:8100", "http://b:8100"]
+    assert cfg.engine.decode_args == ["--max-num-seqs", "8", "--enforce-eager"]
+    with pytest.raises(ConfigError, match="valid values: nixl, tcp, shm, ucx"):
+        config.load(overrides=["transport.backend=foo"])
+    for entry in ("foo", "http://d:8101", "tcp://d:9100"):
+        with pytest.raises(ConfigError, match="router.decode: .* is not a node"):
+            config.load(overrides=[f"router.decode=[{entry!r}]"])
+    with pytest.raises(ConfigError, match="router.prefill"):
+        config.load(overrides=["router.prefill=[a:8100]"])
+    ok = config.load(overrides=["router.decode=['http://d:8101=tcp://d:9100', 'dns+http://kv-d:8100=tcp://kv-d:9100']"])
+    assert len(ok.router.decode) == 2
