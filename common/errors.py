@@ -33,6 +33,10 @@ class ConfigError(KVRelayError, ValueError):
     """A configuration value or key is invalid; the message names the key."""
 
 
+class UnreachableError(KVRelayError):
+    """A server a command must talk to (an engine, Prometheus) did not answer; the message names it."""
+
+
 class TransportError(KVRelayError):
     """Something in the transport layer failed."""
 

@@ -19,6 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvrelay.common.errors import UnreachableError
+
 DASHBOARD = Path(__file__).parent / "monitoring" / "dashboard.json"
 
 
@@ -32,10 +34,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def query_range(prom: str, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
     """Prometheus ``query_range``: [{'metric': {...}, 'values': [[t, 'v'], ...]}, ...]; raises on an error."""
     q = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
-    with urllib.request.urlopen(f"{prom}/api/v1/query_range?{q}", timeout=30) as r:
-        body = json.loads(r.read())
+    try:
+        with urllib.request.urlopen(f"{prom}/api/v1/query_range?{q}", timeout=30) as r:
+            body = json.loads(r.read())
+    except (OSError, ValueError) as exc:          # URLError, refused, timed out, not JSON
+        raise UnreachableError(f"Prometheus at {prom} did not answer a query: {exc}") from exc
     if body.get("status") != "success":
-        raise RuntimeError(f"Prometheus refused {expr!r}: {body.get('error')}")
+        raise UnreachableError(f"Prometheus at {prom} refused {expr!r}: {body.get('error')}")
     return list(body["data"]["result"])
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import generate_secret
 from kvrelay.core import config as kcfg
 
@@ -176,7 +177,7 @@ def render(cfg: kcfg.KVRelayConfig, ns: str, image: str, gpus: int, secret: str,
            redis: bool = False) -> list[dict[str, Any]]:
     """Every object, in apply order."""
     if gpus < 1:
-        raise ValueError("--gpus-per-pod must be at least 1")
+        raise ConfigError(f"--gpus-per-pod must be at least 1 (got {gpus})")
     tree = cluster_config(cfg, ns, gpus, redis)
     objs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta("kvrelay-config", ns, "config"),
@@ -214,7 +215,10 @@ def write(objs: list[dict[str, Any]], out: Path) -> list[Path]:
 
 def main(args: argparse.Namespace) -> int:
     cfg = kcfg.config_from_args(args)
-    secret = Path(args.secret_file).read_text().strip() if args.secret_file else generate_secret()
+    try:
+        secret = Path(args.secret_file).read_text().strip() if args.secret_file else generate_secret()
+    except OSError as exc:
+        raise ConfigError(f"--secret-file: cannot read {args.secret_file}: {exc.strerror or exc}") from exc
     objs = render(cfg, args.namespace, args.image, args.gpus_per_pod, secret, args.redis)
     paths = write(objs, Path(args.out))
     print(f"kvrelay: wrote {len(paths)} manifests to {args.out} (namespace {args.namespace}); "

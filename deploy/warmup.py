@@ -19,6 +19,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvrelay.common.errors import ConfigError, UnreachableError
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", required=True, help="text file (one prompt per line) or JSONL (prompt / messages)")
@@ -32,16 +34,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def read_prompts(path: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"--prompts: cannot read {path}: {exc.strerror or exc}") from exc
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if line.lstrip().startswith("{"):
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{n}: invalid JSON: {exc}") from exc
+                raise ConfigError(f"{path}:{n}: invalid JSON: {exc}") from exc
             if not isinstance(obj, dict) or not ({"prompt", "messages"} & obj.keys()):
-                raise ValueError(f"{path}:{n}: expected an object with 'prompt' or 'messages'")
+                raise ConfigError(f"{path}:{n}: expected an object with 'prompt' or 'messages'")
             items.append(obj)
         else:
             items.append({"prompt": line})
@@ -51,10 +57,19 @@ def read_prompts(path: str) -> list[dict[str, Any]]:
 def _stored(metrics_urls: list[str]) -> float:
     total = 0.0
     for url in metrics_urls:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            m = re.search(r"^kvrelay_store_chunks_stored_total (\S+)$", r.read().decode(), re.M)
+        text = _fetch(urllib.request.Request(url), 10)
+        m = re.search(r"^kvrelay_store_chunks_stored_total (\S+)$", text.decode(), re.M)
         total += float(m.group(1)) if m else 0.0
     return total
+
+
+def _fetch(req: urllib.request.Request, timeout: float) -> bytes:
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            data: bytes = r.read()
+            return data
+    except OSError as exc:                 # URLError, HTTPError, refused, timed out
+        raise UnreachableError(f"{req.full_url}: {getattr(exc, 'reason', exc)}") from exc
 
 
 def main(args: argparse.Namespace) -> int:
@@ -69,8 +84,7 @@ def main(args: argparse.Namespace) -> int:
         body = {"model": args.model, "max_tokens": 1, "temperature": 0, **item}
         req = urllib.request.Request(f"{urls[i % len(urls)]}/v1/{'chat/' if chat else ''}completions",
                                      data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as r:
-            n = int(json.loads(r.read())["usage"]["prompt_tokens"])
+        n = int(json.loads(_fetch(req, 600))["usage"]["prompt_tokens"])
         tokens += n
         full_chunks += n // args.chunk_tokens
     stored = float(full_chunks)
