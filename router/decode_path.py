@@ -75,6 +75,7 @@ class DecodePath:
         async def read(r: aiohttp.ClientResponse) -> tuple[bool, str]:
             await r.read()
             note_draining(node, r)
+            self.client.judge(node, r.status)
             if r.status >= 500:
                 return False, f"HTTP {r.status}"
             if PARAMS_REFUSED_HEADER in r.headers:    # our own params, not the client's request: another P
@@ -85,7 +86,7 @@ class DecodePath:
             return await self.client.send(f"{node.url}{endpoint}", body, rid, read)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             node.failures += 1
-            self.client.breaker.failure(node.url)
+            self.client.judge(node, None)
             return False, type(exc).__name__
         finally:
             node.outstanding -= 1
@@ -116,19 +117,19 @@ class DecodePath:
         try:
             node, r = await self.client.open_decode(node, job.endpoint, dbody, job.ids.engine)
             async with r:
+                self.client.judge(node, r.status)
                 if r.status != 200 or "text/event-stream" not in r.headers.get("Content-Type", ""):
                     data = await r.read()
                     self.client.metrics.ttft.observe(time.monotonic() - job.t0)
                     self.client.metrics.requests.labels(job.endpoint, "ok" if r.status == 200 else f"http_{r.status}").inc()
                     if r.status >= 500:
-                        self.client.breaker.failure(node.url)
                         self.client.metrics.errors.labels("decode_failed").inc()
                         return error_response(502, f"decode node {node.url} failed: HTTP {r.status}",
                                               "bad_gateway", job.ids.client)
                     return web.Response(body=data, status=r.status, content_type=r.content_type, headers=headers)
                 return await self._stream(job, r, headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self.client.breaker.failure(node.url)
+            self.client.judge(node, None)
             self.client.metrics.errors.labels("decode_failed").inc()
             self.client.metrics.requests.labels(job.endpoint, "decode_failed").inc()
             return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",

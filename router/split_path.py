@@ -89,13 +89,11 @@ class SplitPath:
                                                                             push_to=job.decode.kv_endpoint, early=True))
             tried.append(node)
             got = await self.client.ask(node, job.endpoint, pbody, f"{job.ids.engine}-p")
+            self.client.judge(node, got.status)
             if got.status is not None and got.status < 500 and not got.params_refused:
-                self.client.breaker.success(node.url)
                 return node, tid, got.status, got.body       # an answer (200), or the client's own error
             cause = "params_refused" if got.params_refused else "prefill_draining" if got.draining else "prefill_failed"
             self.client.metrics.errors.labels(cause).inc()
-            if cause == "prefill_failed":
-                self.client.breaker.failure(node.url)
             log.warning("token 1 of %s: prefill node %s %s", job.ids.client, node.url, cause.replace("_", " "))
             try:
                 node = self.client.prefill.pick(exclude=tuple(tried))
@@ -180,9 +178,11 @@ class SplitPath:
         (a refused connection moves the request before it is sent) and, for a client that does
         not stream, the node's own 4xx answer to pass on."""
         node.outstanding += 1
+        status: int | None = None                       # what the breaker hears (None: no answer)
         try:
             node, r = await self.client.open_decode(node, "/v1/completions", body, job.ids.engine)
             async with r:
+                status = r.status
                 if r.status == 200:
                     await self._relay(r, out, writer, progress)
                 elif r.status < 500 and out is None and not progress.ids:
@@ -198,10 +198,9 @@ class SplitPath:
             progress.fail(Cause.CONNECT, f"the decode node failed: {type(exc).__name__}: {exc}")
         finally:
             node.outstanding -= 1
-        if progress.cause in MOVABLE:
-            self.client.breaker.failure(node.url)
-        elif not progress.failure:
-            self.client.breaker.success(node.url)
+        if progress.cause is not Cause.ERROR_EVENT:      # an error event may be the request's own: not judged
+            self.client.judge(node, None if progress.cause in (Cause.CONNECT, Cause.STALL, Cause.EARLY_END)
+                              else status)
         return node, None
 
     async def _relay(self, r: aiohttp.ClientResponse, out: web.StreamResponse | None, writer: split.StreamWriter,

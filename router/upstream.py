@@ -92,6 +92,17 @@ class EngineClient:
         if self.session is not None:
             await self.session.close()
 
+    def judge(self, node: Node, status: int | None) -> None:
+        """Tell the circuit breaker how ``node`` answered. A node *fails* only when it gave no
+        answer (``status`` None: refused, dropped, timed out) or a gateway error (502/503/504
+        without a drain header - a drain is not a failure); any other answer, a 500 or a 4xx
+        included, is the engine judging the request, so a client cannot take nodes out by
+        sending requests vLLM refuses."""
+        if status is None or (status in (502, 503, 504) and node.healthy):
+            self.breaker.failure(node.url)
+        else:
+            self.breaker.success(node.url)
+
     def answer_headers(self, job: Job, p_url: str) -> dict[str, str]:
         """The headers of a client's answer: its X-Request-Id, and the prefill node's URL only with
         ``router.expose_nodes`` (internal addresses stay inside by default)."""

@@ -1,6 +1,8 @@
 import logging
 import os
 
+import pytest
+
 # Real-vLLM fixtures (the reference server, the PD stacks), shared by tests/e2e and tests/security.
 pytest_plugins = ["tests.e2e.harness"]
 
@@ -33,3 +35,16 @@ def mount_small_fs(path, size: str):
             subprocess.run(["umount", "-l", str(path)], check=False)
 
     return mounted()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):  # noqa: ARG001 - pytest's hook signature
+    """Every test on the shared PD stacks (``pd_stack``) first, then the tests that start stacks of
+    their own. Only one vLLM stack runs at a time (``tests.e2e.harness.start_stack`` stops the
+    previous one), so a test that starts its own stack between two ``pd_stack`` tests would stop
+    the shared one under them; pytest's own ordering by fixture does not rule that out. A stable
+    partition: the order within each part is pytest's."""
+    shared = [item for item in items if "pd_stack" in getattr(item, "fixturenames", ())]
+    if shared:
+        rest = [item for item in items if "pd_stack" not in getattr(item, "fixturenames", ())]
+        items[:] = shared + rest

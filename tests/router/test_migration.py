@@ -220,7 +220,7 @@ def test_the_breaker_takes_a_failing_node_out_backs_off_and_lets_one_probe_throu
 
 def test_an_open_breaker_keeps_a_node_out_of_picks_while_health_still_says_yes():
     async def go():
-        bad, good = Decoder(status=500), Decoder()
+        bad, good = Decoder(status=503), Decoder()                     # a gateway error, no drain header
         async with stack([Decoder()], [bad, good], breaker_failures=2, breaker_backoff_s=60,
                          max_migrations=1) as (url, s, r):
             for _ in range(6):
@@ -228,6 +228,22 @@ def test_an_open_breaker_keeps_a_node_out_of_picks_while_health_still_says_yes()
                     assert (await resp.json())["choices"][0]["text"] == _want(12)
             assert len(bad.prompts) == 2                               # then its breaker opened
             assert r.metrics.breaker_opens.labels(bad.url)._value.get() == 1
+    run(go())
+
+
+def test_answers_the_engine_gives_a_request_never_open_a_breaker():
+    # vLLM answers 500 (or 4xx) to some requests it cannot serve: that is the request's fault, not the
+    # node's, and a client sending such requests must not take decode nodes out of rotation
+    async def go():
+        for first_token in ("prefill", "decode"):
+            refuses = Decoder(status=500)
+            async with stack([Decoder()], [refuses], first_token=first_token, breaker_failures=2,
+                             max_migrations=0) as (url, s, r):
+                for _ in range(5):
+                    async with s.post(f"{url}/v1/completions", json={**BODY, "stream": True}) as resp:
+                        await resp.read()
+                assert r.decode.breaker.state(refuses.url).value == "closed"
+                assert r.metrics.breaker_opens.labels(refuses.url)._value.get() == 0
     run(go())
 
 
