@@ -4,9 +4,9 @@ same dtype and thread binding (one pinned thread per engine).
 One 2P2D stack per transport (tcp and nixl), ``router.first_token: prefill`` (the default):
 
 * 1P2D (one prefill node killed first): 16 concurrent greedy streams with 240-token
-  answers; once every stream has tokens, SIGKILL one decode node's process group. Every
-  stream completes - no error event, no duplicate or missing token - and equals the
-  uninterrupted answer; the router counts the migrations.
+  answers; once every stream has tokens, SIGKILL the process group of the decode node with
+  the most of them running. Every stream completes - no error event, no duplicate or
+  missing token - and equals the uninterrupted answer; the router counts the migrations.
 * 2P1D (that prefill node restarted): the same load; SIGKILL a prefill node while it
   computes token 1s: every answer completes and is exact. Then SIGKILL the other one: with
   no prefill node left, the decode node serves requests alone, still exact.
@@ -115,6 +115,15 @@ def _check(streams: list[Stream], want: dict[str, str]) -> None:
     assert not wrong, f"answers that differ from one vLLM's: {wrong}"
 
 
+def _busiest_decode(stack: launch.Stack) -> str:
+    """The live decode node with the most requests running (vLLM's own gauge)."""
+    def running(spec: launch.NodeSpec) -> float:
+        return sum(v for k, v in scrape(f"{stack.url(spec)}/metrics").items()
+                   if k.startswith("vllm:num_requests_running"))
+    live = [s for s in stack.specs if s.role is launch.Role.DECODE and s.name in stack.procs]
+    return max(live, key=running).name
+
+
 def _until(predicate, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -139,8 +148,10 @@ def test_a_killed_decode_node_loses_no_stream_and_no_token(loss_stack, want):
     stack.kill("prefill1")                        # 1P2D
     _until(lambda: len(_healthy_prefill(url)) == 1, "prefill1 out of rotation")
     t0 = time.monotonic()
+    # the node with the most streams still running: one prefill node staggers the streams' starts,
+    # so the first decode node to get work may have finished it by the time every stream has tokens
     streams = asyncio.run(_load(url, LOSS, lambda ss: all(len(s.text) >= 5 for s in ss),
-                                lambda: stack.kill("decode0")))
+                                lambda: stack.kill(_busiest_decode(stack))))
     moved = _router_count(url, "kvrelay_router_migrations_total")
     print(f"decode loss: {N} streams in {time.monotonic() - t0:.0f} s, {moved:.0f} migrated")
     _check(streams, want)
@@ -150,8 +161,8 @@ def test_a_killed_decode_node_loses_no_stream_and_no_token(loss_stack, want):
 
 def test_a_killed_prefill_node_then_both_lose_nothing(loss_stack, want):
     stack, url = loss_stack.stack, loss_stack.router_url
-    if "decode0" in stack.procs:                  # 2P1D
-        stack.kill("decode0")
+    for name in [s.name for s in stack.specs if s.role is launch.Role.DECODE and s.name in stack.procs][1:]:
+        stack.kill(name)                          # 2P1D
     if "prefill1" not in stack.procs:
         stack.restart("prefill1")
     _until(lambda: len(_healthy_prefill(url)) == 2, "both prefill nodes in rotation")
