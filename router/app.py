@@ -138,11 +138,13 @@ class Router:
 
     def _discoveries(self) -> list[Discovery]:
         """One DNS discovery per pool with ``dns+`` entries; admission follows the decode pool's
-        size, and the chunk index (cache_aware) the prefill pool's members."""
+        size, the breaker forgets nodes that left, and the chunk index (cache_aware) follows the
+        prefill pool's members."""
         rc = self.cfg.router
 
         def resize() -> None:
             self.admission.capacity = rc.max_inflight * max(1, len(self.decode.nodes))
+            self.decode.breaker.forget({n.url for p in (self.prefill, self.decode) for n in p.nodes})
             if self.index is not None:
                 self.index.sync()
         out = []

@@ -216,6 +216,10 @@ def test_the_breaker_takes_a_failing_node_out_backs_off_and_lets_one_probe_throu
     b.success("a")
     assert b.state("a") is BreakerState.CLOSED and b.allows("a") and b.allows("a")
     assert Breaker(threshold=0).state("x") is BreakerState.CLOSED
+    for _ in range(3):
+        b.failure("gone")                               # a node DNS discovery then drops
+    b.forget({"a"})
+    assert b.state("gone") is BreakerState.CLOSED and "gone" not in b._nodes
 
 
 def test_an_open_breaker_keeps_a_node_out_of_picks_while_health_still_says_yes():
