@@ -119,10 +119,9 @@ def summarize(took: dict[str, list[float]]) -> list[dict]:
 
 
 def _plot(results: dict[int, list[dict]], path: Path) -> None:
-    import matplotlib
+    from kvrelay.common.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("kvrelay bench breakdown")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(results)

@@ -267,10 +267,9 @@ def main(args: argparse.Namespace) -> int:
     (out / "table.txt").write_text(table + "\n")
     (out / "multiturn.json").write_text(json.dumps({"args": vars(args), "rows": rows, "on": on, "off": off, "overhead_pairs": pairs,
                                                     "hit_rate": hit, "store_overhead": over}, indent=2, default=str))
-    import matplotlib
+    from kvrelay.common.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("kvrelay bench multiturn")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["history_tokens"] for r in rows], [r["ttft_off_ms"] for r in rows], marker="o", label=names[0])

@@ -420,10 +420,9 @@ def _report(rows: dict[str, dict[str, Any]], pace_ms: float) -> str:
 
 
 def _plot(rows: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from kvrelay.common.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("kvrelay bench router")
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     names = list(rows)

@@ -58,10 +58,9 @@ def write_report(out: Path, text: str, data: tuple[str, dict[str, Any]],
 
 
 def ttft_plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+    from kvrelay.common.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the benchmark plot")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for system in dict.fromkeys(r["system"] for r in rows):

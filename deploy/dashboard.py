@@ -61,10 +61,9 @@ def panel_series(prom: str, panel: dict[str, Any], start: float, end: float,
 
 def render(prom: str, dashboard: Path, minutes: float, out: Path) -> dict[str, int]:
     """Plot every panel; returns {panel title: number of series}."""
-    import matplotlib
+    from kvrelay.common.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("kvrelay dashboard")
 
     panels = [p for p in json.loads(dashboard.read_text())["panels"] if p.get("targets")]
     end = time.time()

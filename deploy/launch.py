@@ -266,10 +266,10 @@ class Stack:
         self._wait_all(progress)
 
     def _wait_all(self, progress: bool) -> None:
-        from tqdm import tqdm
+        from kvrelay.common.optional import progress_bar
 
         names = [s.name for s in self.specs]
-        bar = tqdm(total=len(names) + 1, desc="starting kvrelay stack", disable=not progress, unit="node")
+        bar = progress_bar(total=len(names) + 1, desc="starting kvrelay stack", disable=not progress, unit="node")
         for s in self.specs:
             wait_healthy(self.url(s), self.procs[s.name], self.cfg.deploy.startup_timeout_s,
                          str(self.log_dir / f"{s.name}.log"))

@@ -73,13 +73,13 @@ def _fetch(req: urllib.request.Request, timeout: float) -> bytes:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from kvrelay.common.optional import progress_bar
 
     items = read_prompts(args.prompts)
     urls = args.url or ["http://127.0.0.1:8100"]
     before = _stored(args.metrics)
     tokens = full_chunks = 0
-    for i, item in enumerate(tqdm(items, desc="warmup", unit="prompt")):
+    for i, item in enumerate(progress_bar(iterable=items, desc="warmup", unit="prompt")):
         chat = "messages" in item
         body = {"model": args.model, "max_tokens": 1, "temperature": 0, **item}
         req = urllib.request.Request(f"{urls[i % len(urls)]}/v1/{'chat/' if chat else ''}completions",
