@@ -17,6 +17,7 @@ Precedence: built-in defaults < YAML file < ``--section.field=value`` flags.
 from __future__ import annotations
 
 import argparse
+import difflib
 import enum
 import functools
 import re
@@ -218,6 +219,18 @@ def _enum_values(path: str) -> str:
     return ""
 
 
+def _did_you_mean(name: str, section: str) -> str:
+    """For an unknown key ``name`` in ``section`` ("" = top level): "; did you mean `x`?" or ""."""
+    info = _schema()
+    for part in filter(None, section.split(".")):
+        info = {f.name: f.type for f in getattr(info, "fields", ())}.get(part)
+    names = [f.name for f in getattr(info, "fields", ())]
+    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    if not close and not section:                    # a leaf given at the top level: which section has it?
+        close = [k for k, _ in leaf_fields() if k.endswith(f".{name}")][:1]
+    return f"; did you mean `{close[0]}`?" if close else ""
+
+
 def _convert(data: Mapping[str, Any]) -> KVRelayConfig:
     try:
         return msgspec.convert(_as_text(dict(data), _schema()), KVRelayConfig, strict=False)
@@ -225,6 +238,8 @@ def _convert(data: Mapping[str, Any]) -> KVRelayConfig:
         msg = str(exc).replace("`$.", "`").replace("`$`", "`<root>`")
         if (where := re.search(r"at `([\w.]+)`", msg)) is not None:
             msg += _enum_values(where.group(1))
+        if (unknown := re.search(r"unknown field `(\w+)`(?: - at `([\w.]+)`)?", msg)) is not None:
+            msg += _did_you_mean(unknown.group(1), unknown.group(2) or "")
         if "shared_secret" in msg:
             msg += ("; the secret no longer lives in the config (it would reach command lines and logs): "
                     "set KVRELAY_SECRET or transport.secret_file")
@@ -378,19 +393,35 @@ FIELD_HELP: dict[str, str] = {
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config FILE`` and one ``--section.field`` flag per leaf to ``parser``."""
+    """Add ``--config FILE`` and one ``--section.field`` flag per leaf to ``parser`` (also
+    kebab-case; list keys may repeat). Abbreviated flags are refused: ``--transport.pool_byte``
+    must not quietly mean ``--transport.pool_bytes``."""
+    parser.allow_abbrev = False
+    parser.usage = "%(prog)s [options]"          # the flags are listed below, one per key
     group = parser.add_argument_group("configuration (YAML keys; flags override the file)")
     group.add_argument("--config", metavar="FILE", help="deployment YAML")
     for key, default in leaf_fields():
         shown = default.value if isinstance(default, enum.Enum) else default
         kebab = key.replace("_", "-")               # vLLM's own flags are kebab-case: both spellings work
         names = [f"--{key}"] + ([f"--{kebab}"] if kebab != key else [])
-        group.add_argument(*names, dest=f"cfg:{key}", metavar="V", default=None,
+        more = {"action": "append"} if isinstance(default, list) else {}
+        group.add_argument(*names, dest=f"cfg:{key}", metavar="V", default=None, **more,
                            help=f"{FIELD_HELP.get(key, '')} (default: {shown})".strip())
 
 
+def _flag_value(key: str, value: Any) -> Any:
+    """A repeated list flag's values as one override: a shell line for the engine argument
+    lists, comma-separated for the others (a single value passes as given, YAML included)."""
+    if not isinstance(value, list):
+        return value
+    if len(value) == 1:
+        return value[0]
+    return " ".join(value) if key.endswith("_args") else ",".join(value)
+
+
 def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
-    overrides = [f"{k[4:]}={v}" for k, v in vars(args).items() if k.startswith("cfg:") and v is not None]
+    overrides = [f"{k[4:]}={_flag_value(k[4:], v)}" for k, v in vars(args).items()
+                 if k.startswith("cfg:") and v is not None]
     return load(getattr(args, "config", None), overrides)
 
 

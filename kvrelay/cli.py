@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from kvrelay import __version__
 from kvrelay.common.errors import KVRelayError
@@ -15,6 +16,19 @@ def _cmd_config(args: argparse.Namespace) -> int:
     import yaml
 
     cfg = kcfg.config_from_args(args)
+    if args.markdown:
+        from kvrelay.deploy.config_doc import write_markdown
+
+        print(f"kvrelay: wrote {write_markdown(args.markdown)}", file=sys.stderr)
+        return 0
+    if args.check:
+        from kvrelay.deploy.preflight import problems
+
+        found = problems(cfg)
+        for p in found:
+            print(f"kvrelay: {p}", file=sys.stderr)
+        print(f"kvrelay: {len(found)} problem(s)" if found else "kvrelay: config OK", file=sys.stderr)
+        return 2 if found else 0
     print(yaml.safe_dump(kcfg.to_dict(cfg), sort_keys=False), end="")
     return 0
 
@@ -36,11 +50,11 @@ def _cmd_router(args: argparse.Namespace) -> int:
     from kvrelay.core.logs import setup
     from kvrelay.router.app import run
 
+    from kvrelay.router.preflight import require
+
     cfg = kcfg.config_from_args(args)
     setup(cfg.log_format)
-    if not cfg.router.prefill or not cfg.router.decode:
-        raise kcfg.ConfigError("router: router.prefill and router.decode must list at least one node each")
-    load_secret(cfg.transport)                # refuse to start without one, saying how to set it
+    require(cfg)                              # nodes listed, the secret, keys, TLS: one line saying what is wrong
     run(cfg)
     return 0
 
@@ -121,13 +135,46 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with "did you mean" for a mistyped flag (subcommands inherit the class)."""
+
+    def error(self, message: str) -> NoReturn:
+        import difflib
+
+        if message.startswith("unrecognized arguments:"):
+            known = _option_strings(self)
+            for word in message.split(":", 1)[1].split():
+                flag = word.split("=", 1)[0]
+                if flag.startswith("--") and (close := difflib.get_close_matches(flag, known, n=1, cutoff=0.75)):
+                    message += f" (did you mean {close[0]}?)"
+                    break
+        super().error(message)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag of ``parser`` and of its subcommands."""
+    out = []
+    for action in parser._actions:
+        out += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out += _option_strings(sub)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvrelay", description="Disaggregated prefill/decode serving for vLLM: "
+    p = _Parser(prog="kvrelay", description="Disaggregated prefill/decode serving for vLLM: "
                                 "KV chunks pushed from prefill to decode nodes over NIXL, UCX, TCP or shm.")
     p.add_argument("--version", action="version", version=f"kvrelay {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    c = sub.add_parser("config", help="print the effective configuration (defaults < YAML < flags)")
+    c = sub.add_parser("config", help="print the effective configuration (defaults < YAML < flags)",
+                       description="Prints the effective configuration (defaults < YAML < flags) as YAML.")
+    c.add_argument("--check", action="store_true",
+                   help="run every check the router and kvrelay up run before they start, print each problem, "
+                   "exit 2 if any")
+    c.add_argument("--markdown", metavar="FILE", help="write every key's reference (type, default, meaning) "
+                   "as Markdown to FILE (docs/config.md) and exit")
     kcfg.add_config_args(c)
     c.set_defaults(func=_cmd_config)
 

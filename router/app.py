@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import ssl
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -62,6 +61,7 @@ from kvrelay.router.discovery import Discovery, Resolver, parse_dns, system_reso
 from kvrelay.router.job import Job, RequestIds
 from kvrelay.router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.preflight import tls_context
 from kvrelay.router.pools import (
     NoHealthyNode,
     Pool,
@@ -343,18 +343,3 @@ def run(cfg: KVRelayConfig, router: Router | None = None) -> None:
         loop = uvloop.new_event_loop()
     web.run_app(app, host=cfg.router.host, port=cfg.router.port, print=None, ssl_context=tls_context(cfg),
                 access_log=None, handle_signals=True, handler_cancellation=True, loop=loop)
-
-
-def tls_context(cfg: KVRelayConfig) -> ssl.SSLContext | None:
-    """HTTPS for clients when ``router.tls_cert`` and ``router.tls_key`` are set."""
-    rc = cfg.router
-    if not rc.tls_cert and not rc.tls_key:
-        return None
-    if not (rc.tls_cert and rc.tls_key):
-        raise ConfigError("router.tls_cert and router.tls_key must be set together")
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        ctx.load_cert_chain(rc.tls_cert, rc.tls_key)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"router TLS: cannot load {rc.tls_cert} / {rc.tls_key}: {exc}") from exc
-    return ctx

@@ -28,14 +28,61 @@ def _dead_url() -> str:
     (["dashboard", "--prometheus", "DEAD", "--out", "OUT"], "Prometheus at DEAD did not answer"),
     (["config", "--router.decode", "foo"], "router.decode: 'foo' is not a node"),
     (["config", "--transport.backend", "carrier-pigeon"], "valid values: nixl, tcp, shm, ucx"),
+    (["config", "--config", "TYPO_YAML"], "unknown field `pool_byte` - at `transport`; did you mean `pool_bytes`?"),
+    (["router", "--router.prefill", "http://127.0.0.1:1", "--router.decode", "http://127.0.0.1:2=tcp://127.0.0.1:3",
+      "--router.tls-cert", "/nonexistent.pem"], "router.tls_cert and router.tls_key must be set together"),
+    (["router"], "router.prefill and router.decode must list at least one node each"),
 ])
 def test_a_bad_argument_or_a_dead_server_is_one_clear_line(argv, says, tmp_path: Path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prompts.txt").write_text("hello there\n")
+    (tmp_path / "typo.yaml").write_text("transport:\n  pool_byte: 1GiB\n")
+    monkeypatch.setenv("KVRELAY_SECRET", "x" * 32)
     dead = _dead_url()
-    subst = {"PROMPTS": str(tmp_path / "prompts.txt"), "DEAD": dead, "OUT": str(tmp_path / "d.png")}
+    subst = {"PROMPTS": str(tmp_path / "prompts.txt"), "TYPO_YAML": str(tmp_path / "typo.yaml"), "DEAD": dead, "OUT": str(tmp_path / "d.png")}
     argv = [subst.get(a, a) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.splitlines()[-1].startswith("kvrelay: ")   # after a progress bar
     assert subst.get(says, says.replace("DEAD", dead)) in err, err
+
+
+def test_a_mistyped_flag_is_refused_with_a_suggestion(capsys):
+    """argparse would take ``--transport.pool_byte`` as an abbreviation of ``--transport.pool_bytes``."""
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "--transport.pool_byte", "1GiB"])
+    assert exc.value.code == 2
+    assert "did you mean --transport.pool_bytes?" in capsys.readouterr().err
+
+
+def test_config_check_lists_every_problem_the_router_and_up_would_refuse(tmp_path: Path, capsys, monkeypatch):
+    monkeypatch.delenv("KVRELAY_SECRET", raising=False)
+    assert main(["config", "--check"]) == 0                      # kvrelay up makes its own secret
+    assert "config OK" in capsys.readouterr().err
+    argv = ["config", "--check", "--router.prefill", "http://a:8100", "--router.policy", "cache_aware",
+            "--router.api-keys-file", "/nonexistent/keys"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    for says in ("router.prefill and router.decode must list", "no shared secret", "router.api_keys_file",
+                 "cache_aware needs the prefill nodes' store events", "4 problem(s)"):
+        assert says in err, err
+    assert main(["config", "--check", "--deploy.decode", "2", "--deploy.kv-base-port", "8102"]) == 2
+    assert "port 8102 is both" in capsys.readouterr().err
+
+
+def test_list_flags_repeat_like_vllms(capsys):
+    assert main(["config", "--router.prefill", "http://a:8100", "--router.prefill", "http://b:8100",
+                 "--engine.decode-args", "--max-num-seqs 8", "--engine.decode-args=--enforce-eager"]) == 0
+    import yaml
+
+    data = yaml.safe_load(capsys.readouterr().out)
+    assert data["router"]["prefill"] == ["http://a:8100", "http://b:8100"]
+    assert data["engine"]["decode_args"] == ["--max-num-seqs", "8", "--enforce-eager"]
+
+
+def test_docs_config_md_is_current():
+    """``docs/config.md`` is ``kvrelay config --markdown``'s output: regenerate it when a key changes."""
+    from kvrelay.deploy.config_doc import render
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert path.read_text() == render(), "docs/config.md is stale: run kvrelay config --markdown docs/config.md"

@@ -1,0 +1,58 @@
+"""``kvrelay config --check``: every check the router and ``kvrelay up`` run before they start.
+
+A config that lists nodes (``router.prefill``, ``router.decode``) is checked as the router's;
+one that does not is checked as ``kvrelay up``'s, which fills the node lists and makes a
+secret when none is set, and must fit its servers' ports without collisions.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvrelay.common.secrets import SECRET_ENV
+from kvrelay.core.config import KVRelayConfig, RoutingPolicy
+from kvrelay.deploy.launch import PUBLISH_OFFSET, Role, node_specs
+from kvrelay.router import preflight as router_preflight
+from kvrelay.transport.config import TransportKind
+
+TCP_DATA_OFFSET = 100      # the tcp backend's data port, unless transport.data_port: control port + 100
+
+
+def stack_ports(cfg: KVRelayConfig) -> dict[str, int]:
+    """Every port a ``kvrelay up`` stack listens on, by what listens ({name: port})."""
+    ports = {"router.port": cfg.router.port}
+    base = cfg.deploy.base_port
+    for spec in node_specs(cfg):
+        ports[f"{spec.name} HTTP"] = spec.port
+        if spec.role is Role.DECODE:
+            ports[f"{spec.name} transfer control"] = spec.kv_port
+            if cfg.transport.backend is TransportKind.TCP:
+                data = cfg.transport.data_port or spec.kv_port + TCP_DATA_OFFSET
+                ports[f"{spec.name} transfer data"] = data
+        if cfg.connector.metrics_port:
+            ports[f"{spec.name} connector metrics"] = cfg.connector.metrics_port + spec.port - base
+        if spec.role is Role.PREFILL and cfg.store.enabled and cfg.router.policy is RoutingPolicy.CACHE_AWARE:
+            publish = cfg.store.publish_port or cfg.deploy.kv_base_port + PUBLISH_OFFSET
+            ports[f"{spec.name} store events"] = publish + spec.index
+    return ports
+
+
+def _collisions(cfg: KVRelayConfig) -> list[str]:
+    seen: dict[int, str] = {}
+    found = []
+    for name, port in stack_ports(cfg).items():
+        if port in seen:
+            found.append(f"port {port} is both {seen[port]} and {name}: move deploy.base_port, "
+                         "deploy.kv_base_port, router.port or connector.metrics_port apart")
+        seen.setdefault(port, name)
+    return found
+
+
+def problems(cfg: KVRelayConfig) -> list[str]:
+    """Every reason the router (or ``kvrelay up``) would refuse ``cfg``; empty when it would start."""
+    if cfg.router.prefill or cfg.router.decode:
+        return router_preflight.problems(cfg)
+    skip = {"nodes", "cache_aware"}                # kvrelay up lists the nodes and their event ports
+    if not (os.environ.get(SECRET_ENV) or cfg.transport.secret_file):
+        skip.add("secret")                         # kvrelay up writes one into deploy.log_dir
+    return router_preflight.problems(cfg, frozenset(skip)) + _collisions(cfg)
