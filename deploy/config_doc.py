@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec.inspect as mi
-
 from kvrelay.core.config import FIELD_HELP, KVRelayConfig
 
 HEADER = """# Configuration reference

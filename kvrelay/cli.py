@@ -49,7 +49,6 @@ def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
 def _cmd_router(args: argparse.Namespace) -> int:
     from kvrelay.core.logs import setup
     from kvrelay.router.app import run
-
     from kvrelay.router.preflight import require
 
     cfg = kcfg.config_from_args(args)

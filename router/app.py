@@ -61,7 +61,6 @@ from kvrelay.router.discovery import Discovery, Resolver, parse_dns, system_reso
 from kvrelay.router.job import Job, RequestIds
 from kvrelay.router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from kvrelay.router.metrics import RouterMetrics
-from kvrelay.router.preflight import tls_context
 from kvrelay.router.pools import (
     NoHealthyNode,
     Pool,
@@ -71,6 +70,7 @@ from kvrelay.router.pools import (
     is_dns,
     pools_from_config,
 )
+from kvrelay.router.preflight import tls_context
 from kvrelay.router.responses import error_response, too_many
 from kvrelay.router.split_path import SplitPath
 from kvrelay.router.upstream import EngineClient
