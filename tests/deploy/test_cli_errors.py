@@ -20,7 +20,8 @@ def _dead_url() -> str:
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["deploy", "k8s", "--out", "OUT", "--gpus-per-pod", "0"], "--gpus-per-pod must be at least 1"),
+    (["deploy", "k8s", "--out", "OUT", "--gpus-per-pod", "-1"], "--prefill-gpus must be at least 0"),
+    (["deploy", "k8s", "--out", "OUT", "--toleration", "gpu"], "--toleration 'gpu': expected"),
     (["deploy", "k8s", "--out", "OUT", "--secret-file", "/nonexistent/secret"],
      "--secret-file: cannot read /nonexistent/secret"),
     (["warmup", "--prompts", "/nonexistent/prompts.txt"], "--prompts: cannot read"),

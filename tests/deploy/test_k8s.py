@@ -23,7 +23,13 @@ import yaml
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import k8s, probe
 
-VERSION = k8s.K8S_VERSION
+VERSIONS = k8s.K8S_VERSIONS
+
+
+def _validate(obj: dict) -> None:
+    """Strictly (unknown fields are errors) against every Kubernetes release supported."""
+    for version in VERSIONS:
+        kubernetes_validate.validate(obj, version, strict=True)      # raises ValidationError, naming the field
 
 
 def _render(tmp: Path, *flags: str) -> dict[str, dict]:
@@ -40,18 +46,25 @@ def _render(tmp: Path, *flags: str) -> dict[str, dict]:
 
 
 def test_manifests_validate_strictly_and_carry_the_deployment(tmp_path: Path) -> None:
-    objs = _render(tmp_path, "--deploy.prefill", "2", "--deploy.decode", "3", "--gpus-per-pod", "4",
-                   "--store.enabled", "true", "--redis", "--engine.model", "meta-llama/Llama-3.1-8B-Instruct")
+    objs = _render(tmp_path, "--deploy.prefill", "2", "--deploy.decode", "3", "--transport.pool-bytes", "8GiB",
+                   "--store.enabled", "true", "--store.cpu-bytes", "4GiB", "--redis",
+                   "--engine.model", "meta-llama/Llama-3.1-8B-Instruct")
     for obj in objs.values():
-        if obj["apiVersion"].startswith("monitoring.coreos.com/"):
-            continue
-        kubernetes_validate.validate(obj, VERSION, strict=True)      # raises ValidationError, naming the field
-    assert {k.split("/")[0] for k in objs} >= {"ConfigMap", "Secret", "Service", "Deployment",
-                                               "PodDisruptionBudget", "PodMonitor"}
+        if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            _validate(obj)
+    assert {k.split("/")[0] for k in objs} >= {"Namespace", "ConfigMap", "Secret", "Service", "Deployment",
+                                               "PodDisruptionBudget", "PodMonitor", "PrometheusRule",
+                                               "NetworkPolicy"}
+    assert next(iter(objs)) == "Namespace/llm"                       # applied first
     dec, pre = objs["Deployment/kvrelay-decode"], objs["Deployment/kvrelay-prefill"]
     assert dec["spec"]["replicas"] == 3 and pre["spec"]["replicas"] == 2
     c = dec["spec"]["template"]["spec"]["containers"][0]
-    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # the pinned receive pool (decode) and the store's CPU tier (prefill) count against memory from start-up
+    deferred = 8                                                      # store.deferred_bytes default, MiB
+    assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"] == f"{(32 + 8) * 1024}Mi"
+    pc = pre["spec"]["template"]["spec"]["containers"][0]
+    assert pc["resources"]["requests"]["memory"] == f"{(32 + 4) * 1024 + deferred}Mi"
     assert c["args"][-2:] == ["--transport.advertise_host", "$(POD_IP)"]
     assert c["readinessProbe"]["exec"]["command"][-2:] == ["--kv-port", str(k8s.KV_PORT)]
     assert c["livenessProbe"]["exec"]["command"][-1] == "--liveness"        # a draining pod is alive
@@ -60,7 +73,6 @@ def test_manifests_validate_strictly_and_carry_the_deployment(tmp_path: Path) ->
     cfg = kcfg.from_dict(yaml.safe_load(objs["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]))
     assert cfg.router.decode == [f"dns+http://kvrelay-decode.llm.svc.cluster.local:{k8s.HTTP_PORT}"
                                  f"=tcp://kvrelay-decode.llm.svc.cluster.local:{k8s.KV_PORT}"]
-    assert cfg.engine.extra_args[-2:] == ["--tensor-parallel-size", "4"]
     assert cfg.transport.secret_file.startswith(k8s.SECRET_DIR) and cfg.store.redis_url.startswith("redis://kvrelay-redis")
     assert kcfg.push_allowlist(cfg) == [f"tcp://kvrelay-decode.llm.svc.cluster.local:{k8s.KV_PORT}"]
     secret = objs["Secret/kvrelay-secret"]["stringData"]["secret"]
@@ -93,7 +105,7 @@ def test_a_broken_manifest_is_caught_by_the_validator(tmp_path: Path) -> None:
     dep = _render(tmp_path)["Deployment/kvrelay-decode"]
     dep["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
-        kubernetes_validate.validate(dep, VERSION, strict=True)
+        _validate(dep)
 
 
 def test_probe_needs_the_engine_and_the_transfer_endpoint() -> None:
@@ -138,4 +150,73 @@ def test_client_keys_go_to_the_secret_and_draining_decode_pods_stay_listed(tmp_p
     assert "publishNotReadyAddresses" not in objs["Service/kvrelay-prefill"]["spec"]
     for obj in objs.values():
         if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
-            kubernetes_validate.validate(obj, VERSION, strict=True)
+            _validate(obj)
+
+
+def _pod(objs: dict[str, dict], name: str) -> dict:
+    return objs[f"Deployment/{name}"]["spec"]["template"]
+
+
+def test_cluster_options_reach_the_pods(tmp_path: Path) -> None:
+    objs = _render(tmp_path, "--node-selector", "gpu=h100", "--toleration", "nvidia.com/gpu:NoSchedule",
+                   "--toleration", "dedicated=llm:NoExecute", "--rdma-resource", "rdma/hca_shared_devices_a",
+                   "--ucx-net-devices", "mlx5_0:1", "--model-cache-pvc", "models", "--hf-token-secret", "hf",
+                   "--decode-gpus", "0")
+    for obj in objs.values():
+        if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            _validate(obj)
+    for role in ("prefill", "decode"):
+        spec = _pod(objs, f"kvrelay-{role}")["spec"]
+        c = spec["containers"][0]
+        assert spec["nodeSelector"] == {"gpu": "h100"}
+        assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                       {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoExecute"}]
+        assert c["resources"]["limits"]["rdma/hca_shared_devices_a"] == 1
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+        env = {e["name"]: e for e in c["env"]}
+        assert env["UCX_NET_DEVICES"]["value"] == "mlx5_0:1"
+        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token", "optional": True}
+        cache = next(v for v in spec["volumes"] if v["name"] == "model-cache")
+        assert cache["persistentVolumeClaim"] == {"claimName": "models"}
+        assert env["HF_HOME"]["value"].startswith(next(m["mountPath"] for m in c["volumeMounts"]
+                                                       if m["name"] == "model-cache"))
+    assert "nvidia.com/gpu" not in _pod(objs, "kvrelay-decode")["spec"]["containers"][0]["resources"]["limits"]
+    assert _pod(objs, "kvrelay-prefill")["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_two_routers_with_a_budget_and_pods_roll_when_the_config_changes(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 40)
+    one = _render(tmp_path / "a", "--secret-file", str(secret))
+    same = _render(tmp_path / "b", "--secret-file", str(secret))
+    other = _render(tmp_path / "c", "--secret-file", str(secret), "--router.max-migrations", "1")
+    assert one["Deployment/kvrelay-router"]["spec"]["replicas"] == 2
+    assert one["PodDisruptionBudget/kvrelay-router"]["spec"]["minAvailable"] == 1
+    key = "kvrelay.io/config-sha256"
+    for name in ("kvrelay-prefill", "kvrelay-decode", "kvrelay-router"):
+        assert _pod(one, name)["metadata"]["annotations"][key] == _pod(same, name)["metadata"]["annotations"][key]
+        assert _pod(one, name)["metadata"]["annotations"][key] != _pod(other, name)["metadata"]["annotations"][key]
+
+
+def test_network_policies_keep_the_data_plane_inside_the_stack(tmp_path: Path) -> None:
+    objs = _render(tmp_path, "--store.enabled", "true", "--router.policy", "cache_aware", "--redis",
+                   "--engine.model", "m")
+    stack = {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvrelay"}}}
+    decode = objs["NetworkPolicy/kvrelay-decode"]["spec"]
+    assert decode["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
+    by_port = {p["port"]: rule["from"] for rule in decode["ingress"] for p in rule["ports"]}
+    assert by_port[k8s.KV_PORT] == [stack] and by_port[k8s.KV_PORT + 100] == [stack]
+    assert stack in by_port[k8s.HTTP_PORT] and len(by_port[k8s.HTTP_PORT]) == 2        # and Prometheus
+    prefill = {p["port"]: rule["from"] for rule in objs["NetworkPolicy/kvrelay-prefill"]["spec"]["ingress"]
+               for p in rule["ports"]}
+    assert prefill[k8s.EVENTS_PORT] == [stack]
+    redis = objs["NetworkPolicy/kvrelay-redis"]["spec"]["ingress"]
+    assert redis == [{"from": [stack], "ports": [{"protocol": "TCP", "port": 6379}]}]
+    rule = objs["PrometheusRule/kvrelay"]["spec"]["groups"]
+    assert rule == yaml.safe_load(k8s.ALERTS.read_text())["groups"]
+
+
+def test_tensor_parallel_pods_are_refused_until_the_connectors_move_every_rank(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "deploy", "k8s", "--out", str(tmp_path), "--decode-gpus",
+                          "2"], capture_output=True, text=True)
+    assert res.returncode == 2 and "tensor parallelism" in res.stderr and "Traceback" not in res.stderr

@@ -1,0 +1,226 @@
+"""The pods of ``kvrelay deploy k8s``: engine and router Deployments, Services, budgets, policies.
+
+Builders of plain Kubernetes objects (dicts), one per function; :mod:`kvrelay.deploy.k8s`
+decides which to render from the config tree and the flags (:class:`K8sOptions`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.common.errors import ConfigError
+from kvrelay.core import config as kcfg
+
+from kvrelay import __version__
+
+PART_OF = "kvrelay"
+CONFIG_DIR, SECRET_DIR, MODEL_DIR = "/etc/kvrelay/config", "/etc/kvrelay/secret", "/models"
+HTTP_PORT = 8100          # every engine pod serves vLLM on this port
+KV_PORT = 9100            # decode pods: transfer control port (tcp data on KV_PORT + 100)
+KV_DATA_PORT = KV_PORT + 100
+AUTO_POOL_ESTIMATE = 4 << 30     # transport.pool_bytes 0 (sized from the model at start): counted as 4 GiB
+CHECKSUM = "kvrelay.io/config-sha256"
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    """What the cluster decides and the config tree does not (the flags of ``kvrelay deploy k8s``)."""
+
+    namespace: str = "kvrelay"
+    image: str = f"kvrelay:{__version__}"
+    prefill_gpus: int = 1
+    decode_gpus: int = 1
+    engine_cpus: str = "8"
+    engine_memory: str = "32Gi"
+    router_replicas: int = 2
+    node_selector: dict[str, str] = field(default_factory=dict)
+    tolerations: tuple[dict[str, str], ...] = ()
+    rdma_resource: str = ""
+    ucx_net_devices: str = ""
+    model_cache_pvc: str = ""
+    hf_token_secret: str = "hf-token"
+    metrics_namespace: str = "monitoring"
+    redis: bool = False
+
+    def __post_init__(self) -> None:
+        for flag, n in (("--prefill-gpus", self.prefill_gpus), ("--decode-gpus", self.decode_gpus)):
+            if n < 0:
+                raise ConfigError(f"{flag} must be at least 0 (0: CPU pods), got {n}")
+            if n > 1:
+                raise ConfigError(f"{flag} {n}: kvrelay's connectors move one engine rank's KV, so tensor "
+                                  "parallelism across GPUs is not supported yet; use 1 GPU per pod")
+        if self.router_replicas < 1:
+            raise ConfigError(f"--router-replicas must be at least 1, got {self.router_replicas}")
+
+
+def labels(component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/component": component}
+
+
+def meta(name: str, ns: str, component: str) -> dict[str, Any]:
+    return {"name": name, "namespace": ns, "labels": labels(component)}
+
+
+@dataclass(frozen=True)
+class EnginePod:
+    """One engine pod's shape: its role, devices and the resources it requests."""
+
+    role: str
+    gpus: int
+    cpus: str
+    memory_bytes: int
+    drain_timeout_s: float
+
+
+def _probe(role: str, kind: str) -> dict[str, Any]:
+    cmd = ["kvrelay", "probe", "--port", str(HTTP_PORT)] + (["--kv-port", str(KV_PORT)] if role == "decode" else [])
+    cmd += ["--liveness"] if kind == "liveness" else []     # a draining node is alive (deploy/drain.py)
+    timing = {"startup": {"periodSeconds": 10, "failureThreshold": 90},      # model load: up to 15 min
+              "readiness": {"periodSeconds": 5, "failureThreshold": 2},
+              "liveness": {"periodSeconds": 15, "failureThreshold": 4}}[kind]
+    return {"exec": {"command": cmd}, "timeoutSeconds": 5, **timing}
+
+
+def _volumes(opts: K8sOptions, engine: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    vols: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": "kvrelay-config"}},
+                                  {"name": "secret", "secret": {"secretName": "kvrelay-secret", "defaultMode": 0o400}}]
+    mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                                    {"name": "secret", "mountPath": SECRET_DIR, "readOnly": True}]
+    if engine:
+        cache = ({"persistentVolumeClaim": {"claimName": opts.model_cache_pvc}} if opts.model_cache_pvc
+                 else {"emptyDir": {}})
+        vols += [{"name": "dshm", "emptyDir": {"medium": "Memory"}}, {"name": "model-cache", **cache}]
+        mounts += [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "model-cache", "mountPath": MODEL_DIR}]
+    return vols, mounts
+
+
+def _engine_env(opts: K8sOptions) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HF_HOME", "value": f"{MODEL_DIR}/huggingface"}]
+    if opts.hf_token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": opts.hf_token_secret, "key": "token",
+                                                                        "optional": True}}})
+    if opts.ucx_net_devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": opts.ucx_net_devices})
+    return env
+
+
+def _resources(pod: EnginePod, opts: K8sOptions) -> dict[str, Any]:
+    memory = f"{math.ceil(pod.memory_bytes / (1 << 20))}Mi"     # the pinned pool is committed: request = limit
+    requests: dict[str, Any] = {"cpu": pod.cpus, "memory": memory}
+    limits: dict[str, Any] = {"memory": memory}
+    for extra in (("nvidia.com/gpu", pod.gpus),) + (((opts.rdma_resource, 1),) if opts.rdma_resource else ()):
+        if extra[1]:
+            requests[extra[0]] = limits[extra[0]] = extra[1]
+    return {"requests": requests, "limits": limits}
+
+
+def engine_deployment(pod: EnginePod, replicas: int, opts: K8sOptions, checksum: str) -> dict[str, Any]:
+    role, ns = pod.role, opts.namespace
+    args = ["serve", "--role", role, "--config", f"{CONFIG_DIR}/kvrelay.yaml", "--port", str(HTTP_PORT)]
+    ports = [{"name": "http", "containerPort": HTTP_PORT}]
+    if role == "decode":
+        args += ["--transport.advertise_host", "$(POD_IP)"]
+        ports += [{"name": "kv", "containerPort": KV_PORT}, {"name": "kv-data", "containerPort": KV_DATA_PORT}]
+    vols, mounts = _volumes(opts, engine=True)
+    container: dict[str, Any] = {
+        "name": role, "image": opts.image, "command": ["kvrelay"], "args": args, "ports": ports,
+        "env": _engine_env(opts), "resources": _resources(pod, opts),
+        "startupProbe": _probe(role, "startup"), "readinessProbe": _probe(role, "readiness"),
+        "livenessProbe": _probe(role, "liveness"), "volumeMounts": mounts}
+    if opts.rdma_resource:                  # registering pinned memory with the NIC needs it
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    spec: dict[str, Any] = {"terminationGracePeriodSeconds": math.ceil(pod.drain_timeout_s) + 45,   # drain, then stop
+                            "containers": [container], "volumes": vols}
+    if opts.node_selector:
+        spec["nodeSelector"] = dict(opts.node_selector)
+    if opts.tolerations:
+        spec["tolerations"] = [dict(t) for t in opts.tolerations]
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"kvrelay-{role}", ns, role),
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels(role)},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                     "template": {"metadata": {"labels": labels(role), "annotations": {CHECKSUM: checksum}},
+                                  "spec": spec}}}
+
+
+def headless_service(role: str, ns: str) -> dict[str, Any]:
+    ports = [{"name": "http", "port": HTTP_PORT, "targetPort": "http"}]
+    if role == "decode":
+        ports.append({"name": "kv", "port": KV_PORT, "targetPort": "kv"})
+    spec: dict[str, Any] = {"clusterIP": "None", "selector": labels(role), "ports": ports}
+    if role == "decode":
+        # a draining decode pod is not ready but still finishes its streams: prefill pods keep it in
+        # their push allowlist (router.decode resolves through this Service); the router health-checks
+        # every address itself, so a starting pod gets no traffic
+        spec["publishNotReadyAddresses"] = True
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"kvrelay-{role}", ns, role), "spec": spec}
+
+
+def disruption_budget(component: str, ns: str, rule: dict[str, int]) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta(f"kvrelay-{component}", ns, component),
+            "spec": {**rule, "selector": {"matchLabels": labels(component)}}}
+
+
+def router_objects(port: int, opts: K8sOptions, checksum: str) -> list[dict[str, Any]]:
+    ns = opts.namespace
+    vols, mounts = _volumes(opts, engine=False)
+    http = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
+    container = {"name": "router", "image": opts.image, "command": ["kvrelay"],
+                 "args": ["router", "--config", f"{CONFIG_DIR}/kvrelay.yaml"],
+                 "ports": [{"name": "http", "containerPort": port}],
+                 "readinessProbe": http, "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10},
+                 "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+                 "volumeMounts": mounts}
+    spread = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels("router")},
+                                            "topologyKey": "kubernetes.io/hostname"}}]}}
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta("kvrelay-router", ns, "router"),
+           "spec": {"replicas": opts.router_replicas, "selector": {"matchLabels": labels("router")},
+                    "template": {"metadata": {"labels": labels("router"), "annotations": {CHECKSUM: checksum}},
+                                 "spec": {"affinity": spread, "containers": [container], "volumes": vols}}}}
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": meta("kvrelay-router", ns, "router"),
+           "spec": {"selector": labels("router"), "ports": [{"name": "http", "port": port, "targetPort": "http"}]}}
+    budget = disruption_budget("router", ns, {"minAvailable": 1})
+    return [dep, svc] + ([budget] if opts.router_replicas > 1 else [])
+
+
+def redis_objects(ns: str) -> list[dict[str, Any]]:
+    container = {"name": "redis", "image": "redis:7", "ports": [{"name": "redis", "containerPort": 6379}],
+                 "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5}}
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta("kvrelay-redis", ns, "redis"),
+           "spec": {"replicas": 1, "selector": {"matchLabels": labels("redis")},
+                    "template": {"metadata": {"labels": labels("redis")}, "spec": {"containers": [container]}}}}
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": meta("kvrelay-redis", ns, "redis"),
+           "spec": {"selector": labels("redis"), "ports": [{"name": "redis", "port": 6379, "targetPort": "redis"}]}}
+    return [dep, svc]
+
+
+def _from_stack() -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": PART_OF}}}
+
+
+def _policy(name: str, ns: str, component: str, rules: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(name, ns, component),
+            "spec": {"podSelector": {"matchLabels": labels(component)}, "policyTypes": ["Ingress"], "ingress": rules}}
+
+
+def network_policies(cfg: kcfg.KVRelayConfig, opts: K8sOptions, events_port: int) -> list[dict[str, Any]]:
+    """Ingress rules: the data plane (transfer control and data, store events, Redis) reaches only
+    the stack's own pods; engines' HTTP (vLLM's API and /metrics) the stack and Prometheus; the
+    router's port is open (clients authenticate with API keys)."""
+    ns = opts.namespace
+    scrape = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": opts.metrics_namespace}}}
+    http = {"from": [_from_stack(), scrape], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
+    decode = {"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": p} for p in (KV_PORT, KV_DATA_PORT)]}
+    prefill = [http]
+    if cfg.store.publish_port:
+        prefill.append({"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": events_port}]})
+    objs = [_policy("kvrelay-prefill", ns, "prefill", prefill), _policy("kvrelay-decode", ns, "decode", [http, decode]),
+            _policy("kvrelay-router", ns, "router", [{"ports": [{"protocol": "TCP", "port": cfg.router.port}]}])]
+    if opts.redis and cfg.store.enabled:
+        objs.append(_policy("kvrelay-redis", ns, "redis", [{"from": [_from_stack()],
+                                                            "ports": [{"protocol": "TCP", "port": 6379}]}]))
+    return objs
