@@ -16,6 +16,11 @@ store have something to reuse) followed by a random body of ``--input-len`` toke
 The SLO (``--slo-ttft-ms``, ``--slo-tpot-ms``) is the same for every system; goodput is
 the client's ``request_goodput``: completed requests per second that met both.
 
+``--base-url URL`` measures a running OpenAI-compatible endpoint instead (a kvrelay router, a
+plain vLLM, a peer's proxy), as ``vllm bench serve --base-url`` does: nothing is started, the
+model is the endpoint's own (``/v1/models``) unless ``--model``, the API key comes from
+``--api-key`` or ``OPENAI_API_KEY`` and reaches the client through its environment.
+
 Writes one vLLM result JSON per (system, rate) under ``--out``/serve-*/, a combined
 ``serve.json`` (the same fields, plus the load and SLO), a table, and ``serve.png``
 (latency and goodput against rate). Ratios are against ``nixl-fair`` and ``single`` at
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.bench import e2e, report
+from kvrelay.common.errors import ConfigError, UnreachableError
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
 
@@ -54,6 +60,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-tpot-ms", type=float, default=30.0, help="SLO: time per output token after the first")
     p.add_argument("--prefill-batch-tokens", type=int, default=0,
                    help="P's --max-num-batched-tokens for both PD systems (0 = vLLM's, as the single baseline and `kvrelay up`)")
+    p.add_argument("--base-url", action="append", default=[], metavar="[NAME=]URL",
+                   help="measure this running endpoint (e.g. http://router:8000) instead of starting systems; "
+                   "repeat to compare several in one run (ratios are against the first)")
+    p.add_argument("--model", default="", help="model to ask for (--base-url; default: the endpoint's first "
+                   "from /v1/models)")
+    p.add_argument("--tokenizer", default="", help="tokenizer for prompt lengths (--base-url; default: the model "
+                   "name, or the built-in tiny model's)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
+                   help="bearer key for --base-url (default: $OPENAI_API_KEY; never put on the client's command line)")
     p.add_argument("--base-port", type=int, default=19300)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--quick", action="store_true", help="rates 1,3 and 16 prompts each")
@@ -107,6 +122,8 @@ class System:
         self.proxy: Any = None
 
     def start(self) -> str:
+        if self.name in self.args.endpoints:     # a running endpoint: nothing to start
+            return str(self.args.endpoints[self.name])
         if self.name == "single":
             return e2e.start_single(e2e.base_cfg(self.args, self.out), self.servers, self.args.base_port)
         if self.name.startswith("kvrelay-"):
@@ -136,8 +153,10 @@ class System:
 # ------------------------------------------------------------------ the client
 def client_command(args: argparse.Namespace, url: str, rate: float, num_prompts: int, result: Path) -> list[str]:
     """``vllm bench serve`` for one rate; its result JSON goes to ``result``."""
+    model = args.model or launch.TINY_NAME
+    tokenizer = args.tokenizer or (str(launch.model_path(kcfg.from_dict({}))) if model == launch.TINY_NAME else model)
     return [sys.executable, "-m", "kvrelay.bench.vllm_client", "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
-            "--model", launch.TINY_NAME, "--tokenizer", str(launch.model_path(kcfg.from_dict({}))),
+            "--model", model, "--tokenizer", tokenizer,
             "--dataset-name", "random", "--random-prefix-len", str(args.prefix_len),
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--random-range-ratio", str(args.range_ratio), "--ignore-eos",
@@ -151,9 +170,11 @@ def client_command(args: argparse.Namespace, url: str, rate: float, num_prompts:
 
 def run_rate(args: argparse.Namespace, url: str, rate: float, num_prompts: int, result: Path) -> dict:
     cmd = client_command(args, url, rate, num_prompts, result)
+    result.parent.mkdir(parents=True, exist_ok=True)
     log = result.with_suffix(".log")
+    env = dict(os.environ, **({"OPENAI_API_KEY": args.api_key} if args.api_key else {}))
     with open(log, "w") as fh:
-        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ), check=False).returncode
+        rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False).returncode
     if rc != 0 or not result.exists():
         raise RuntimeError(f"vllm bench serve failed (rc={rc}); see {log}:\n" + log.read_text()[-3000:])
     return dict(json.loads(result.read_text()))
@@ -170,33 +191,34 @@ def _row(system: str, rate: float, res: dict) -> dict:
 
 
 # ------------------------------------------------------------------ report
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], peers: tuple[str, str] = ("nixl-fair", "single")) -> str:
+    """One row per (system, rate); goodput and TTFT also as ratios against ``peers`` at the same rate."""
     ref = {(r["system"], r["rate"]): r for r in rows}
-    hdr = (f"{'system':<13} {'rate':>5} {'done':>5} {'req/s':>6} {'goodput':>7} {'gp/fair':>7} {'gp/single':>9} "
-           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TTFT/fair':>9} {'ITL p50':>7} {'p90':>6} {'p99':>6} "
+    a, b = peers
+    hdr = (f"{'system':<13} {'rate':>5} {'done':>5} {'req/s':>6} {'goodput':>7} {'gp/' + a[:6]:>9} {'gp/' + b[:6]:>9} "
+           f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TTFT/' + a[:6]:>11} {'ITL p50':>7} {'p90':>6} {'p99':>6} "
            f"{'TPOT p50':>8} {'E2E p50':>8}")
     lines = [hdr]
     for r in rows:
-        fair, single = ref.get(("nixl-fair", r["rate"])), ref.get(("single", r["rate"]))
+        fair, single = ref.get((a, r["rate"])), ref.get((b, r["rate"]))
 
-        def ratio(a: float | None, b: dict | None, key: str) -> float:
-            return a / b[key] if a is not None and b and b.get(key) else float("nan")
+        def ratio(x: float | None, peer: dict | None, key: str) -> float:
+            return x / peer[key] if x is not None and peer and peer.get(key) else float("nan")
 
         lines.append(f"{r['system']:<13} {r['rate']:>5g} {r['completed']:>5} {r['throughput']:>6.2f} "
-                     f"{r['goodput']:>7.2f} {ratio(r['goodput'], fair, 'goodput'):>7.2f} "
+                     f"{r['goodput']:>7.2f} {ratio(r['goodput'], fair, 'goodput'):>9.2f} "
                      f"{ratio(r['goodput'], single, 'goodput'):>9.2f} "
                      f"{r['ttft_p50']:>8.1f} {r['ttft_p90']:>7.1f} {r['ttft_p99']:>7.1f} "
-                     f"{ratio(r['ttft_p50'], fair, 'ttft_p50'):>9.2f} "
+                     f"{ratio(r['ttft_p50'], fair, 'ttft_p50'):>11.2f} "
                      f"{r['itl_p50']:>7.2f} {r['itl_p90']:>6.2f} {r['itl_p99']:>6.2f} "
                      f"{r['tpot_p50']:>8.2f} {r['e2el_p50']:>8.1f}")
     return "\n".join(lines)
 
 
 def plot(rows: list[dict], slo: dict, path: Path) -> None:
-    import matplotlib
+    from kvrelay.common.optional import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("kvrelay bench serve")
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for system in dict.fromkeys(r["system"] for r in rows):
@@ -219,15 +241,52 @@ def plot(rows: list[dict], slo: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+def endpoint_label(url: str) -> str:
+    """``http://router:8000/`` -> ``router:8000``: the table's name of an unnamed endpoint."""
+    return url.split("://", 1)[-1].rstrip("/")
 
+
+def endpoints(items: list[str]) -> dict[str, str]:
+    """``--base-url`` values as ``{name: url}``, in order (``NAME=URL`` or a bare URL)."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or "://" in name:
+            name, url = endpoint_label(item), item
+        if "://" not in url:
+            raise ConfigError(f"--base-url {item!r}: expected [NAME=]http://HOST:PORT")
+        out[name] = url.rstrip("/")
+    return out
+
+
+def endpoint_model(url: str, api_key: str) -> str:
+    """The first model a running endpoint serves (``GET /v1/models``); UnreachableError if it does not answer."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{url.rstrip('/')}/v1/models",
+                                 headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return str(json.loads(r.read())["data"][0]["id"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError) as exc:
+        raise UnreachableError(f"--base-url {url}: GET /v1/models failed ({exc}); is it an OpenAI-compatible "
+                               "server, and does it need --api-key?") from exc
+
+
+def main(args: argparse.Namespace) -> int:
+    from kvrelay.common.optional import need
+
+    tqdm = need("tqdm", "bench", "kvrelay bench serve").tqdm
     if args.quick:
         args.rates, args.num_prompts = "1,3", 16
     rates = [float(r) for r in args.rates.split(",")]
-    systems = args.systems.split(",")
-    if unknown := set(systems) - set(SYSTEMS):
-        raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    args.endpoints = endpoints(args.base_url)
+    systems = list(args.endpoints) or args.systems.split(",")
+    if args.endpoints:
+        args.model = args.model or endpoint_model(next(iter(args.endpoints.values())), args.api_key)
+    elif unknown := set(systems) - set(SYSTEMS):
+        raise ConfigError(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     out = Path(args.out) / f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     load = {k: getattr(args, k) for k in ("prefix_len", "input_len", "output_len", "range_ratio", "num_prompts")}
@@ -254,8 +313,10 @@ def main(args: argparse.Namespace) -> int:
         finally:
             system.stop()
     bar.close()
-    report.write_report(out, table(rows),
+    peers = (systems[0], systems[0]) if args.endpoints else ("nixl-fair", "single")
+    report.write_report(out, table(rows, peers),
                      ("serve.json", {"load": load, "slo": slo, "rates": rates, "rows": rows,
-                                     "vllm_results": results, "host": {"cpus": os.cpu_count()}}),
+                                     "vllm_results": results, "host": {"cpus": os.cpu_count()},
+                                     "endpoints": args.endpoints, "model": args.model}),
                      ("serve.png", lambda path: plot(rows, slo, path)))
     return 0
