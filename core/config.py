@@ -91,6 +91,29 @@ class EngineConfig(Section, frozen=True):
     mq_busy_loop_s: float = 0.002     # vLLM's engine<->worker queue: busy-wait this long, then park
                                       # (-1 = vLLM's own 1 s; see core/vllm_plugin.py)
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in ("extra_args", "prefill_args", "decode_args"):
+            if (flag := _parallel_flag(getattr(self, key))) is not None:
+                raise ConfigError(f"engine.{key}: {flag}: kvrelay's connectors move one engine rank's KV, so "
+                                  "tensor, pipeline and data parallelism are not supported yet; run one device "
+                                  "per engine and scale with more prefill and decode nodes")
+
+
+_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
+                   "--tensor_parallel_size", "--pipeline_parallel_size", "--data_parallel_size")
+
+
+def _parallel_flag(args: Sequence[str]) -> str | None:
+    """The first parallelism flag in a vLLM argument list with a size above 1, as given."""
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in _PARALLEL_FLAGS:
+            size = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+            if size.strip() not in ("1", ""):
+                return f"{name} {size}"
+    return None
+
 
 _URL = r"(?:dns\+)?https?://[^\s=/]+:\d+/?"
 _PREFILL_ENTRY = re.compile(rf"{_URL}(?:=tcp://[^\s=/]+:\d+)?")

@@ -18,6 +18,7 @@ Contract of the halves:
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch
 from kvrelay.core.config import KVRelayConfig, from_connector_extra
 from kvrelay.core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
 from kvrelay.core.fingerprint import engine_fingerprint
+from kvrelay.core.gauge_snapshots import SnapshotWriter, read_gauges, snapshot_path
 from kvrelay.core.params import ParamsError
 from kvrelay.core.telemetry import EventLog, metrics
 from kvrelay.core.tracing import TransferSpans
@@ -120,8 +122,11 @@ class WorkerBase:
         self.fingerprint: Any = None
         self.events = EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
         self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
-        self.metrics.events_dropped.set_function(lambda: self.events.dropped)
+        self.metrics.events_dropped.bind(lambda: self.events.dropped)
         self.stats = StatsTracker(self.metrics)      # the same numbers on the engine's /metrics
+        engine_id = str(getattr(getattr(vllm_config, "kv_transfer_config", None), "engine_id", "") or os.getpid())
+        self.gauges = SnapshotWriter(functools.partial(read_gauges, self.metrics),    # ... its gauges, also idle
+                                     snapshot_path(engine_id, os.getpid())).start()
         self.spans = TransferSpans(cfg.tracing.endpoint, cfg.tracing.protocol, f"kvrelay-{self.role}")
         self._lock = threading.Condition()
         self._finished: set[str] = set()
@@ -265,3 +270,5 @@ class RelayConnector(KVConnectorBase_V1, Generic[W]):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+            if isinstance(self._worker, WorkerBase):
+                self._worker.gauges.close()

@@ -15,19 +15,22 @@ How they travel (vLLM v1):
    the series appear under the same names, types and labels as on the worker's own
    exporter (``connector.metrics_port``).
 
-The worker only moves numbers while the engine steps; a value that changes while the engine
-is idle (a late refusal) shows up with the next step. One engine per API server is assumed
-(no ``engine`` label; with data parallelism, scrape the worker exporters instead).
+Counters and histograms move only while the engine steps: a count that grows while it idles (a
+late refusal) shows up with the next step. Gauges are read from the workers at scrape time
+instead (:mod:`kvrelay.core.gauge_snapshots`), so an idle node's pool reads what it holds.
+On the API server every series carries vLLM's own labels (``model_name``, ``engine``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrelay.core.telemetry import Metrics, metrics
+from kvrelay.core.gauge_snapshots import WorkerGauges
+from kvrelay.core.telemetry import Metrics, has_metrics, labelled_metrics, metrics
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 
@@ -64,7 +67,7 @@ def families(m: Metrics) -> dict[str, Any]:
 
     out = {}
     for value in vars(m).values():
-        metric = getattr(value, "histogram", value)
+        metric = getattr(value, "histogram", None) or getattr(value, "counter", None) or value
         if isinstance(metric, MetricWrapperBase):
             out[metric._name] = value
     return out
@@ -111,22 +114,39 @@ class StatsTracker:
 
 
 class RelayPromMetrics(KVConnectorPromMetrics):
-    """API-server side: apply the workers' changes to this process's metric families."""
+    """API-server side: apply the workers' changes to this process's metric families, under
+    vLLM's labels; serve the workers' gauges at scrape time."""
 
     def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.families = families(metrics())
+        self.engine_labels = {i: dict(zip(labelnames, map(str, v), strict=True))
+                              for i, v in per_engine_labelvalues.items()}
+        if has_metrics():                   # the engine runs in this process: its worker set is here already
+            self.families, self.engine_labels = families(metrics()), {}
+            return
+        self.families = families(labelled_metrics(tuple(labelnames)))
+        engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
+        if engine_id:
+            _register_gauges(str(engine_id), tuple(labelnames), tuple(per_engine_labelvalues.get(0, ())))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        fams = self.families
+        fams, lab = self.families, self.engine_labels.get(engine_idx, {})
         for name, labels, inc in transfer_stats_data.get("inc", []):
             if name in fams:
-                (fams[name].labels(**labels) if labels else fams[name]).inc(inc)
+                (fams[name].labels(**lab, **labels) if lab or labels else fams[name]).inc(inc)
         for name, labels, value in transfer_stats_data.get("set", []):
-            if name in fams:
+            if name in fams:                # in-process engines only: otherwise gauges come from the snapshots
                 (fams[name].labels(**labels) if labels else fams[name]).set(value)
         for name, values in transfer_stats_data.get("obs", []):
             if name in fams:
+                target = fams[name].labels(**lab) if lab else fams[name]
                 for v in values:
-                    fams[name].observe(v)
+                    target.observe(v)
+
+
+@functools.cache
+def _register_gauges(engine_id: str, labelnames: tuple[str, ...], labelvalues: tuple[object, ...]) -> None:
+    from prometheus_client import REGISTRY
+
+    REGISTRY.register(WorkerGauges(engine_id, labelnames, labelvalues))

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 log = logging.getLogger("vllm.kvrelay")
@@ -79,6 +80,9 @@ class Recorded:
         self.histogram.observe(value)
         self._recent.append(value)
 
+    def labels(self, *values: str, **kw: str) -> Any:
+        return self.histogram.labels(*values, **kw)
+
     def drain(self) -> list[float]:
         out = []
         while self._recent:
@@ -89,45 +93,99 @@ class Recorded:
         return self.histogram.collect()
 
 
+class Sourced:
+    """A counter whose value is a cumulative number kept elsewhere (the store's hit counts, the
+    receiver's refusals): :meth:`bind` names where to read it, and each collection (a scrape,
+    an engine step's delta) adds what it grew by. Exposed as ``<name>_total``, type counter."""
+
+    def __init__(self, name: str, doc: str, labelnames: Sequence[str] = (), registry: Any = None) -> None:
+        from prometheus_client import Counter
+
+        self.counter = Counter(name, doc, labelnames, registry=None)
+        self._sources: dict[tuple[str, ...], Callable[[], float]] = {}
+        self._seen: dict[tuple[str, ...], float] = {}
+        self._lock = threading.Lock()
+        if registry is not None:
+            registry.register(self)
+
+    def bind(self, source: Callable[[], float], *labelvalues: str) -> None:
+        with self._lock:
+            self._sources[labelvalues] = source
+
+    def labels(self, *values: str, **kw: str) -> Any:
+        return self.counter.labels(*values, **kw)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.counter.inc(amount)
+
+    def collect(self) -> Any:
+        with self._lock:
+            for values, source in self._sources.items():
+                grown = source() - self._seen.get(values, 0.0)
+                if grown > 0:
+                    (self.counter.labels(*values) if values else self.counter).inc(grown)
+                    self._seen[values] = self._seen.get(values, 0.0) + grown
+        return self.counter.collect()
+
+
+# Gauges a worker holds (a state, not a count) - name: (help, own labels). The engine's API server
+# reads them from the workers at scrape time (core/engine_stats.py), so they are current while the
+# engine idles.
+GAUGES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "kvrelay_transfers_inflight": ("Transfers in flight", ("side",)),
+    "kvrelay_pool_slots_busy": ("Receive pool slots leased, filled or held", ()),
+    "kvrelay_pool_slots": ("Receive pool slots in all (the busy gauge's ceiling)", ()),
+    "kvrelay_receiver_entries": ("Per-transfer entries the decode node's receiver tracks (0 when idle)", ()),
+}
+
+
 class Metrics:
-    """The connectors' Prometheus metrics (one set per process)."""
+    """The connectors' Prometheus metrics (one set per process).
 
-    def __init__(self) -> None:
-        from prometheus_client import Counter, Gauge, Histogram
+    ``labels`` are prepended to every family's own: the engine's API server passes vLLM's
+    (``model_name``, ``engine``); a worker's exporter has none. ``gauges`` False leaves the
+    :data:`GAUGES` out (the API server serves those from the workers' snapshots)."""
 
+    def __init__(self, labels: Sequence[str] = (), gauges: bool = True) -> None:
+        from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+        pre = list(labels)
         buckets = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3, 10)
-        self.tokens_loaded = Counter("kvrelay_tokens_loaded", "Prompt tokens installed from pushed chunks")
+
+        def hist(name: str, doc: str) -> Recorded:
+            return Recorded(Histogram(name, doc, pre, buckets=buckets))
+
+        def sourced(name: str, doc: str, own: Sequence[str] = ()) -> Sourced:
+            return Sourced(name, doc, [*pre, *own], REGISTRY)
+
+        self.tokens_loaded = Counter("kvrelay_tokens_loaded", "Prompt tokens installed from pushed chunks", pre)
         self.tokens_recomputed = Counter("kvrelay_tokens_recomputed",
-                                         "Prompt tokens recomputed after a failed chunk (fallback)")
-        self.chunks = Counter("kvrelay_chunks", "Chunks by side and outcome", ["side", "outcome"])
-        self.bytes = Counter("kvrelay_bytes", "Payload bytes moved", ["side"])
+                                         "Prompt tokens recomputed after a failed chunk (fallback)", pre)
+        self.chunks = Counter("kvrelay_chunks", "Chunks by side and outcome", [*pre, "side", "outcome"])
+        self.bytes = Counter("kvrelay_bytes", "Payload bytes moved", [*pre, "side"])
         self.forced_frees = Counter("kvrelay_push_forced_frees",
-                                    "Prefill requests whose blocks were freed at the deadline")
-        self.load_latency = Recorded(Histogram("kvrelay_chunk_load_latency_seconds",
-                                               "Chunk arrival to installed in the engine's KV cache", buckets=buckets))
-        self.store_latency = Recorded(Histogram("kvrelay_chunk_store_latency_seconds",
-                                                "Chunk ready on prefill to push complete", buckets=buckets))
-        self.transfer_latency = Recorded(Histogram("kvrelay_transfer_latency_seconds",
-                                                   "Decode: request scheduled to last chunk installed",
-                                                   buckets=buckets))
-        self.store_stored = Counter("kvrelay_store_chunks_stored", "Chunks put into the store")
+                                    "Prefill requests whose blocks were freed at the deadline", pre)
+        self.load_latency = hist("kvrelay_chunk_load_latency_seconds", "Chunk arrival to installed in the engine's KV cache")
+        self.store_latency = hist("kvrelay_chunk_store_latency_seconds", "Chunk ready on prefill to push complete")
+        self.transfer_latency = hist("kvrelay_transfer_latency_seconds", "Decode: request scheduled to last chunk installed")
+        self.store_stored = Counter("kvrelay_store_chunks_stored", "Chunks put into the store", pre)
         self.store_loaded_tokens = Counter("kvrelay_store_tokens_loaded",
-                                           "Prompt tokens loaded from the store instead of computed")
-        self.inflight = Gauge("kvrelay_transfers_inflight", "Transfers in flight", ["side"])
-        self.pool_leased = Gauge("kvrelay_pool_slots_busy", "Receive pool slots leased, filled or held")
-        self.pool_slots = Gauge("kvrelay_pool_slots", "Receive pool slots in all (the busy gauge's ceiling)")
-        self.receiver_entries = Gauge("kvrelay_receiver_entries",
-                                      "Per-transfer entries the decode node's receiver tracks (0 when idle)")
-        self.events_dropped = Gauge("kvrelay_events_dropped", "Event-log lines lost (disk full, unwritable path)")
-        self.store_forged = Gauge("kvrelay_store_records_forged", "Shared-tier records refused for a bad MAC "
-                                  "(written without the deployment's secret), by tier (cumulative)", ["tier"])
-        self.store_hits = Gauge("kvrelay_store_hits", "Chunks the store served, by tier (cumulative)", ["tier"])
-        self.store_bytes = Gauge("kvrelay_store_bytes_loaded", "Bytes the store served, by tier (cumulative)",
-                                 ["tier"])
-        self.store_misses = Gauge("kvrelay_store_misses", "Chunk reads no store tier could serve (cumulative)")
-        self.store_evictions = Gauge("kvrelay_store_evictions", "Chunks evicted from the CPU tier (cumulative)")
-        self.refusals = Gauge("kvrelay_receiver_refusals", "Writes and messages the decode node's receiver "
-                              "refused, by cause (cumulative)", ["cause"])
+                                           "Prompt tokens loaded from the store instead of computed", pre)
+        if gauges:
+            g = {name: Gauge(name, doc, list(own)) for name, (doc, own) in GAUGES.items()}
+            self.inflight = g["kvrelay_transfers_inflight"]
+            self.pool_leased = g["kvrelay_pool_slots_busy"]
+            self.pool_slots = g["kvrelay_pool_slots"]
+            self.receiver_entries = g["kvrelay_receiver_entries"]
+        self.events_dropped = sourced("kvrelay_events_dropped", "Event-log lines lost (disk full, unwritable path)")
+        self.store_forged = sourced("kvrelay_store_records_forged", "Shared-tier records refused for a bad MAC "
+                                    "(written without the deployment's secret), by tier", ["tier"])
+        self.store_hits = sourced("kvrelay_store_hits", "Chunks the store served, by tier", ["tier"])
+        self.store_bytes = sourced("kvrelay_store_bytes_loaded", "Bytes the store served, by tier", ["tier"])
+        self.store_misses = sourced("kvrelay_store_misses", "Chunk reads no store tier could serve")
+        self.store_evictions = sourced("kvrelay_store_evictions", "Chunks evicted from the CPU tier")
+        self.refusals = sourced("kvrelay_receiver_refusals", "Writes and messages the decode node's receiver "
+                                "refused, by cause", ["cause"])
 
 
 @functools.cache
@@ -135,10 +193,22 @@ def _the_metrics() -> Metrics:
     return Metrics()
 
 
+def has_metrics() -> bool:
+    """Whether this process already built its worker metrics (an engine run in-process)."""
+    return _the_metrics.cache_info().currsize > 0
+
+
+@functools.cache
+def labelled_metrics(labels: tuple[str, ...]) -> Metrics:
+    """The engine API server's set: vLLM's ``labels`` on every family, the gauges left to the workers."""
+    return Metrics(labels, gauges=False)
+
+
 @functools.cache
 def _exporter(port: int, host: str) -> None:
-    from prometheus_client import start_http_server
+    from prometheus_client import disable_created_metrics, start_http_server
 
+    disable_created_metrics()          # as vLLM does: no ``*_created`` gauge beside every counter
     start_http_server(port, addr=host)
 
 

@@ -114,8 +114,7 @@ class InstallWorker(WorkerBase):
         self.metrics.pool_slots.set(pool.stats().slots)
         self.metrics.receiver_entries.set_function(lambda: sum(receiver.tracked().values()))
         for cause in Refusal:
-            self.metrics.refusals.labels(cause.value).set_function(functools.partial(
-                receiver.stats.refusals.__getitem__, cause.value))
+            self.metrics.refusals.bind(functools.partial(receiver.stats.refusals.__getitem__, cause.value), cause.value)
         log.info("kvrelay decode: receiving on %s (%s), pool %d slots x %d B", self.receiver.endpoint,
                  self.cfg.transport.backend.value, self.receiver.pool.stats().slots, slot)
 

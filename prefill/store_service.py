@@ -66,15 +66,15 @@ class StoreService:
         self._thread.start()
 
     def _export_stats(self) -> None:
-        """The store's counters as gauges read at scrape time (and at each engine step)."""
+        """The store's counts as counters, read at scrape time (and at each engine step)."""
         m, stats = self.metrics, self.store.stats
         for tier in self.store.lower:
-            m.store_forged.labels(tier.name).set_function(functools.partial(getattr, tier, "forged"))
+            m.store_forged.bind(functools.partial(getattr, tier, "forged"), tier.name)
         for name in ["cpu", *(t.name for t in self.store.lower)]:
-            m.store_hits.labels(name).set_function(functools.partial(lambda n: stats.hits.get(n, 0), name))
-            m.store_bytes.labels(name).set_function(functools.partial(lambda n: stats.bytes_loaded.get(n, 0), name))
-        m.store_misses.set_function(lambda: stats.misses)
-        m.store_evictions.set_function(lambda: stats.evicted)
+            m.store_hits.bind(functools.partial(lambda n: stats.hits.get(n, 0), name), name)
+            m.store_bytes.bind(functools.partial(lambda n: stats.bytes_loaded.get(n, 0), name), name)
+        m.store_misses.bind(lambda: stats.misses)
+        m.store_evictions.bind(lambda: stats.evicted)
 
     def bind(self, layout: KVLayout, fingerprint: Any) -> None:
         self.layout, self.fingerprint = layout, fingerprint

@@ -79,4 +79,33 @@ def test_dashboard_is_grafana_json_over_kvrelay_series() -> None:
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
     for p in dash["panels"]:
         for t in p["targets"]:
-            assert re.search(r"kvrelay_\w+", t["expr"]), t
+            assert re.search(r"kvrelay_\w+|vllm:\w+", t["expr"]), t
+
+
+def test_dashboard_takes_rates_of_counters_only_and_filters_by_namespace_pod_and_model() -> None:
+    from kvrelay.core.telemetry import GAUGES
+
+    dash = json.loads((ROOT / "deploy" / "monitoring" / "dashboard.json").read_text())
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    assert {"datasource", "namespace", "pod", "model_name"} <= variables
+    titles = " ".join(p["title"] for p in dash["panels"])
+    assert "vLLM TTFT" in titles and "vLLM ITL" in titles
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            expr = t["expr"]
+            for name in re.findall(r"((?:kvrelay_|vllm:)\w+)\{", expr):
+                selector = expr[expr.index(name):].split("}", 1)[0]
+                assert 'namespace=~"$namespace"' in selector and 'pod=~"$pod"' in selector, (name, expr)
+                windowed = re.search(rf"(rate|increase)\({re.escape(name)}\{{[^}}]*\}}\[", expr) is not None
+                if name.endswith(("_total", "_bucket")):
+                    assert windowed, f"a counter read raw: {expr}"
+                else:
+                    assert not windowed and (name in GAUGES or name.startswith("kvrelay_router_")), \
+                        f"rate() of a gauge, or a series that is neither: {expr}"
+
+
+def test_alerts_say_where_their_series_come_from_as_the_readme_does() -> None:
+    header = RULES.read_text().split("groups:")[0]
+    assert "engine's own /metrics" in header and "never beside it" in header
+    readme = (ROOT / "README.md").read_text()
+    assert "engine's own `/metrics`" in readme

@@ -212,6 +212,18 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def without_vllm_labels(series: dict[str, float]) -> dict[str, float]:
+    """``kvrelay_x{engine="0",model_name="m",side="d"}`` -> ``kvrelay_x{side="d"}`` (summed over engines)."""
+    out: dict[str, float] = {}
+    for key, value in series.items():
+        if key.startswith("kvrelay_") and "{" in key:
+            name, _, rest = key.partition("{")
+            labels = [p for p in re.findall(r'\w+="[^"]*"', rest) if not p.startswith(("engine=", "model_name="))]
+            key = name + ("{" + ",".join(labels) + "}" if labels else "")
+        out[key] = out.get(key, 0.0) + value
+    return out
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds so far per thread (``comm``, tid) of every process in ``pid``'s process group."""
     tick, out = os.sysconf("SC_CLK_TCK"), {}
@@ -301,8 +313,10 @@ class StackHandle:
         return scrape(f"http://127.0.0.1:{self.cfg.connector.metrics_port + spec.port - self.cfg.deploy.base_port}/")
 
     def engine_metrics(self, role: launch.Role) -> dict[str, float]:
+        """The engine's own /metrics, kvrelay's series with vLLM's labels (model_name, engine)
+        taken off, so their keys read as on the worker's exporter."""
         spec = next(s for s in self.stack.specs if s.role is role)
-        return scrape(f"{self.stack.url(spec)}/metrics")
+        return without_vllm_labels(scrape(f"{self.stack.url(spec)}/metrics"))
 
     def events(self, rid: str) -> list[dict]:
         """Events of request ``rid``: its transfer's, and the per-request ones (store loads, saves)."""

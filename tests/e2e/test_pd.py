@@ -7,6 +7,7 @@ or missing KV chunk changes the answer - the negative control below proves it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -20,7 +21,9 @@ from kvrelay.deploy.launch import Role
 from tests.e2e.harness import (
     CASES,
     FORMAT_REQS,
+    MODEL,
     PIPELINE_CASE,
+    Case,
     openai_client,
     raw_post,
     run_case,
@@ -275,7 +278,7 @@ def test_prometheus_scrapes_the_stack_and_the_recompute_alert_fires(corrupt_stac
         names = set(api(prom, "label/__name__/values")["result"])
         panels = json.loads(dashboard.DASHBOARD.read_text())["panels"]
         used = {m for p in panels for t in p["targets"] for m in re.findall(r"kvrelay_\w+", t["expr"])}
-        store_only = {"kvrelay_store_records_forged", "kvrelay_store_hits", "kvrelay_store_misses"}   # no store here
+        store_only = {"kvrelay_store_records_forged_total", "kvrelay_store_hits_total", "kvrelay_store_misses_total"}
         assert used - store_only <= names, f"dashboard series missing from the scrape: {sorted(used - names)}"
         png = tmp_path / "dashboard.png"
         found = dashboard.render(prom, dashboard.DASHBOARD, 3, png)
@@ -366,3 +369,93 @@ def test_corrupted_chunks_over_nixl_are_caught_in_the_install_and_recomputed(ref
         _assert_corrupted_chunks_recomputed(handle, reference, CASES[7])
     finally:
         handle.stack.stop()
+
+
+# Each kvrelay family's Prometheus type: what is counted is a counter (``_total``), what is held
+# a gauge, what is timed a histogram. Every name the connectors export must be listed here.
+TYPES = {
+    "kvrelay_tokens_loaded": "counter", "kvrelay_tokens_recomputed": "counter", "kvrelay_chunks": "counter",
+    "kvrelay_bytes": "counter", "kvrelay_push_forced_frees": "counter", "kvrelay_store_chunks_stored": "counter",
+    "kvrelay_store_tokens_loaded": "counter", "kvrelay_events_dropped": "counter",
+    "kvrelay_store_records_forged": "counter", "kvrelay_store_hits": "counter", "kvrelay_store_bytes_loaded": "counter",
+    "kvrelay_store_misses": "counter", "kvrelay_store_evictions": "counter", "kvrelay_receiver_refusals": "counter",
+    "kvrelay_params_refused": "counter",
+    "kvrelay_chunk_load_latency_seconds": "histogram", "kvrelay_chunk_store_latency_seconds": "histogram",
+    "kvrelay_transfer_latency_seconds": "histogram",
+    "kvrelay_transfers_inflight": "gauge", "kvrelay_pool_slots_busy": "gauge", "kvrelay_pool_slots": "gauge",
+    "kvrelay_receiver_entries": "gauge",
+}
+
+
+def _types(url: str) -> tuple[dict[str, str], str]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    found = re.findall(r"^# TYPE (kvrelay_\w+) (\w+)$", text, re.M)
+    return {re.sub(r"_total$", "", n) if t == "counter" else n: t for n, t in found}, text
+
+
+def test_metric_types_follow_prometheus_conventions_and_carry_vllms_labels(pd_stack):
+    """Scraped from the real engines: counters are counters (``_total``), never gauges; every
+    kvrelay series on an engine's /metrics carries vLLM's ``model_name`` and ``engine`` labels."""
+    for role in (Role.PREFILL, Role.DECODE):
+        spec = next(s for s in pd_stack.stack.specs if s.role is role)
+        for url in (f"{pd_stack.stack.url(spec)}/metrics",
+                    f"http://127.0.0.1:{pd_stack.cfg.connector.metrics_port + spec.port - pd_stack.cfg.deploy.base_port}/"):
+            found, text = _types(url)
+            assert found, f"no kvrelay series at {url}"
+            wrong = {n: t for n, t in found.items() if TYPES.get(n) != t}
+            assert not wrong, f"{url}: families of the wrong (or an unlisted) type: {wrong}"
+            for line in text.splitlines():
+                if line.startswith("kvrelay_") and line.split("{")[0].split(" ")[0].endswith("_total"):
+                    assert TYPES.get(re.sub(r"_total$", "", line.split("{")[0].split(" ")[0])) == "counter", line
+        engine = scrape(f"{pd_stack.stack.url(spec)}/metrics")
+        ours = [k for k in engine if k.startswith("kvrelay_") and not k.startswith("kvrelay_params_refused")]
+        assert ours and all('model_name="' in k and 'engine="' in k for k in ours), \
+            [k for k in ours if 'model_name="' not in k][:5]
+        assert all(f'model_name="{MODEL}"' in k for k in ours)
+
+
+async def _abort_after_first_token(url: str, n: int, prompt_tokens: int) -> int:
+    """``n`` streamed completions with long prompts, each dropped by the client at its first token."""
+    import aiohttp
+
+    async def one(session: aiohttp.ClientSession, i: int) -> int:
+        body = {"model": MODEL, "prompt": Case(f"abort{i}", "completion", True, prompt_tokens + 13 * i, 400).text(),
+                "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    return 1                            # leaving the block closes the connection: an abort
+        return 0
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        return sum(await asyncio.gather(*(one(session, i) for i in range(n))))
+
+
+def test_an_idle_decode_node_reads_zero_busy_slots_after_aborted_requests(pd_stack, reference):
+    """Slots and receiver entries freed after the engine's last step (aborted requests) are not
+    reported through an engine step: the engine's /metrics must still read 0 once the node is
+    idle, within one scrape interval, and agree with the worker's own exporter."""
+    assert asyncio.run(_abort_after_first_token(pd_stack.router_url, 8, 1800)) == 8
+    spec = next(s for s in pd_stack.stack.specs if s.role is Role.DECODE)
+
+    def running() -> float:
+        m = pd_stack.engine_metrics(Role.DECODE)
+        return sum(v for k, v in m.items() if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+    deadline = time.monotonic() + 60
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not running(), "the decode engine still has requests a minute after every client left"
+    t_idle = time.monotonic()
+    while True:
+        engine = pd_stack.engine_metrics(Role.DECODE)
+        held = (engine.get("kvrelay_pool_slots_busy"), engine.get("kvrelay_receiver_entries"),
+                engine.get('kvrelay_transfers_inflight{side="decode"}', 0.0))
+        if held == (0.0, 0.0, 0.0) or time.monotonic() - t_idle > 15:
+            break
+        time.sleep(0.5)
+    assert held == (0.0, 0.0, 0.0), f"idle decode node {spec.name} reads (busy slots, entries, inflight) = {held}"
+    assert engine["kvrelay_pool_slots"] == pd_stack.worker_metrics(Role.DECODE)["kvrelay_pool_slots"] > 0
+    client = openai_client(pd_stack.router_url)                  # and the node still answers exactly
+    case = CASES[4]
+    assert run_case(client, case, _rid(pd_stack, case))[0] == reference[case.name]
