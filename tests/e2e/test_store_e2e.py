@@ -100,7 +100,7 @@ def test_decode_saves_answer_chunks_and_turn2_prefill_loads_them_from_redis(stor
 def test_a_poisoned_redis_record_is_a_counted_miss_and_the_answer_stays_exact(store_stack, store_redis, reference):
     """Security: someone with write access to Redis (but not the secret) replaces the chunk a
     decode node saved. The prefill node refuses it (bad MAC: counted in
-    kvrelay_store_records_forged{tier="redis"}), recomputes, and the answer is exact."""
+    kvrelay_store_records_forged_total{tier="redis"}), recomputes, and the answer is exact."""
     if not store_redis:
         pytest.skip("redis-server not installed (deploy/setup.sh installs it)")
     import redis
@@ -118,12 +118,12 @@ def test_a_poisoned_redis_record_is_a_counted_miss_and_the_answer_stays_exact(st
         value = r.get(k)
         assert value is not None
         r.set(k, value[:-32] + bytes(32))
-    before = store_stack.worker_metrics(Role.PREFILL).get('kvrelay_store_records_forged{tier="redis"}', 0)
+    before = store_stack.worker_metrics(Role.PREFILL).get('kvrelay_store_records_forged_total{tier="redis"}', 0)
     answer2 = run_chat(client, dsave_messages(answer1, 3), 12, r2)
     assert answer2 == reference["dsave2.3"]
     load = next(e for e in store_stack.wait_events(r2, {"store_load"}) if e["event"] == "store_load")
     assert load["loaded_tokens"] == 0, load                       # refused, so computed
-    after = store_stack.worker_metrics(Role.PREFILL)['kvrelay_store_records_forged{tier="redis"}']
+    after = store_stack.worker_metrics(Role.PREFILL)['kvrelay_store_records_forged_total{tier="redis"}']
     assert after >= before + 1
 
 

@@ -1,7 +1,7 @@
 """Attacks on the transfer endpoint, over real sockets, while an honest sender is mid-transfer.
 
 Every attack must be refused and counted by cause (``ReceiverStats.refusals``, exported as
-``kvrelay_receiver_refusals{cause}``), leave no slot, receiver entry or dead peer behind,
+``kvrelay_receiver_refusals_total{cause}``), leave no slot, receiver entry or dead peer behind,
 and the honest transfer must still deliver bytes equal to its source's digest.
 """
 
