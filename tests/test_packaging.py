@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kvrelay.common.secrets import SECRET_ENV
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
 
@@ -98,7 +100,8 @@ def test_router_only_install_serves_a_request(wheel: Path, pd_stack, tmp_path: P
     with open(tmp_path / "router.log", "w") as log:
         proc = subprocess.Popen([str(venv / "bin" / "kvrelay"), "router", "--config", str(tmp_path / "router.yaml")],
                                 cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path)})
+                                env={"PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path),
+                                     **{k: v for k, v in os.environ.items() if k == SECRET_ENV}})
     try:
         launch.wait_healthy(f"http://127.0.0.1:{port}", proc, 60, str(tmp_path / "router.log"))
         body = {"model": launch.served_name(pd_stack.cfg), "prompt": "The router-only install says",

@@ -391,7 +391,10 @@ def _types(url: str) -> tuple[dict[str, str], str]:
     with urllib.request.urlopen(url, timeout=10) as r:
         text = r.read().decode()
     found = re.findall(r"^# TYPE (kvrelay_\w+) (\w+)$", text, re.M)
-    return {re.sub(r"_total$", "", n) if t == "counter" else n: t for n, t in found}, text
+    # prometheus_client shows a counter's or histogram's creation time as a ``<name>_created``
+    # gauge beside it (as vLLM's own series have): part of that family, not a metric of its own
+    return {re.sub(r"_total$", "", n) if t == "counter" else n: t for n, t in found
+            if not (n.endswith("_created") and TYPES.get(n.removesuffix("_created")) in ("counter", "histogram"))}, text
 
 
 def test_metric_types_follow_prometheus_conventions_and_carry_vllms_labels(pd_stack):
