@@ -30,10 +30,22 @@ class TraceProtocol(str, enum.Enum):
 
 
 @functools.cache
+def installed() -> bool:
+    """Whether OpenTelemetry is importable (the ``otel`` extra; a router-only install lacks it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("opentelemetry") is not None
+
+
+@functools.cache
 def tracer(endpoint: str, protocol: TraceProtocol, service: str) -> Any:
-    """This process's tracer exporting to ``endpoint`` (None when ``endpoint`` is empty)."""
+    """This process's tracer exporting to ``endpoint`` (None when ``endpoint`` is empty);
+    MissingDependency when tracing is asked for and OpenTelemetry is not installed."""
     if not endpoint:
         return None
+    from kvrelay.common.optional import need
+
+    need("opentelemetry.sdk.trace", "otel", f"tracing.endpoint {endpoint}")
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -71,6 +83,8 @@ def traceparent_of(kv_transfer_params: dict[str, Any] | None) -> str:
 
 def inject(headers: dict[str, str]) -> dict[str, str]:
     """Add the current span's ``traceparent`` to ``headers`` (nothing without a recording span)."""
+    if not installed():
+        return headers
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
     TraceContextTextMapPropagator().inject(headers)
@@ -87,6 +101,8 @@ def with_traceparent(params: dict[str, Any]) -> dict[str, Any]:
 
 def annotate(**attrs: Any) -> None:
     """Set ``kvrelay.<key>`` attributes on the current span, if one is recording."""
+    if not installed():
+        return
     from opentelemetry import trace
 
     span = trace.get_current_span()
