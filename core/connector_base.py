@@ -174,8 +174,9 @@ class WorkerBase:
         if self.busy() and not self._finished:
             self._progress.wait(timeout)
 
-    def close(self) -> None:  # noqa: B027 - optional
-        pass
+    def close(self) -> None:
+        """Stop what the base started (the gauge snapshots); subclasses call it last."""
+        self.gauges.close()
 
 
 class RelayConnector(KVConnectorBase_V1, Generic[W]):
@@ -270,5 +271,3 @@ class RelayConnector(KVConnectorBase_V1, Generic[W]):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
-            if isinstance(self._worker, WorkerBase):
-                self._worker.gauges.close()

@@ -4,7 +4,7 @@ vLLM moves a connector's numbers to the API server only inside engine steps
 (:mod:`kvrelay.core.engine_stats`), and an idle engine does not step: slots freed after the last
 step (an aborted request's) would read busy until the next request. So the gauges take another
 road. Each worker process writes its :data:`~kvrelay.core.telemetry.GAUGES` to a small JSON file
-when they change (checked every ``interval_s``), named by the engine's ``engine_id`` (the same
+when they change (checked every ``interval_s``, 1 s: reading the pool's occupancy walks its slots), named by the engine's ``engine_id`` (the same
 in the API server and its workers) and the worker's pid; the API server's collector reads the
 files of its engine at scrape time and sums them across workers (tensor-parallel ranks). A file
 whose worker has died is removed, not summed.
@@ -47,7 +47,7 @@ def read_gauges(m: Metrics) -> Values:
 class SnapshotWriter:
     """Worker side: write this process's gauges to its snapshot file whenever they change."""
 
-    def __init__(self, read: Callable[[], Values], path: Path, interval_s: float = 0.5,
+    def __init__(self, read: Callable[[], Values], path: Path, interval_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.read, self.path, self.interval_s, self.clock = read, path, interval_s, clock
         self._last = ""

@@ -314,3 +314,4 @@ class InstallWorker(WorkerBase):
             self.saver.close()
         if self.receiver is not None:
             self.receiver.close()
+        super().close()

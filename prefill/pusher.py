@@ -355,3 +355,4 @@ class PushWorker(WorkerBase):
         self.lanes.close()
         if self.store is not None:
             self.store.close()
+        super().close()
