@@ -4,8 +4,9 @@ vLLM moves a connector's numbers to the API server only inside engine steps
 (:mod:`kvrelay.core.engine_stats`), and an idle engine does not step: slots freed after the last
 step (an aborted request's) would read busy until the next request. So the gauges take another
 road. Each worker process writes its :data:`~kvrelay.core.telemetry.GAUGES` to a small JSON file
-when they change (checked every ``interval_s``, 1 s: reading the pool's occupancy walks its slots), named by the engine's ``engine_id`` (the same
-in the API server and its workers) and the worker's pid; the API server's collector reads the
+when they change (checked every ``interval_s``, 1 s: reading the pool's occupancy walks its
+slots), named by the engine's ``engine_id`` (the same in the API server and its workers) and
+the worker's pid; the API server's collector reads the
 files of its engine at scrape time and sums them across workers (tensor-parallel ranks). A file
 whose worker has died is removed, not summed.
 """
@@ -18,7 +19,6 @@ import os
 import re
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,8 @@ SNAPSHOT_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.
 Values = dict[str, list[tuple[dict[str, str], float]]]      # gauge name -> [(own labels, value)]
 
 
-def snapshot_path(engine_id: str, pid: int, directory: Path = SNAPSHOT_DIR) -> Path:
+def snapshot_path(engine_id: str, pid: int | str, directory: Path = SNAPSHOT_DIR) -> Path:
+    """Worker ``pid``'s file for ``engine_id`` (``pid`` "*": the glob of every worker's)."""
     safe = re.sub(r"[^\w.-]", "_", engine_id)
     return directory / f"kvrelay-gauges-{safe}-{pid}.json"
 
@@ -37,9 +38,8 @@ def snapshot_path(engine_id: str, pid: int, directory: Path = SNAPSHOT_DIR) -> P
 def read_gauges(m: Metrics) -> Values:
     """The current value of every gauge of ``m`` (set_function gauges are evaluated now)."""
     out: Values = {}
-    for attr in ("inflight", "pool_leased", "pool_slots", "receiver_entries"):
-        gauge = getattr(m, attr, None)
-        for fam in gauge.collect() if gauge is not None else ():
+    for gauge in m.gauges.values():
+        for fam in gauge.collect():
             out[fam.name] = [(dict(s.labels), s.value) for s in fam.samples]
     return out
 
@@ -47,9 +47,8 @@ def read_gauges(m: Metrics) -> Values:
 class SnapshotWriter:
     """Worker side: write this process's gauges to its snapshot file whenever they change."""
 
-    def __init__(self, read: Callable[[], Values], path: Path, interval_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.read, self.path, self.interval_s, self.clock = read, path, interval_s, clock
+    def __init__(self, read: Callable[[], Values], path: Path, interval_s: float = 1.0) -> None:
+        self.read, self.path, self.interval_s = read, path, interval_s
         self._last = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvrelay-gauges", daemon=True)
@@ -94,7 +93,7 @@ def _alive(pid: int) -> bool:
 def summed(engine_id: str, directory: Path = SNAPSHOT_DIR) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every live worker's gauges for ``engine_id``, summed: {(name, own labels): value}."""
     total: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for path in directory.glob(snapshot_path(engine_id, 0, directory).name.replace("-0.json", "-*.json")):
+    for path in directory.glob(snapshot_path(engine_id, "*", directory).name):
         pid = int(path.stem.rsplit("-", 1)[1])
         if not _alive(pid):
             with contextlib.suppress(OSError):

@@ -171,8 +171,11 @@ class Metrics:
         self.store_stored = Counter("kvrelay_store_chunks_stored", "Chunks put into the store", pre)
         self.store_loaded_tokens = Counter("kvrelay_store_tokens_loaded",
                                            "Prompt tokens loaded from the store instead of computed", pre)
+        # name -> Gauge: what the workers' snapshots carry (core/gauge_snapshots.py); {} on the API server
+        self.gauges: dict[str, Any] = {name: Gauge(name, doc, list(own)) for name, (doc, own) in GAUGES.items()} \
+            if gauges else {}
         if gauges:
-            g = {name: Gauge(name, doc, list(own)) for name, (doc, own) in GAUGES.items()}
+            g = self.gauges
             self.inflight = g["kvrelay_transfers_inflight"]
             self.pool_leased = g["kvrelay_pool_slots_busy"]
             self.pool_slots = g["kvrelay_pool_slots"]
