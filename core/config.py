@@ -67,6 +67,7 @@ class ConnectorConfig(Section, frozen=True):
     metrics_port: Port = 0           # Prometheus exporter of the worker process (0 = off)
     metrics_host: str = "127.0.0.1"  # address the exporter binds
     push_hook: str = ""              # "module:function" called on each chunk before it is written (tests' faults)
+    inspect_hook: str = ""           # "module:function" shown a request's KV blocks once complete (core/hooks.py)
     helper_cpus: str = "all"         # push/install threads: "all" allowed CPUs, "inherit" the engine pin, or "2-3"
     drain_file: str = ""             # the node's drain state (core/drain.py); kvrelay serve sets one per node
 
@@ -91,17 +92,24 @@ class EngineConfig(Section, frozen=True):
     mq_busy_loop_s: float = 0.002     # vLLM's engine<->worker queue: busy-wait this long, then park
                                       # (-1 = vLLM's own 1 s; see core/vllm_plugin.py)
 
+    prefill_tp: Positive = 1          # tensor-parallel size of every prefill engine
+    decode_tp: Positive = 1           # tensor-parallel size of every decode engine (may differ from prefill_tp)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("extra_args", "prefill_args", "decode_args"):
-            if (flag := _parallel_flag(getattr(self, key))) is not None:
-                raise ConfigError(f"engine.{key}: {flag}: kvrelay's connectors move one engine rank's KV, so "
-                                  "tensor, pipeline and data parallelism are not supported yet; run one device "
-                                  "per engine and scale with more prefill and decode nodes")
+            if (flag := _parallel_flag(getattr(self, key))) is None:
+                continue
+            if flag.startswith(_TP_FLAGS):
+                raise ConfigError(f"engine.{key}: {flag}: set the tensor-parallel size with engine.prefill_tp and "
+                                  "engine.decode_tp instead (the connectors on both sides need to know it)")
+            raise ConfigError(f"engine.{key}: {flag}: pipeline and data parallelism are not supported; use "
+                              "engine.prefill_tp / engine.decode_tp, and scale with more prefill and decode nodes")
 
 
-_PARALLEL_FLAGS = ("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
-                   "--tensor_parallel_size", "--pipeline_parallel_size", "--data_parallel_size")
+_TP_FLAGS = ("--tensor-parallel-size", "-tp", "--tensor_parallel_size")
+_PARALLEL_FLAGS = (*_TP_FLAGS, "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
+                   "--pipeline_parallel_size", "--data_parallel_size")
 
 
 def _parallel_flag(args: Sequence[str]) -> str | None:
@@ -203,6 +211,14 @@ class KVRelayConfig(Section, frozen=True):
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     deploy: DeployConfig = msgspec.field(default_factory=DeployConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        tp = max(self.engine.prefill_tp, self.engine.decode_tp)
+        if tp > 1 and self.store.enabled:
+            raise ConfigError(f"store.enabled with tensor parallelism (engine.prefill_tp {self.engine.prefill_tp}, "
+                              f"engine.decode_tp {self.engine.decode_tp}) is not supported yet: the store serves "
+                              "one-rank engines; turn one of them off")
 
 
 @functools.cache
@@ -405,6 +421,13 @@ FIELD_HELP: dict[str, str] = {
     'router.breaker_backoff_s': ("how long a node whose breaker opened stays out; doubles each time it fails again, "
                                  "then one probe request (half-open) brings it back"),
     'router.breaker_max_backoff_s': 'the longest a node whose breaker opened stays out',
+    'engine.prefill_tp': ("tensor-parallel size of each prefill engine (vLLM --tensor-parallel-size; CPU: one OpenMP "
+                          "core set per rank, GPU: that many devices per node)"),
+    'engine.decode_tp': ("tensor-parallel size of each decode engine; may differ from engine.prefill_tp (the KV heads "
+                         "are re-sharded in flight; needs a head-major KV layout such as vLLM's CPU backend's)"),
+    'connector.inspect_hook': ("'module:function' called with (role, rank, request id, KV layout, block ids) when a "
+                               "request's prompt KV is complete on a prefill rank or installed on a decode rank "
+                               "(debugging and tests; '' = off)"),
     'deploy.prefill': 'kvrelay up: number of prefill servers',
     'deploy.decode': 'kvrelay up: number of decode servers',
     'deploy.host': 'kvrelay up: address every server binds to',

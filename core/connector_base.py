@@ -29,7 +29,9 @@ from kvrelay.core.config import KVRelayConfig, from_connector_extra
 from kvrelay.core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
 from kvrelay.core.fingerprint import engine_fingerprint
 from kvrelay.core.gauge_snapshots import SnapshotWriter, read_gauges, snapshot_path
+from kvrelay.core.hooks import InspectHook, load_function
 from kvrelay.core.params import ParamsError
+from kvrelay.core.rank_view import RankView
 from kvrelay.core.telemetry import EventLog, metrics
 from kvrelay.core.tracing import TransferSpans
 from kvrelay.kernels.layout import KVLayout
@@ -120,6 +122,9 @@ class WorkerBase:
         self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
         self.layout: KVLayout | None = None
         self.fingerprint: Any = None
+        self.ranks: RankView | None = None       # this rank's heads and pieces (set at register)
+        self.inspect: InspectHook | None = load_function(cfg.connector.inspect_hook, "connector.inspect_hook")
+        self.transfer_digest = b""               # what a peer rank's Hello must match
         self.events = EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
         self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         self.metrics.events_dropped.bind(lambda: self.events.dropped)
@@ -136,6 +141,8 @@ class WorkerBase:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.layout = KVLayout.from_caches(kv_caches)
         self.fingerprint = engine_fingerprint(self.vllm_config, self.layout, self.cfg)
+        self.ranks = RankView.of(self.vllm_config, self.layout, self.cfg, self.role)
+        self.transfer_digest = self.ranks.transfer_fingerprint(self.fingerprint, self.layout).digest()
 
     def blocks_in_chunk(self, prompt_len: int, c: int) -> int:
         """Engine blocks chunk ``c`` of a ``prompt_len``-token prompt spans (the tail may be short)."""

@@ -19,16 +19,17 @@ from typing import Any
 import msgspec
 import torch
 from kvrelay.common.errors import ChecksumError, ConfigError, KVRelayError, TransferTimeout
-from kvrelay.common.keys import chunk_keys
+from kvrelay.common.keys import chunk_keys_from_digest
 from kvrelay.common.wire import HEADER_SIZE, check_regions, copy_checked
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.connector_base import WorkerBase
 from kvrelay.core.drain import DrainPhase, read_phase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
+from kvrelay.core.ranks import Piece, part_transfer_id, piece_key
 from kvrelay.decode.messages import LoadSpec
 from kvrelay.decode.saver import DecodeSaver, SaveSpec
-from kvrelay.kernels.blocks import scatter
+from kvrelay.kernels.blocks import scatter_range
 from kvrelay.transport.backends import make_receiver_backend
 from kvrelay.transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone, TransferFailed
 from kvrelay.transport.pool import PAGE, round_up
@@ -60,14 +61,35 @@ def receive_pool_bytes(configured: int, slot_bytes: int, max_model_len: int, chu
 
 
 @dataclass
-class _Load:
-    spec: LoadSpec
-    keys: list[bytes]
+class _Part:
+    """One sub-transfer of a load: the piece (head range) one prefill rank sends this rank."""
+
+    piece: Piece
+    transfer_id: str
+    keys: list[bytes]          # one piece key per chunk
+    offset: int                # where the piece's heads sit in a local block (bytes)
+    width: int                 # the piece's bytes per block
     installed: set[int] = field(default_factory=set)
     failed: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    n_chunks: int
+    parts: list[_Part]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    running: int = 0           # install tasks (one per part) not yet ended
     t_start: float = 0.0
     span: Any = None           # kvrelay.install (tracing on)
+
+    def failed(self) -> dict[int, str]:
+        """Chunk -> why, for every chunk some piece of which failed (all-or-nothing per chunk)."""
+        out: dict[int, str] = {}
+        for part in self.parts:
+            for c, why in part.failed.items():
+                out.setdefault(c, why)
+        return out
 
 
 def _busy_slots(pool: Any) -> int:
@@ -129,8 +151,8 @@ class InstallWorker(WorkerBase):
                 tc = self.cfg.transport
                 size = receive_pool_bytes(int(tc.pool_bytes), slot, self.vllm_config.model_config.max_model_len,
                                           self.cfg.chunk_tokens)
-                tc = msgspec.structs.replace(tc, pool_bytes=size)
-                box.append(Receiver(tc, self.cfg.timeouts, make_receiver_backend(tc), self.fingerprint.digest(),
+                tc = msgspec.structs.replace(tc, pool_bytes=size, **self._rank_ports())
+                box.append(Receiver(tc, self.cfg.timeouts, make_receiver_backend(tc), self.transfer_digest,
                                     slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S, verify_payload=False,
                                     closing=self._stopping))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
@@ -143,6 +165,29 @@ class InstallWorker(WorkerBase):
             raise box[0]
         return box[0]
 
+    def _rank_ports(self) -> dict[str, int]:
+        """Rank r listens on the node's control (and tcp data) port + r: prefill ranks find
+        every decode rank from the one endpoint the router announces (core/ranks.py)."""
+        assert self.ranks is not None
+        tc, r = self.cfg.transport, self.ranks.rank
+        if self.ranks.tp > 1 and tc.control_port == 0:
+            raise ConfigError(f"a decode engine with tensor-parallel size {self.ranks.tp} needs a fixed "
+                              "transport.control_port (rank r listens on control_port + r)")
+        return {"control_port": tc.control_port + r if tc.control_port else 0,
+                "data_port": tc.data_port + r if tc.data_port else 0}
+
+    def _parts(self, spec: LoadSpec) -> list[_Part]:
+        """The sub-transfers this rank receives for ``spec``: one per prefill rank that sends it heads."""
+        assert self.ranks is not None
+        base = chunk_keys_from_digest(spec.token_ids, self.transfer_digest, self.cfg.chunk_tokens)
+        pieces = list(self.ranks.pieces)
+        parts = []
+        for pc in self.ranks.incoming():
+            offset, width = self.ranks.byte_range(pc.heads)
+            parts.append(_Part(pc, part_transfer_id(spec.transfer_id, pc, pieces),
+                               [piece_key(k, pc.heads, self.ranks.kv_heads) for k in base], offset, width))
+        return parts
+
     def _stopping(self) -> str:
         """Why new transfers are refused: the node's drain reached STOPPING (core/drain.py)."""
         if read_phase(self.cfg.connector.drain_file) is DrainPhase.STOPPING:
@@ -154,76 +199,85 @@ class InstallWorker(WorkerBase):
         if saves and self.saver is not None:
             self.saver.submit(saves)
         for spec in loads:
-            keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
-            load = _Load(spec, keys, t_start=time.monotonic(),
+            parts = self._parts(spec)
+            load = _Load(spec, -(-len(spec.token_ids) // self.cfg.chunk_tokens), parts, running=len(parts),
+                         t_start=time.monotonic(),
                          span=self.spans.start("kvrelay.install", spec.traceparent, request_id=spec.req_id,
                                                transfer_id=spec.transfer_id, tokens=spec.num_tokens))
             with self._lock:
                 self._loads[spec.req_id] = load
             assert self.receiver is not None
-            # chunks wholly inside this request's own local prefix-cache hit are not sent
-            self.receiver.expect(spec.transfer_id, held=keys[:self._first_chunk(load)])
+            for part in parts:     # chunks wholly inside this request's own local prefix-cache hit are not sent
+                self.receiver.expect(part.transfer_id, held=part.keys[:self._first_chunk(load)])
             self.metrics.inflight.labels("decode").inc()
             self.events.write("load_start", req=spec.req_id, transfer=spec.transfer_id, tokens=spec.num_tokens)
-            self._pool.submit(self._run, load)
+            for part in parts:
+                self._pool.submit(self._run, load, part)
         for rid in cancelled:
             with self._lock:
                 victim = self._loads.get(rid)
             if victim is not None:
                 victim.cancelled.set()
                 assert self.receiver is not None
-                self.receiver.abort(victim.spec.transfer_id, "request aborted on the decode node")
+                for part in victim.parts:
+                    self.receiver.abort(part.transfer_id, "request aborted on the decode node")
 
     # ---------------------------------------------------------------- install task
     def _first_chunk(self, load: _Load) -> int:
         return load.spec.local_tokens // self.cfg.chunk_tokens
 
-    def _run(self, load: _Load) -> None:
+    def _run(self, load: _Load, part: _Part) -> None:
         place_helper_thread(self.cfg.connector.helper_cpus)
-        with bind(load.spec.req_id, load.spec.transfer_id):      # on every log line (log_format: json)
+        with bind(load.spec.req_id, part.transfer_id):      # on every log line (log_format: json)
             try:
-                self._receive(load)
+                self._receive(load, part)
             except Exception as exc:  # noqa: BLE001 - never leave the request waiting forever
                 log.exception("install of %s crashed", load.spec.req_id)
-                self._fail_rest(load, f"internal error: {exc!r}")
+                self._fail_rest(load, part, f"internal error: {exc!r}")
             finally:
-                self._complete(load)
+                assert self.receiver is not None
+                self.receiver.finish(part.transfer_id)
+                with self._lock:
+                    load.running -= 1
+                    last = load.running == 0
+                if last:                          # every piece of every chunk settled: all or nothing
+                    self._complete(load)
 
-    def _receive(self, load: _Load) -> None:
+    def _receive(self, load: _Load, part: _Part) -> None:
         assert self.receiver is not None
-        tid, first, n = load.spec.transfer_id, self._first_chunk(load), len(load.keys)
+        tid, first, n = part.transfer_id, self._first_chunk(load), load.n_chunks
         timeout = self.cfg.connector.first_chunk_s
-        while len(load.installed) + len(load.failed) < n - first and not load.cancelled.is_set():
+        while len(part.installed) + len(part.failed) < n - first and not load.cancelled.is_set():
             try:
                 ev = self.receiver.next_event(tid, timeout)
             except TransferTimeout as exc:
-                self._fail_rest(load, str(exc))
+                self._fail_rest(load, part, str(exc))
                 return
             timeout = self.cfg.timeouts.chunk_s
             if isinstance(ev, ChunkArrival) and ev.chunk_index < first:
                 self.receiver.release(ev)         # pushed early (before D said what it holds): not needed
             elif isinstance(ev, ChunkArrival):
-                self._install(load, ev)
+                self._install(load, part, ev)
             elif isinstance(ev, ChunkRejected):
-                load.failed.setdefault(ev.chunk_index, f"{ev.reason.value}: {ev.detail}")
+                part.failed.setdefault(ev.chunk_index, f"{ev.reason.value}: {ev.detail}")
                 self.metrics.chunks.labels("decode", ev.reason.value).inc()
             elif isinstance(ev, TransferFailed):
-                self._fail_rest(load, f"{ev.reason.value}: {ev.detail}")
+                self._fail_rest(load, part, f"{ev.reason.value}: {ev.detail}")
                 return
             elif isinstance(ev, TransferDone):
                 for c in ev.held:
-                    load.installed.add(c)
-                if len(load.installed) + len(load.failed) < n - first:
-                    self._fail_rest(load, "transfer ended with chunks missing")
+                    part.installed.add(c)
+                if len(part.installed) + len(part.failed) < n - first:
+                    self._fail_rest(load, part, "transfer ended with chunks missing")
                 return
         if load.cancelled.is_set():
-            self._fail_rest(load, "cancelled")
+            self._fail_rest(load, part, "cancelled")
 
-    def _install(self, load: _Load, ev: ChunkArrival) -> None:
+    def _install(self, load: _Load, part: _Part, ev: ChunkArrival) -> None:
         assert self.receiver is not None and self.layout is not None
         c = ev.chunk_index
         try:
-            if c >= len(load.keys) or ev.key != load.keys[c]:
+            if c >= len(part.keys) or ev.key != part.keys[c]:
                 raise KVRelayError(f"chunk {c} key mismatch: not this prompt's KV (misrouted)")
             blocks = self.chunk_block_ids(load.spec.block_ids, len(load.spec.token_ids), c)
             if ev.header.num_blocks != len(blocks) or ev.header.num_layers != self.layout.num_layers:
@@ -231,21 +285,22 @@ class InstallWorker(WorkerBase):
                                    f"expected {self.layout.num_layers}x{len(blocks)}")
             t0, w0 = time.monotonic(), time.time()
             skip = max(0, load.spec.local_tokens // self.block_size - c * self.blocks_per_chunk)
-            self._scatter_verified(ev, blocks, skip)
-            load.installed.add(c)
+            self._scatter_verified(ev, blocks, skip, part.offset, part.width)
+            part.installed.add(c)
             self.metrics.load_latency.observe(time.monotonic() - t0)
             self.metrics.chunks.labels("decode", "installed").inc()
             self.metrics.bytes.labels("decode").inc(ev.header.payload_len)
             self.events.write("install", req=load.spec.req_id, transfer=load.spec.transfer_id, chunk=c,
                               t_start=w0, t_end=time.time())
         except KVRelayError as exc:
-            load.failed.setdefault(c, str(exc))
+            part.failed.setdefault(c, str(exc))
             self.metrics.chunks.labels("decode", "checksum" if isinstance(exc, ChecksumError) else "invalid").inc()
         finally:
             self.receiver.release(ev)
 
-    def _scatter_verified(self, ev: ChunkArrival, blocks: list[int], skip: int) -> None:
-        """Install the chunk's payload (``[layer][block]``) into ``blocks[skip:]``, verified.
+    def _scatter_verified(self, ev: ChunkArrival, blocks: list[int], skip: int, offset: int, width: int) -> None:
+        """Install the chunk's payload (``[layer][block]``, ``width`` bytes of each block from
+        ``offset``: a piece's heads) into ``blocks[skip:]``, verified.
 
         Bytes the transport hashed as they landed (tcp) are scattered from the slot. Otherwise
         the one copy is the install itself, and the hash is taken over what it wrote: the
@@ -257,32 +312,31 @@ class InstallWorker(WorkerBase):
         assert self.receiver is not None and self.layout is not None
         layout = self.layout
         src = torch.frombuffer(self.receiver.payload(ev), dtype=torch.uint8)
-        src = src.view(layout.num_layers, len(blocks), layout.bytes_per_block)     # [L, n, bpb]
+        src = src.view(layout.num_layers, len(blocks), width)     # [L, n, w]
         if not ev.verified and layout.device.type != "cpu":
             private = torch.empty_like(src)
             copy_checked(ev.header, src.numpy().data, private.numpy().data)     # verified in its copy
             src = private
         ids = torch.tensor(blocks[skip:], dtype=torch.int64)
         if len(ids):
-            scatter(layout, ids.to(layout.device), src[:, skip:].to(layout.device))
+            scatter_range(layout, ids.to(layout.device), src[:, skip:].to(layout.device), offset)
         if not ev.verified and layout.device.type == "cpu":
             regions = []                      # the payload's [layer][block] order, as installed
             for i in range(layout.num_layers):
                 regions.append(src[i, :skip].numpy().data)
-                regions += [layout.block_view(i, b).numpy().data for b in blocks[skip:]]
+                regions += [layout.block_view(i, b)[offset:offset + width].numpy().data for b in blocks[skip:]]
             check_regions(ev.header, regions)
 
-    def _fail_rest(self, load: _Load, reason: str) -> None:
-        for c in range(self._first_chunk(load), len(load.keys)):
-            if c not in load.installed:
-                load.failed.setdefault(c, reason)
+    def _fail_rest(self, load: _Load, part: _Part, reason: str) -> None:
+        for c in range(self._first_chunk(load), load.n_chunks):
+            if c not in part.installed:
+                part.failed.setdefault(c, reason)
 
     def _complete(self, load: _Load) -> None:
-        assert self.receiver is not None
-        self.receiver.finish(load.spec.transfer_id)
         spec, n = load.spec, len(load.spec.token_ids)
         T = self.cfg.chunk_tokens
-        bad = min(load.failed) if load.failed else None
+        failed = load.failed()
+        bad = min(failed) if failed else None
         loaded = (min(n, bad * T) if bad is not None else n) - spec.local_tokens
         loaded = max(loaded, 0)
         errors: set[int] = set()
@@ -290,7 +344,7 @@ class InstallWorker(WorkerBase):
             start_block = max(bad * self.blocks_per_chunk, spec.local_tokens // self.block_size)
             errors = set(spec.block_ids[start_block:-(-n // self.block_size)])
             log.warning("request %s: %d/%d chunks failed (first: chunk %d, %s); recomputing %d tokens",
-                        spec.req_id, len(load.failed), len(load.keys), bad, load.failed[bad],
+                        spec.req_id, len(failed), load.n_chunks, bad, failed[bad],
                         spec.num_tokens - loaded)
         self.metrics.tokens_loaded.inc(loaded)
         self.metrics.tokens_recomputed.inc(spec.num_tokens - loaded)
@@ -298,10 +352,13 @@ class InstallWorker(WorkerBase):
         self.metrics.inflight.labels("decode").dec()
         self.events.write("load_done", req=spec.req_id, transfer=spec.transfer_id, prompt_tokens=n,
                           local_tokens=spec.local_tokens, loaded_tokens=loaded,
-                          recomputed_tokens=spec.num_tokens - loaded, chunks=len(load.keys),
-                          failed={str(k): v for k, v in sorted(load.failed.items())})
-        self.spans.end(load.span, f"{len(load.failed)} chunks failed" if load.failed else "",
-                       loaded_tokens=loaded, recomputed_tokens=spec.num_tokens - loaded, chunks=len(load.keys))
+                          recomputed_tokens=spec.num_tokens - loaded, chunks=load.n_chunks,
+                          failed={str(k): v for k, v in sorted(failed.items())})
+        self.spans.end(load.span, f"{len(failed)} chunks failed" if failed else "",
+                       loaded_tokens=loaded, recomputed_tokens=spec.num_tokens - loaded, chunks=load.n_chunks)
+        if not failed and self.inspect is not None and self.layout is not None:
+            self.inspect("decode", self.ranks.rank if self.ranks else 0, spec.req_id, self.layout,
+                         spec.block_ids[:-(-n // self.block_size)])
         with self._lock:
             self._loads.pop(spec.req_id, None)
         self.settled(spec.req_id, errors)

@@ -103,19 +103,58 @@ def gather(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torc
     return gather_ref(layout, block_ids, out)
 
 
-def gather_into_host(layout: KVLayout, block_ids: list[int], out: torch.Tensor) -> torch.Tensor:
-    """Blocks ``block_ids`` of every layer into ``out``, a host ``[L, n, bytes_per_block]`` uint8
-    buffer the caller owns (and reuses: see :mod:`kvrelay.prefill.staging`); returns ``out``.
+def gather_into_host(layout: KVLayout, block_ids: list[int], out: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Bytes ``[offset, offset + w)`` of blocks ``block_ids`` of every layer into ``out``, a host
+    ``[L, n, w]`` uint8 buffer the caller owns (and reuses: see :mod:`kvrelay.prefill.staging`);
+    returns ``out``. ``w = bytes_per_block`` (whole blocks) unless a head range is sent.
 
     A host cache gathers straight into ``out``; a device cache gathers on the device, then
     copies once into ``out``.
     """
     ids = torch.tensor(block_ids, dtype=torch.int64, device=layout.device)
     if layout.device.type == "cpu":
-        return gather(layout, ids, out)
+        return gather_range(layout, ids, out, offset)
     dev = torch.empty(out.shape, dtype=torch.uint8, device=layout.device)
-    out.copy_(gather(layout, ids, dev))
+    out.copy_(gather_range(layout, ids, dev, offset))
     return out
+
+
+def _byte_planes(layout: KVLayout) -> list[torch.Tensor]:
+    """Each plane as ``[num_blocks, bytes_per_block]`` uint8 views (a block is contiguous)."""
+    return [t.view(torch.uint8).flatten(1) for t in layout.layers]
+
+
+def gather_range(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor, offset: int) -> torch.Tensor:
+    """Bytes ``[offset, offset + w)`` of blocks ``block_ids`` of every layer into ``out`` (a head
+    range of a head-major block: :mod:`kvrelay.core.ranks`).
+
+    block_ids: [n] int64;  out: [L, n, w] uint8, contiguous
+    """
+    w = out.shape[2]
+    if offset == 0 and w == layout.bytes_per_block:
+        return gather(layout, block_ids, out)
+    if layout.stacked is not None:
+        torch.index_select(layout.stacked[:, :, offset:offset + w], 1, block_ids, out=out)
+        return out
+    for i, plane in enumerate(_byte_planes(layout)):
+        torch.index_select(plane[:, offset:offset + w], 0, block_ids, out=out[i])
+    return out
+
+
+def scatter_range(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor, offset: int) -> None:
+    """Write ``src`` ([L, n, w] uint8) into bytes ``[offset, offset + w)`` of blocks ``block_ids``
+    of every layer; the rest of each block is left as it is."""
+    w = src.shape[2]
+    if offset == 0 and w == layout.bytes_per_block:
+        scatter(layout, block_ids, src)
+        return
+    stacked = layout.stacked
+    planes = _byte_planes(layout) if stacked is None else []
+    for pos, first, n in _runs(block_ids.cpu().tolist()):
+        if stacked is not None:
+            stacked[:, first:first + n, offset:offset + w].copy_(src[:, pos:pos + n])     # [L, n, w]
+        for i, plane in enumerate(planes):
+            plane[first:first + n, offset:offset + w].copy_(src[i, pos:pos + n])
 
 
 def scatter(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:

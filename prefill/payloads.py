@@ -14,14 +14,13 @@ this way.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from kvrelay.common.errors import KVRelayError
 from kvrelay.common.wire import DType, make_header
+from kvrelay.core.hooks import load_function
 from kvrelay.kernels.blocks import gather_into_host
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.prefill.staging import Staged, StagingPool
@@ -33,13 +32,7 @@ PushHook = Callable[[str, int, torch.Tensor], torch.Tensor]   # (transfer id, ch
 
 def load_hook(spec: str) -> PushHook | None:
     """``"module:function"`` -> the function (None for ``""``)."""
-    if not spec:
-        return None
-    module, _, name = spec.partition(":")
-    try:
-        hook: PushHook = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise KVRelayError(f"connector.push_hook {spec!r} cannot be loaded: {exc}") from exc
+    hook: PushHook | None = load_function(spec, "connector.push_hook")
     return hook
 
 
@@ -77,6 +70,7 @@ class Chunk:
     index: int
     block_ids: list[int]
     saved: SavedChunk | None = None       # the store gathered it already
+    span: tuple[int, int] | None = None   # (offset, width) of the heads sent in each block; None = whole
 
 
 class PayloadMaker:
@@ -96,16 +90,17 @@ class PayloadMaker:
                                num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE),
                                payload_sum=payload_sum).pack()
 
-        if chunk.saved is None and self.hook is None and registered:
+        if chunk.saved is None and self.hook is None and registered and chunk.span is None:
             views = [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids]
             return BlockPayload(tuple(ids)), header(views), ChunkBuffer()     # straight from the KV cache
         if chunk.saved is not None:
             buf = chunk.saved.payload
             return self._hooked(chunk, buf, header([buf.numpy().data], chunk.saved.payload_sum), ChunkBuffer(tensor=buf))
         assert self.staging is not None
-        staged = self.staging.take((layout.num_layers, len(ids), layout.bytes_per_block))
+        offset, width = chunk.span or (0, layout.bytes_per_block)
+        staged = self.staging.take((layout.num_layers, len(ids), width))
         try:
-            gather_into_host(layout, ids, staged.tensor)                            # [L, n, bpb] uint8
+            gather_into_host(layout, ids, staged.tensor, offset)                    # [L, n, w] uint8
             return self._hooked(chunk, staged.tensor, header([staged.tensor.numpy().data]), ChunkBuffer(staged))
         except BaseException:
             self.staging.give_back(staged)          # nothing was sent from it

@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 from kvrelay.common.errors import KVRelayError, TransferAborted, TransferTimeout, TransportError
-from kvrelay.common.keys import chunk_keys
+from kvrelay.common.keys import chunk_keys, chunk_keys_from_digest
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.connector_base import WorkerBase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
+from kvrelay.core.ranks import Piece, part_transfer_id, piece_key, rank_endpoint
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.prefill.lanes import Lane, Lanes, session_lost
 from kvrelay.prefill.messages import PushSpec, StoreLoad
@@ -75,6 +76,16 @@ class _Push:
     # held while the lane gathers or writes this push's chunks, and while it fails: a
     # preemption (another thread) waits on it, so no gather of a freed block is under way
     guard: threading.RLock = field(default_factory=threading.RLock)
+    piece: Piece | None = None   # the heads it sends to which decode rank (None: a store-only save)
+    tid: str = ""                # its sub-transfer's id on that rank (core/ranks.py)
+    push_keys: list[bytes] = field(default_factory=list)   # the piece's key of each chunk
+    span_bytes: tuple[int, int] = (0, 0)    # (offset, width) of its heads in one block
+    bytes_per_block: int = 0
+
+    @property
+    def whole(self) -> bool:
+        """It sends whole blocks (equal TP: no re-sharding)."""
+        return self.span_bytes == (0, self.bytes_per_block)
 
 
 class PushWorker(WorkerBase):
@@ -83,7 +94,7 @@ class PushWorker(WorkerBase):
     def __init__(self, cfg: KVRelayConfig, vllm_config: Any,
                  make_backend: Callable[[TransportConfig], SenderBackend] = make_sender_backend) -> None:
         super().__init__(cfg, vllm_config)
-        self._pushes: dict[str, _Push] = {}
+        self._pushes: dict[str, list[_Push]] = {}     # request -> one push per decode rank it feeds
         self.lanes = Lanes(cfg.transport, cfg.timeouts, make_backend, self._run)
         self.payloads = PayloadMaker(load_hook(cfg.connector.push_hook))
         self.store: StoreService | None = None
@@ -99,7 +110,7 @@ class PushWorker(WorkerBase):
         assert self.layout is not None
         if self.store is not None:
             self.store.bind(self.layout, self.fingerprint)
-        self.lanes.source, self.lanes.fingerprint = source_layout(self.layout), self.fingerprint.digest()
+        self.lanes.source, self.lanes.fingerprint = source_layout(self.layout), self.transfer_digest
         slot = self.layout.chunk_bytes(self.blocks_per_chunk)
         self.payloads.staging = StagingPool(slot, staging_slots(slot, self.vllm_config.model_config.max_model_len,
                                                                 self.cfg.chunk_tokens))
@@ -117,29 +128,53 @@ class PushWorker(WorkerBase):
             for spec in specs:
                 self._update(spec)
             for rid in finished:
-                p = self._pushes.get(rid)
-                if p is None:
+                pushes = self._pushes.get(rid)
+                if not pushes:
+                    self._pushes.pop(rid, None)
                     self.settled(rid)
-                else:
+                for p in pushes or ():
                     p.closing = True
             self._lock.notify_all()
 
     def _update(self, spec: PushSpec) -> None:
-        p = self._pushes.get(spec.req_id)
-        if p is None:
+        pushes = self._pushes.get(spec.req_id)
+        if pushes is None:
             if spec.token_ids is None:
                 return                                    # first spec lost (should not happen)
-            keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)
-            p = _Push(spec, keys, len(keys), time.monotonic() + self.cfg.connector.free_deadline_s,
-                      self.lanes.lane_for(spec.push_to))
-            if spec.push_to:
-                p.span = self.spans.start("kvrelay.push", spec.traceparent, request_id=spec.req_id,
-                                          transfer_id=spec.transfer_id, push_to=spec.push_to, chunks=len(keys))
-            self._pushes[spec.req_id] = p
-            self.metrics.inflight.labels("prefill").inc()
-        p.spec = spec
+            pushes = self._pushes[spec.req_id] = self._new_pushes(spec)
         T = self.cfg.chunk_tokens
-        p.ready_chunks = p.n_chunks if spec.ready >= spec.prompt_len else spec.ready // T
+        for p in pushes:
+            p.spec = spec
+            p.ready_chunks = p.n_chunks if spec.ready >= spec.prompt_len else spec.ready // T
+        if spec.ready >= spec.prompt_len and self.inspect is not None and self.layout is not None:
+            self.inspect("prefill", self.ranks.rank if self.ranks else 0, spec.req_id, self.layout,
+                         spec.block_ids[:-(-spec.prompt_len // self.block_size)])
+
+    def _new_pushes(self, spec: PushSpec) -> list[_Push]:
+        """One push per decode rank this rank feeds (none when its heads travel from a lower
+        rank); a store-only request gets one push without a decode node."""
+        assert spec.token_ids is not None and self.ranks is not None
+        keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)     # the store's keys
+        deadline = time.monotonic() + self.cfg.connector.free_deadline_s
+        bpb = self.ranks.bytes_per_block
+        if not spec.push_to:
+            return [self._started(_Push(spec, keys, len(keys), deadline, self.lanes.lane_for(spec.push_to),
+                                        span_bytes=(0, bpb), bytes_per_block=bpb))]
+        base = chunk_keys_from_digest(spec.token_ids, self.transfer_digest, self.cfg.chunk_tokens)
+        pieces, pushes = list(self.ranks.pieces), []
+        for pc in self.ranks.outgoing():
+            p = _Push(spec, keys, len(keys), deadline, self.lanes.lane_for(rank_endpoint(spec.push_to, pc.dst)),
+                      piece=pc, tid=part_transfer_id(spec.transfer_id, pc, pieces),
+                      push_keys=[piece_key(k, pc.heads, self.ranks.kv_heads) for k in base],
+                      span_bytes=self.ranks.byte_range(pc.heads), bytes_per_block=bpb)
+            p.span = self.spans.start("kvrelay.push", spec.traceparent, request_id=spec.req_id, transfer_id=p.tid,
+                                      push_to=p.lane.endpoint, chunks=len(keys))
+            pushes.append(self._started(p))
+        return pushes
+
+    def _started(self, p: _Push) -> _Push:
+        self.metrics.inflight.labels("prefill").inc()
+        return p
 
     def load_from_store(self, loads: list[StoreLoad]) -> None:
         """Synchronous: this step's forward reads the loaded blocks (model thread)."""
@@ -160,12 +195,12 @@ class PushWorker(WorkerBase):
             with self._lock:
                 if self._stop:
                     return
-                work = [p for p in self._pushes.values() if p.lane is lane]
+                work = [p for ps in self._pushes.values() for p in ps if p.lane is lane]
                 if not any(p.inflight or p.next_chunk < p.ready_chunks or p.closing for p in work):
                     self._lock.wait(0.05)
                     continue
             for p in work:
-                with bind(p.spec.req_id, p.spec.transfer_id):     # on every log line (log_format: json)
+                with bind(p.spec.req_id, p.tid or p.spec.transfer_id):     # on every log line (log_format: json)
                     try:
                         self._advance(p)
                     except KVRelayError as exc:
@@ -212,7 +247,7 @@ class PushWorker(WorkerBase):
         the blocks - a write that has not settled within ``timeouts.chunk_s`` is cancelled. Nothing
         more is gathered, pushed or stored for these requests."""
         with self._lock:
-            pushes = [self._pushes[r] for r in req_ids if r in self._pushes]
+            pushes = [p for r in req_ids for p in self._pushes.get(r, ())]
         for p in pushes:
             with p.guard:
                 deadline = time.monotonic() + self.cfg.timeouts.chunk_s
@@ -235,7 +270,7 @@ class PushWorker(WorkerBase):
         lane = p.lane
         if p.pending is None:
             p.sender = self.lanes.sender(lane)
-            p.pending = p.sender.alloc_async(p.spec.transfer_id, p.keys, self._sizes(p), early=p.spec.early)
+            p.pending = p.sender.alloc_async(p.tid, p.push_keys, self._sizes(p), early=p.spec.early)
         assert p.sender is not None
         try:
             alloc = p.sender.poll_alloc(p.pending)
@@ -250,13 +285,13 @@ class PushWorker(WorkerBase):
         if alloc is None:
             return False
         p.alloc, p.pending = alloc, None
-        self.events.write("push_alloc", req=p.spec.req_id, transfer=p.spec.transfer_id, chunks=p.n_chunks,
+        self.events.write("push_alloc", req=p.spec.req_id, transfer=p.tid, chunks=p.n_chunks,
                           held=list(p.alloc.held))
         return True
 
     def _sizes(self, p: _Push) -> list[int]:
         layout = self.layout_or_fail()
-        return [HEADER_SIZE + layout.chunk_bytes(self.blocks_in_chunk(p.spec.prompt_len, c))
+        return [HEADER_SIZE + layout.num_layers * self.blocks_in_chunk(p.spec.prompt_len, c) * p.span_bytes[1]
                 for c in range(p.n_chunks)]
 
     def layout_or_fail(self) -> KVLayout:
@@ -280,9 +315,10 @@ class PushWorker(WorkerBase):
             return
         layout = self.layout_or_fail()
         t0 = time.monotonic()
-        self.events.write("push_start", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c)
-        chunk = Chunk(p.keys[c], p.spec.transfer_id, c, ids, saved)
-        payload, header, keep = self.payloads.make(chunk, layout, p.sender.layout is not None)
+        self.events.write("push_start", req=p.spec.req_id, transfer=p.tid, chunk=c)
+        chunk = Chunk(p.push_keys[c], p.tid, c, ids, saved if p.whole else None,
+                      None if p.whole else p.span_bytes)
+        payload, header, keep = self.payloads.make(chunk, layout, p.sender.layout is not None and p.whole)
         try:
             handle = p.sender.write_chunk(p.alloc, c, payload, num_layers=layout.num_layers, num_blocks=len(ids),
                                           header=header)
@@ -299,8 +335,9 @@ class PushWorker(WorkerBase):
         dt = time.monotonic() - t0
         self.metrics.store_latency.observe(dt)
         self.metrics.chunks.labels("prefill", "pushed").inc()
-        self.metrics.bytes.labels("prefill").inc(self.layout_or_fail().chunk_bytes(self.blocks_in_chunk(p.spec.prompt_len, c)))
-        self.events.write("push_done", req=p.spec.req_id, transfer=p.spec.transfer_id, chunk=c,
+        self.metrics.bytes.labels("prefill").inc(self.layout_or_fail().num_layers * p.span_bytes[1]
+                                                 * self.blocks_in_chunk(p.spec.prompt_len, c))
+        self.events.write("push_done", req=p.spec.req_id, transfer=p.tid, chunk=c,
                           seconds=round(dt, 6))
 
     def _fail(self, p: _Push, exc: BaseException) -> None:
@@ -313,15 +350,15 @@ class PushWorker(WorkerBase):
     def _fail_now(self, p: _Push, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {exc}"
         p.failed = reason
-        log.warning("push of %s (transfer %s) failed: %s", p.spec.req_id, p.spec.transfer_id, reason)
+        log.warning("push of %s (transfer %s) failed: %s", p.spec.req_id, p.tid, reason)
         self.metrics.chunks.labels("prefill", "failed").inc(max(p.n_chunks - p.next_chunk, 1))
-        self.events.write("push_failed", req=p.spec.req_id, transfer=p.spec.transfer_id, reason=reason)
+        self.events.write("push_failed", req=p.spec.req_id, transfer=p.tid, reason=reason)
         if p.sender is not None and p.pending is not None:
             with contextlib.suppress(KVRelayError):
                 p.sender.abandon(p.pending)               # D parks it: give its slots back if granted
             p.pending = None
         elif p.sender is not None:
-            p.sender.abort(p.spec.transfer_id, reason)
+            p.sender.abort(p.tid, reason)
             for handle, _keep, _t0 in p.inflight:
                 p.sender.cancel(handle)
         for _handle, keep, _t0 in p.inflight:
@@ -341,11 +378,16 @@ class PushWorker(WorkerBase):
         settled = (complete or p.failed) and not p.inflight
         if settled and p.closing:
             with self._lock:
-                self._pushes.pop(p.spec.req_id, None)
-            self.settled(p.spec.req_id)
+                rest = [q for q in self._pushes.get(p.spec.req_id, ()) if q is not p]
+                if rest:
+                    self._pushes[p.spec.req_id] = rest
+                else:
+                    self._pushes.pop(p.spec.req_id, None)
+            if not rest:                                   # every decode rank's push settled
+                self.settled(p.spec.req_id)
             self.spans.end(p.span, p.failed, pushed_chunks=p.next_chunk)
             self.metrics.inflight.labels("prefill").dec()
-            self.events.write("push_end", req=p.spec.req_id, transfer=p.spec.transfer_id,
+            self.events.write("push_end", req=p.spec.req_id, transfer=p.tid,
                               ok=not p.failed, chunks=p.n_chunks)
 
     def close(self) -> None:

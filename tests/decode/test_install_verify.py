@@ -37,9 +37,9 @@ class SlotStub:
         self.released += 1
 
 
-@pytest.fixture
-def worker():
-    cfg = kcfg.load(overrides=[f"chunk_tokens={CHUNK}", "transport.backend=tcp", "connector.helper_cpus=inherit"])
+def _worker(*more: str) -> InstallWorker:
+    cfg = kcfg.load(overrides=[f"chunk_tokens={CHUNK}", "transport.backend=tcp", "connector.helper_cpus=inherit",
+                               *more])
     vc = SimpleNamespace(cache_config=SimpleNamespace(block_size=BLOCK),
                          model_config=SimpleNamespace(model="t", max_model_len=256),
                          parallel_config=SimpleNamespace(rank=0, tensor_parallel_size=1),
@@ -47,6 +47,12 @@ def worker():
     w = InstallWorker(cfg, vc)
     stacked = torch.zeros((LAYERS, NUM_BLOCKS, 2, BLOCK, 8))           # CPU attention: one plane per layer
     w.register({f"l{i}": stacked[i] for i in range(LAYERS)})
+    return w
+
+
+@pytest.fixture
+def worker():
+    w = _worker()
     real = w.receiver
     yield w
     w.receiver = real
@@ -58,17 +64,22 @@ def _chunk(w: InstallWorker, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (LAYERS, 2, w.layout.bytes_per_block), dtype=torch.uint8, generator=g)
 
 
-def _arrive(w: InstallWorker, payload: torch.Tensor, *, local_tokens: int = 0, corrupt: int | None = None):
-    """Install ``payload`` as chunk 0 of a 32-token prompt into blocks [5, 9]; return the load."""
+def _arrive(w: InstallWorker, payload: torch.Tensor, *, local_tokens: int = 0, corrupt: int | None = None,
+            part: int = 0, load: _Load | None = None) -> _Load:
+    """Install ``payload`` as piece ``part`` of chunk 0 of a 32-token prompt into blocks [5, 9]."""
     spec = LoadSpec("r", "t", list(range(CHUNK)), [5, 9], local_tokens, CHUNK - local_tokens)
-    load = _Load(spec, keys=[b"k" * 32])
+    if load is None:
+        parts = w._parts(spec)
+        load = _Load(spec, 1, parts, running=len(parts))
+    piece = load.parts[part]
+    key = piece.keys[0]
     regions = [payload[i, b].numpy() for i in range(LAYERS) for b in range(2)]
-    header = make_header(b"k" * 32, "t", 0, regions, num_layers=LAYERS, num_blocks=2)
+    header = make_header(key, piece.transfer_id, 0, regions, num_layers=LAYERS, num_blocks=2)
     body = bytearray(payload.numpy().tobytes())
     if corrupt is not None:
         body[corrupt] ^= 0xFF                              # a byte flipped after the checksum was taken
     w.receiver = SlotStub(bytes(body))
-    w._install(load, ChunkArrival("t", 0, b"k" * 32, SlotRef(0, 1), header, 0.0, verified=False))
+    w._install(load, piece, ChunkArrival(piece.transfer_id, 0, key, SlotRef(0, 1), header, 0.0, verified=False))
     return load
 
 
@@ -79,15 +90,15 @@ def _installed(w: InstallWorker, blocks: list[int]) -> torch.Tensor:
 def test_an_intact_chunk_is_installed_byte_exact(worker):
     payload = _chunk(worker, 1)
     load = _arrive(worker, payload)
-    assert load.installed == {0} and not load.failed
+    assert load.parts[0].installed == {0} and not load.failed()
     assert torch.equal(_installed(worker, [5, 9]), payload)
     assert worker.receiver.released == 1
 
 
 def test_a_corrupt_chunk_is_caught_after_install_and_reported(worker):
     load = _arrive(worker, _chunk(worker, 2), corrupt=worker.layout.bytes_per_block * 3 + 7)
-    assert load.failed and 0 in load.failed and "checksum" in load.failed[0]
-    assert load.installed == set() and worker.receiver.released == 1
+    assert 0 in load.failed() and "checksum" in load.failed()[0]
+    assert load.parts[0].installed == set() and worker.receiver.released == 1
 
 
 def test_blocks_d_already_held_are_not_written_but_still_verified(worker):
@@ -96,8 +107,31 @@ def test_blocks_d_already_held_are_not_written_but_still_verified(worker):
     before = worker.layout.block_view(0, 5).clone()
     payload = _chunk(worker, 3)
     load = _arrive(worker, payload, local_tokens=BLOCK)
-    assert load.installed == {0} and not load.failed
+    assert load.parts[0].installed == {0} and not load.failed()
     assert torch.equal(worker.layout.block_view(0, 5), before)
     assert torch.equal(_installed(worker, [9]), payload[:, 1:])
     held_byte = worker.layout.bytes_per_block * 2 + 7          # layer 1, block 0: a block D holds
-    assert _arrive(worker, _chunk(worker, 4), local_tokens=BLOCK, corrupt=held_byte).failed
+    assert _arrive(worker, _chunk(worker, 4), local_tokens=BLOCK, corrupt=held_byte).failed()
+
+
+def test_two_prefill_ranks_pieces_make_one_chunk():
+    """Prefill TP2 -> decode TP1: each prefill rank sends one of the block's two heads; each
+    piece lands in its own byte range, is verified there, and the chunk is whole only with both."""
+    w = _worker("engine.prefill_tp=2")
+    real = w.receiver
+    try:
+        assert [(p.transfer_id, p.offset, p.width) for p in w._parts(LoadSpec("r", "t", [1], [5], 0, 1))] == [
+            ("t#p0", 0, w.layout.bytes_per_block // 2), ("t#p1", w.layout.bytes_per_block // 2,
+                                                         w.layout.bytes_per_block // 2)]
+        full = _chunk(w, 5)                                           # [L, 2 blocks, bpb]
+        half = w.layout.bytes_per_block // 2
+        load = _arrive(w, full[:, :, :half].contiguous())
+        assert load.parts[0].installed == {0} and load.parts[1].installed == set()
+        load = _arrive(w, full[:, :, half:].contiguous(), part=1, load=load)
+        assert all(p.installed == {0} for p in load.parts) and not load.failed()
+        assert torch.equal(_installed(w, [5, 9]), full)
+        bad = _arrive(w, full[:, :, half:].contiguous(), part=1, corrupt=5)     # a corrupt second piece
+        assert 0 in bad.failed()
+    finally:
+        w.receiver = real
+        w.close()

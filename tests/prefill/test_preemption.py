@@ -106,7 +106,7 @@ def test_a_resumed_request_pushes_and_stores_only_its_own_kv():
     worker = PushWorker(cfg, vc)
     worker.register({f"layers.{i}.attn": buf[i] for i in range(L)})
     assert worker.layout is not None and worker.store is not None
-    receiver = Receiver(cfg.transport, cfg.timeouts, make_receiver_backend(cfg.transport), worker.fingerprint.digest(),
+    receiver = Receiver(cfg.transport, cfg.timeouts, make_receiver_backend(cfg.transport), worker.transfer_digest,
                         slot_bytes=HEADER_SIZE + worker.layout.chunk_bytes(T // BS), consumer_wait_s=0.5)
     sched = PrefillScheduler(cfg, StoreClient(lookup_endpoint(vc), cfg.store.lookup_timeout_s))
     tid, got = f"t-{uuid.uuid4().hex[:6]}", {}

@@ -63,7 +63,7 @@ class Node:
         tc = kcfg.from_dict({**kcfg.to_dict(cfg), "transport": {**kcfg.to_dict(cfg)["transport"],
                                                                   "control_port": port}}).transport
         slot = HEADER_SIZE + worker.layout.chunk_bytes(T // BS)
-        self.receiver = Receiver(tc, cfg.timeouts, make_receiver_backend(tc), worker.fingerprint.digest(),
+        self.receiver = Receiver(tc, cfg.timeouts, make_receiver_backend(tc), worker.transfer_digest,
                                  slot_bytes=slot, consumer_wait_s=0.5)
         self.endpoint = self.receiver.endpoint
         self.worker = worker
