@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 import yaml
+from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import API_KEY_ENV, SECRET_ENV, write_private, write_secret_file
 from kvrelay.core import config as kcfg
 from kvrelay.core.config import KVRelayConfig
@@ -44,7 +45,8 @@ class NodeSpec:
     role: Role
     index: int
     port: int
-    kv_port: int = 0         # decode: transfer control port
+    kv_port: int = 0         # decode: transfer control port (rank r: kv_port + r)
+    tp: int = 1              # tensor-parallel size (engine.prefill_tp / engine.decode_tp)
 
     @property
     def name(self) -> str:
@@ -68,8 +70,10 @@ def served_name(cfg: KVRelayConfig) -> str:
 
 def node_specs(cfg: KVRelayConfig) -> list[NodeSpec]:
     d = cfg.deploy
-    specs = [NodeSpec(Role.PREFILL, i, d.base_port + i) for i in range(d.prefill)]
-    specs += [NodeSpec(Role.DECODE, i, d.base_port + d.prefill + i, d.kv_base_port + i) for i in range(d.decode)]
+    e = cfg.engine
+    specs = [NodeSpec(Role.PREFILL, i, d.base_port + i, tp=e.prefill_tp) for i in range(d.prefill)]
+    specs += [NodeSpec(Role.DECODE, i, d.base_port + d.prefill + i, d.kv_base_port + i * e.decode_tp, e.decode_tp)
+              for i in range(d.decode)]
     return specs
 
 
@@ -109,6 +113,8 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
     if dtype == "auto" and (Path(cmd[4]) / "KVRELAY_TINY_MODEL").exists():
         dtype = "float32"                     # the tiny model: see kvrelay.deploy.tiny_model
     cmd += ["--dtype", dtype]
+    if spec.tp > 1:                           # one process per rank (vLLM's CPU build needs mp; GPUs are fine with it)
+        cmd += ["--tensor-parallel-size", str(spec.tp), "--distributed-executor-backend", "mp"]
     if spec.role is not Role.SINGLE:
         cmd += ["--kv-transfer-config", json.dumps(connector_config(cfg, spec)),
                 "--middleware", "kvrelay.core.guard.kvrelay_guard",    # 400 for forged params, 503 while draining
@@ -128,8 +134,53 @@ def split_cores(k: int, n: int) -> list[int]:
     return cores[k * per:(k + 1) * per]
 
 
-def server_env(cfg: KVRelayConfig, k: int, n: int) -> dict[str, str]:
-    """Environment of server ``k`` of ``n`` (CPU hosts: KV cache size and OpenMP core binding)."""
+def rank_binding(k: int, n: int, tp: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` of server ``k`` of ``n`` with ``tp`` ranks: its share of the
+    cores split among its ranks (``"0|1"``); with fewer cores than ranks, rank r takes the core
+    r places after the share's first (cores are then shared, one thread per rank)."""
+    share = split_cores(k, n)
+    if tp == 1:
+        return ",".join(map(str, share))
+    if len(share) >= tp:
+        per = len(share) // tp
+        return "|".join(",".join(map(str, share[r * per:(r + 1) * per])) for r in range(tp))
+    cores = sorted(os.sched_getaffinity(0))
+    first = cores.index(share[0])
+    return "|".join(str(cores[(first + r) % len(cores)]) for r in range(tp))
+
+
+def gpu_placement(specs: list[NodeSpec], devices: list[str]) -> dict[str, str]:
+    """``CUDA_VISIBLE_DEVICES`` for each node of a `kvrelay up` stack: its own ``tp`` devices, in
+    order. ``devices``: the host's (empty on a CPU host: no placement). Raises ConfigError when
+    the stack needs more devices than there are."""
+    if not devices:
+        return {}
+    need = sum(s.tp for s in specs)
+    if need > len(devices):
+        layout = ", ".join(f"{s.name} {s.tp}" for s in specs)
+        raise ConfigError(f"this stack needs {need} GPUs ({layout}) but {len(devices)} are visible "
+                               f"({','.join(devices)}): lower deploy.prefill/deploy.decode or the TP sizes")
+    out, nxt = {}, 0
+    for s in specs:
+        out[s.name] = ",".join(devices[nxt:nxt + s.tp])
+        nxt += s.tp
+    return out
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` if set, else what ``nvidia-smi -L`` lists."""
+    if (env := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
+        return [d for d in env.split(",") if d.strip() and d.strip() != "-1"]
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def server_env(cfg: KVRelayConfig, k: int, n: int, tp: int = 1) -> dict[str, str]:
+    """Environment of server ``k`` of ``n`` with ``tp`` ranks (CPU hosts: KV cache size and
+    OpenMP core binding, one core set per rank)."""
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}   # client keys are the router's alone
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gib))
     if cfg.tracing.endpoint:                  # how vLLM exports its spans (OpenTelemetry's own variable)
@@ -138,7 +189,7 @@ def server_env(cfg: KVRelayConfig, k: int, n: int) -> dict[str, str]:
         env.setdefault(BUSY_LOOP_ENV, repr(cfg.engine.mq_busy_loop_s))
     bind = cfg.engine.cpu_bind
     if bind == "split":
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, split_cores(k, n))))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", rank_binding(k, n, tp))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     elif bind != "vllm":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
@@ -210,6 +261,7 @@ class Stack:
                                                                                allowed_decode=allowed))
         self.cfg = with_publish_ports(cfg)
         self.specs = node_specs(self.cfg)
+        self.gpus = gpu_placement(self.specs, visible_gpus())     # {} on a CPU host
         self.procs: dict[str, subprocess.Popen] = {}
 
     def ensure_secret(self) -> None:
@@ -250,7 +302,10 @@ class Stack:
 
     def _spawn_node(self, k: int, mode: str = "w") -> subprocess.Popen:
         spec = self.specs[k]
-        return self._spawn(spec.name, self.node_command(spec), server_env(self.cfg, k, len(self.specs)), mode)
+        env = server_env(self.cfg, k, len(self.specs), spec.tp)
+        if spec.name in self.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[spec.name]
+        return self._spawn(spec.name, self.node_command(spec), env, mode)
 
     def start(self, progress: bool = True) -> None:
         model_path(self.cfg)                                  # create the tiny model once, up front

@@ -24,11 +24,12 @@ def stack_ports(cfg: KVRelayConfig) -> dict[str, int]:
     base = cfg.deploy.base_port
     for spec in node_specs(cfg):
         ports[f"{spec.name} HTTP"] = spec.port
-        if spec.role is Role.DECODE:
-            ports[f"{spec.name} transfer control"] = spec.kv_port
+        for r in range(spec.tp if spec.role is Role.DECODE else 0):     # rank r: each port + r
+            rank = f" rank {r}" if spec.tp > 1 else ""
+            ports[f"{spec.name}{rank} transfer control"] = spec.kv_port + r
             if cfg.transport.backend is TransportKind.TCP:
                 data = cfg.transport.data_port or spec.kv_port + TCP_DATA_OFFSET
-                ports[f"{spec.name} transfer data"] = data
+                ports[f"{spec.name}{rank} transfer data"] = data + r
         if cfg.connector.metrics_port:
             ports[f"{spec.name} connector metrics"] = cfg.connector.metrics_port + spec.port - base
         if spec.role is Role.PREFILL and cfg.store.enabled and cfg.router.policy is RoutingPolicy.CACHE_AWARE:

@@ -66,13 +66,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = kcfg.config_from_args(args)
     role = launch.Role(args.role)
-    kv_port = cfg.transport.control_port or cfg.deploy.kv_base_port + args.index
+    kv_port = cfg.transport.control_port or cfg.deploy.kv_base_port + args.index * cfg.engine.decode_tp
     port = args.port or cfg.deploy.base_port + args.index
-    spec = launch.NodeSpec(role, args.index, port, kv_port if role is launch.Role.DECODE else 0)
+    tp = cfg.engine.prefill_tp if role is launch.Role.PREFILL else cfg.engine.decode_tp   # single: decode's
+    spec = launch.NodeSpec(role, args.index, port, kv_port if role is launch.Role.DECODE else 0, tp)
     if role is not launch.Role.SINGLE:
         load_secret(cfg.transport)            # refuse to start without one, saying how to set it
     cmd = launch.server_command(cfg, spec)
-    env = launch.server_env(cfg, 0, 1)
+    env = launch.server_env(cfg, 0, 1, tp)
     if args.dry_run:
         print(" ".join(cmd))
         return 0

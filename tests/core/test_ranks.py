@@ -7,7 +7,17 @@ import itertools
 import pytest
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import ROOT_KEY
-from kvrelay.core.ranks import Heads, Piece, Sharding, part_transfer_id, piece_key, plan, rank_endpoint, receives, sends
+from kvrelay.core.ranks import (
+    Heads,
+    Piece,
+    Sharding,
+    part_transfer_id,
+    piece_key,
+    plan,
+    rank_endpoint,
+    receives,
+    sends,
+)
 
 
 def vllm_heads(kv_heads: int, tp: int, rank: int) -> set[int]:

@@ -1,0 +1,154 @@
+"""Tensor parallelism on real vLLM (CPU build, ``--distributed-executor-backend mp``), equal and mixed.
+
+* Equal TP2 (P TP2 -> D TP2): every e2e case, streamed and not, token-identical to one vLLM at
+  TP2 with the same dtype and the same per-rank OpenMP binding (one core per rank), and every
+  prompt token loaded on both decode ranks, none recomputed.
+* Mixed TP (P TP2 -> D TP1, P TP1 -> D TP2): D's installed KV is byte-identical to P's KV
+  re-sharded. Every rank's blocks of a multi-chunk prompt are read through the inspect hook
+  (:mod:`tests.e2e.kv_dump`), joined along the head axis and compared whole, every layer and block.
+  Greedy answers are compared with one vLLM at D's TP; a difference is reported with its first
+  differing position.
+
+Each stack runs over tcp and over nixl.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kvrelay.deploy import launch
+
+from tests.e2e.harness import (
+    CASES,
+    Case,
+    _cfg,
+    openai_client,
+    read_events,
+    run_case,
+    start_stack,
+    stop_active,
+)
+from tests.e2e.kv_dump import DUMP_ENV
+
+pytestmark = pytest.mark.slow
+
+DUMP_CASE = Case("tp-dump", "completion", False, 1300, 4242)       # 6 chunks, a partial tail
+MIXED_CASES = [DUMP_CASE, *(c for c in CASES if c.name in {"c257", "h500", "c1024", "h1700"})]
+HOOK = "tests.e2e.kv_dump:dump"
+PORTS = {(2, 2, "tcp"): 19100, (2, 2, "nixl"): 19200, (2, 1, "nixl"): 19300, (2, 1, "tcp"): 19400,
+         (1, 2, "tcp"): 19500, (1, 2, "nixl"): 19600}
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def _reference(tiny_model: Path, tmp: Path, tp: int, cases: list[Case]) -> dict[str, str]:
+    """Greedy answers of one plain vLLM at TP ``tp``, bound one core per rank like each PD engine."""
+    cfg = _cfg(tiny_model, tmp, 18790)
+    spec = launch.NodeSpec(launch.Role.SINGLE, 0, 18790, tp=tp)
+    log = tmp / f"single-tp{tp}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 2, tp),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        launch.wait_healthy("http://127.0.0.1:18790", proc, 900, str(log))
+        client = openai_client("http://127.0.0.1:18790")
+        return {c.name: run_case(client, c)[0] for c in cases}
+    finally:
+        launch.stop_group(proc)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str]]:
+    stop_active()
+    tmp = tmp_path_factory.mktemp("tp-reference")
+    return {2: _reference(tiny_model, tmp, 2, [*CASES, DUMP_CASE]), 1: _reference(tiny_model, tmp, 1, MIXED_CASES)}
+
+
+@pytest.fixture(scope="module", params=sorted(PORTS), ids=[f"p{p}d{d}-{b}" for p, d, b in sorted(PORTS)])
+def tp_stack(request: pytest.FixtureRequest, references: Any, tiny_model: Path,
+             tmp_path_factory: pytest.TempPathFactory):
+    p_tp, d_tp, backend = request.param
+    tmp = tmp_path_factory.mktemp(f"tp-{p_tp}{d_tp}-{backend}")
+    dump = tmp / "kv"
+    dump.mkdir()
+    os.environ[DUMP_ENV] = str(dump)             # the engines inherit it (launch.server_env copies os.environ)
+    try:
+        handle = start_stack(tiny_model, tmp, PORTS[request.param], transport__backend=backend,
+                             engine__prefill_tp=p_tp, engine__decode_tp=d_tp, connector__metrics_port=0,
+                             connector__inspect_hook=HOOK)
+    finally:
+        del os.environ[DUMP_ENV]
+    yield handle, p_tp, d_tp, dump
+    handle.stack.stop()
+
+
+def _loads(handle: Any, rid: str, d_tp: int, timeout: float = 30) -> list[dict]:
+    """The ``load_done`` events of ``rid``: one per decode rank, each written as its install ends."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = [e for e in handle.events(rid) if e["event"] == "load_done"]
+        if len(done) >= d_tp or time.monotonic() > deadline:
+            return done
+        time.sleep(0.1)
+
+
+def test_tp_answers_match_one_vllm_and_nothing_is_recomputed(tp_stack, references):
+    handle, p_tp, d_tp, _dump = tp_stack
+    cases = CASES if p_tp == d_tp else MIXED_CASES[1:]
+    client = openai_client(handle.router_url)
+    differences = []
+    for case in cases:
+        rid = f"tp-{case.name}-{uuid.uuid4().hex[:6]}"
+        text, usage = run_case(client, case, rid)
+        want = references[d_tp][case.name]
+        if text != want:
+            differences.append(f"{case.name}: first difference at character {_first_difference(text, want)} "
+                               f"(PD {text!r}, one vLLM at TP{d_tp} {want!r})")
+        loads = _loads(handle, rid, d_tp)
+        assert len(loads) == d_tp, loads                     # one install per decode rank
+        for d in loads:
+            assert d["recomputed_tokens"] == 0 and not d["failed"], d
+            assert d["loaded_tokens"] + d["local_tokens"] >= usage["prompt_tokens"] - 1, d
+    assert not differences, "\n".join(differences)
+
+
+def _global(dumps: list[dict], heads_total: int) -> torch.Tensor:
+    """Rank dumps ``[L, n, bpb_rank]`` joined along the head axis: ``[L, n, H, head_bytes]``."""
+    dumps = sorted(dumps, key=lambda d: d["rank"])
+    parts = [d["kv"].view(d["kv"].shape[0], d["kv"].shape[1], d["heads"], -1) for d in dumps]
+    out = torch.cat(parts, dim=2)
+    assert out.shape[2] == heads_total, [tuple(p.shape) for p in parts]
+    return out
+
+
+def test_installed_kv_is_the_prefill_kv_resharded(tp_stack, references):
+    handle, p_tp, d_tp, dump = tp_stack
+    for f in dump.glob("*.pt"):
+        f.unlink()
+    rid = f"tp-dump-{uuid.uuid4().hex[:6]}"
+    text, _ = run_case(openai_client(handle.router_url), DUMP_CASE, rid)
+    loads = _loads(handle, rid, d_tp)
+    assert len(loads) == d_tp and all(d["recomputed_tokens"] == 0 and not d["failed"] for d in loads), loads
+    files = [torch.load(f) for f in sorted(dump.glob("*.pt"))]
+    pre = [d for d in files if d["role"] == "prefill"]
+    dec = [d for d in files if d["role"] == "decode"]
+    assert sorted(d["rank"] for d in pre) == list(range(p_tp)), [(d["role"], d["rank"]) for d in files]
+    assert sorted(d["rank"] for d in dec) == list(range(d_tp)), [(d["role"], d["rank"]) for d in files]
+    heads = sum(d["heads"] for d in pre)
+    p_kv, d_kv = _global(pre, heads), _global(dec, heads)
+    assert p_kv.shape == d_kv.shape and p_kv.shape[1] == -(-DUMP_CASE.prompt_len // 128), (p_kv.shape, d_kv.shape)
+    for layer in range(p_kv.shape[0]):
+        for block in range(p_kv.shape[1]):
+            assert torch.equal(p_kv[layer, block], d_kv[layer, block]), f"layer {layer} block {block} differs"
+    want = references[d_tp][DUMP_CASE.name]
+    assert text == want, f"first difference at character {_first_difference(text, want)}: {text!r} vs {want!r}"
+    assert read_events(handle.events_path)                 # the transfer log was written
