@@ -34,6 +34,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import yaml
 from kvrelay.common.config import parse_size
 from kvrelay.common.errors import ConfigError
@@ -56,8 +57,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="kvrelay", help="namespace of every object (rendered too)")
     p.add_argument("--image", default=K8sOptions.image, help="an image with kvrelay and vLLM installed (kvrelay "
                    f"on PATH); deploy/Dockerfile builds one: docker build -t kvrelay:{__version__} -f deploy/Dockerfile .")
-    p.add_argument("--prefill-gpus", type=int, default=None, help="GPUs per prefill pod (default 1; 0: CPU)")
-    p.add_argument("--decode-gpus", type=int, default=None, help="GPUs per decode pod (default 1; 0: CPU)")
+    p.add_argument("--prefill-gpus", type=int, default=None,
+                   help="GPUs per prefill pod, which is its engine's tensor-parallel size (default engine.prefill_tp, "
+                        "1 unless set; 0: CPU pods)")
+    p.add_argument("--decode-gpus", type=int, default=None,
+                   help="GPUs per decode pod = its engine's TP size; may differ from --prefill-gpus (default "
+                        "engine.decode_tp; 0: CPU pods)")
     p.add_argument("--gpus-per-pod", type=int, default=None, help="both of the above at once")
     p.add_argument("--engine-cpus", default="8", help="CPU request of an engine pod (default 8)")
     p.add_argument("--engine-memory", default="32Gi", help="memory of an engine pod before its receive pool and "
@@ -104,8 +109,8 @@ def options_from_args(args: argparse.Namespace) -> K8sOptions:
     both = args.gpus_per_pod
     return K8sOptions(
         namespace=args.namespace, image=args.image,
-        prefill_gpus=args.prefill_gpus if args.prefill_gpus is not None else (both if both is not None else 1),
-        decode_gpus=args.decode_gpus if args.decode_gpus is not None else (both if both is not None else 1),
+        prefill_gpus=args.prefill_gpus if args.prefill_gpus is not None else both,
+        decode_gpus=args.decode_gpus if args.decode_gpus is not None else both,
         engine_cpus=args.engine_cpus, engine_memory=args.engine_memory, router_replicas=args.router_replicas,
         node_selector=_pairs(args.node_selector, "--node-selector"),
         tolerations=tuple(_toleration(t) for t in args.toleration), rdma_resource=args.rdma_resource,
@@ -137,12 +142,31 @@ def cluster_config(cfg: kcfg.KVRelayConfig, opts: K8sOptions) -> kcfg.KVRelayCon
     return kcfg.from_dict(data)
 
 
+def with_gpus(cfg: kcfg.KVRelayConfig, opts: K8sOptions) -> tuple[kcfg.KVRelayConfig, dict[str, int]]:
+    """Each role's GPUs per pod and the tree with each engine's TP derived from them: a GPU pod's
+    GPUs are its engine's ranks. Unset flags take the GPUs from ``engine.prefill_tp`` /
+    ``engine.decode_tp``; a flag that contradicts a TP set in the YAML is an error, as is TP > 1
+    on a CPU pod's default binding."""
+    gpus, tps = {}, {}
+    for role, flag, given in (("prefill", "--prefill-gpus", opts.prefill_gpus),
+                              ("decode", "--decode-gpus", opts.decode_gpus)):
+        tp = cfg.engine.prefill_tp if role == "prefill" else cfg.engine.decode_tp
+        n = tp if given is None else given
+        if n > 0 and tp not in (1, n):
+            raise ConfigError(f"{flag} {n} but engine.{role}_tp is {tp}: each GPU of a pod is one rank of its "
+                              f"engine; set them equal, or give only one of them")
+        gpus[role], tps[role] = n, (n if n > 0 else tp)
+    engine = msgspec.structs.replace(cfg.engine, prefill_tp=tps["prefill"], decode_tp=tps["decode"])
+    return msgspec.structs.replace(cfg, engine=engine), gpus
+
+
 def memory_bytes(cfg: kcfg.KVRelayConfig, role: str, base: str) -> int:
     """An engine pod's memory: ``base`` plus what kvrelay pins or holds on top of vLLM (the
     decode node's receive pool; the store's CPU tier and deferred saves where the store runs)."""
     total = parse_size(base, "--engine-memory")
-    if role == "decode":
-        total += parse_size(cfg.transport.pool_bytes, "transport.pool_bytes") or pods.AUTO_POOL_ESTIMATE
+    if role == "decode":              # every decode rank has its own receive pool
+        pool = parse_size(cfg.transport.pool_bytes, "transport.pool_bytes") or pods.AUTO_POOL_ESTIMATE
+        total += pool * cfg.engine.decode_tp
     if cfg.store.enabled and (role == "prefill" or cfg.store.save_decoded):
         total += parse_size(cfg.store.cpu_bytes, "store.cpu_bytes") + parse_size(cfg.store.deferred_bytes,
                                                                                   "store.deferred_bytes")
@@ -162,6 +186,7 @@ def _prometheus_rule(ns: str) -> dict[str, Any]:
 def render(cfg: kcfg.KVRelayConfig, opts: K8sOptions, secret: str) -> list[dict[str, Any]]:
     """Every object, in apply order."""
     ns = opts.namespace
+    cfg, gpus = with_gpus(cfg, opts)
     tree = cluster_config(cfg, opts)
     config = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("kvrelay-config", ns, "config"),
                "data": {"kvrelay.yaml": yaml.safe_dump(kcfg.to_dict(tree), sort_keys=False)}},
@@ -173,8 +198,8 @@ def render(cfg: kcfg.KVRelayConfig, opts: K8sOptions, secret: str) -> list[dict[
                                    "metadata": {"name": ns, "labels": {"app.kubernetes.io/part-of": pods.PART_OF}}},
                                   *config]
     for role, n in (("prefill", cfg.deploy.prefill), ("decode", cfg.deploy.decode)):
-        pod = pods.EnginePod(role, opts.prefill_gpus if role == "prefill" else opts.decode_gpus, opts.engine_cpus,
-                             memory_bytes(tree, role, opts.engine_memory), cfg.engine.drain_timeout_s)
+        pod = pods.EnginePod(role, gpus[role], tree.engine.prefill_tp if role == "prefill" else tree.engine.decode_tp,
+                             opts.engine_cpus, memory_bytes(tree, role, opts.engine_memory), cfg.engine.drain_timeout_s)
         objs += [pods.headless_service(role, ns), pods.engine_deployment(pod, n, opts, checksum),
                  pods.disruption_budget(role, ns, {"maxUnavailable": 1})]
     objs += pods.router_objects(tree.router.port, opts, checksum)

@@ -30,8 +30,8 @@ class K8sOptions:
 
     namespace: str = "kvrelay"
     image: str = f"kvrelay:{__version__}"
-    prefill_gpus: int = 1
-    decode_gpus: int = 1
+    prefill_gpus: int | None = None   # GPUs per prefill pod; None: engine.prefill_tp (1 unless set)
+    decode_gpus: int | None = None
     engine_cpus: str = "8"
     engine_memory: str = "32Gi"
     router_replicas: int = 2
@@ -46,11 +46,8 @@ class K8sOptions:
 
     def __post_init__(self) -> None:
         for flag, n in (("--prefill-gpus", self.prefill_gpus), ("--decode-gpus", self.decode_gpus)):
-            if n < 0:
+            if n is not None and n < 0:
                 raise ConfigError(f"{flag} must be at least 0 (0: CPU pods), got {n}")
-            if n > 1:
-                raise ConfigError(f"{flag} {n}: kvrelay's connectors move one engine rank's KV, so tensor "
-                                  "parallelism across GPUs is not supported yet; use 1 GPU per pod")
         if self.router_replicas < 1:
             raise ConfigError(f"--router-replicas must be at least 1, got {self.router_replicas}")
 
@@ -69,6 +66,7 @@ class EnginePod:
 
     role: str
     gpus: int
+    tp: int                  # tensor-parallel ranks (= gpus on GPU pods); decode rank r listens on each port + r
     cpus: str
     memory_bytes: int
     drain_timeout_s: float
@@ -124,7 +122,10 @@ def engine_deployment(pod: EnginePod, replicas: int, opts: K8sOptions, checksum:
     ports = [{"name": "http", "containerPort": HTTP_PORT}]
     if role == "decode":
         args += ["--transport.advertise_host", "$(POD_IP)"]
-        ports += [{"name": "kv", "containerPort": KV_PORT}, {"name": "kv-data", "containerPort": KV_DATA_PORT}]
+        for r in range(pod.tp):
+            suffix = f"-{r}" if r else ""
+            ports += [{"name": f"kv{suffix}", "containerPort": KV_PORT + r},
+                      {"name": f"kv-data{suffix}", "containerPort": KV_DATA_PORT + r}]
     vols, mounts = _volumes(opts, engine=True)
     container: dict[str, Any] = {
         "name": role, "image": opts.image, "command": ["kvrelay"], "args": args, "ports": ports,
@@ -214,7 +215,9 @@ def network_policies(cfg: kcfg.KVRelayConfig, opts: K8sOptions, events_port: int
     ns = opts.namespace
     scrape = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": opts.metrics_namespace}}}
     http = {"from": [_from_stack(), scrape], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
-    decode = {"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": p} for p in (KV_PORT, KV_DATA_PORT)]}
+    ranks = cfg.engine.decode_tp                 # decode rank r: KV_PORT + r and KV_DATA_PORT + r
+    decode = {"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": base + r} for base in (KV_PORT, KV_DATA_PORT)
+                                                 for r in range(ranks)]}
     prefill = [http]
     if cfg.store.publish_port:
         prefill.append({"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": events_port}]})

@@ -216,7 +216,25 @@ def test_network_policies_keep_the_data_plane_inside_the_stack(tmp_path: Path) -
     assert rule == yaml.safe_load(k8s.ALERTS.read_text())["groups"]
 
 
-def test_tensor_parallel_pods_are_refused_until_the_connectors_move_every_rank(tmp_path: Path) -> None:
+def test_gpus_per_role_set_each_engines_tensor_parallel_size(tmp_path: Path) -> None:
+    objs = _render(tmp_path, "--prefill-gpus", "2", "--decode-gpus", "4")
+    for obj in objs.values():
+        if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+            _validate(obj)
+    tree = yaml.safe_load(objs["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"])
+    assert (tree["engine"]["prefill_tp"], tree["engine"]["decode_tp"]) == (2, 4)
+    limits = {r: _pod(objs, f"kvrelay-{r}")["spec"]["containers"][0]["resources"]["limits"] for r in ("prefill", "decode")}
+    assert limits["prefill"]["nvidia.com/gpu"] == 2 and limits["decode"]["nvidia.com/gpu"] == 4
+    ports = {p["containerPort"] for p in _pod(objs, "kvrelay-decode")["spec"]["containers"][0]["ports"]}
+    assert {k8s.KV_PORT + r for r in range(4)} | {k8s.KV_PORT + 100 + r for r in range(4)} <= ports
+    allowed = {p["port"] for rule in objs["NetworkPolicy/kvrelay-decode"]["spec"]["ingress"] for p in rule["ports"]}
+    assert {k8s.KV_PORT + r for r in range(4)} <= allowed
+    from_yaml = _render(tmp_path / "y", "--engine.prefill_tp", "2")          # the TP key alone sets the GPUs
+    pre = _pod(from_yaml, "kvrelay-prefill")["spec"]["containers"][0]["resources"]["limits"]
+    assert pre["nvidia.com/gpu"] == 2
+
+
+def test_gpus_that_contradict_the_tp_key_are_refused(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "deploy", "k8s", "--out", str(tmp_path), "--decode-gpus",
-                          "2"], capture_output=True, text=True)
-    assert res.returncode == 2 and "tensor parallelism" in res.stderr and "Traceback" not in res.stderr
+                          "4", "--engine.decode_tp", "2"], capture_output=True, text=True)
+    assert res.returncode == 2 and "engine.decode_tp" in res.stderr and "Traceback" not in res.stderr
