@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
@@ -22,3 +23,11 @@ def corrupt_every_other(transfer_id: str, chunk_index: int, payload: torch.Tenso
     bad.view(-1)[bad.numel() // 2] ^= 0x5A
     log.warning("fault injection: corrupted chunk %d of %s", chunk_index, transfer_id)
     return bad
+
+
+def slow_when_asked(transfer_id: str, chunk_index: int, payload: torch.Tensor) -> torch.Tensor:
+    """Hold each chunk of a transfer whose id names a ``slowpush`` request for 0.4 s (a window
+    in which to kill a node mid-transfer); every other transfer passes untouched."""
+    if "slowpush" in transfer_id:
+        time.sleep(0.4)
+    return payload

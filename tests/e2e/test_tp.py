@@ -15,25 +15,28 @@ Each stack runs over tcp and over nixl.
 from __future__ import annotations
 
 import os
-import subprocess
+import signal
+import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import torch
-from kvrelay.deploy import launch
 
 from tests.e2e.harness import (
     CASES,
     Case,
-    _cfg,
     openai_client,
     read_events,
+    reference_at_tp,
     run_case,
+    scrape,
     start_stack,
     stop_active,
+    without_vllm_labels,
 )
 from tests.e2e.kv_dump import DUMP_ENV
 
@@ -42,6 +45,7 @@ pytestmark = pytest.mark.slow
 DUMP_CASE = Case("tp-dump", "completion", False, 1300, 4242)       # 6 chunks, a partial tail
 MIXED_CASES = [DUMP_CASE, *(c for c in CASES if c.name in {"c257", "h500", "c1024", "h1700"})]
 HOOK = "tests.e2e.kv_dump:dump"
+FAULT_STACK = (1, 2, "tcp")          # the stack whose decode rank 1 the last test kills
 PORTS = {(2, 2, "tcp"): 19100, (2, 2, "nixl"): 19200, (2, 1, "nixl"): 19300, (2, 1, "tcp"): 19400,
          (1, 2, "tcp"): 19500, (1, 2, "nixl"): 19600}
 
@@ -50,27 +54,12 @@ def _first_difference(a: str, b: str) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def _reference(tiny_model: Path, tmp: Path, tp: int, cases: list[Case]) -> dict[str, str]:
-    """Greedy answers of one plain vLLM at TP ``tp``, bound one core per rank like each PD engine."""
-    cfg = _cfg(tiny_model, tmp, 18790)
-    spec = launch.NodeSpec(launch.Role.SINGLE, 0, 18790, tp=tp)
-    log = tmp / f"single-tp{tp}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 2, tp),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        launch.wait_healthy("http://127.0.0.1:18790", proc, 900, str(log))
-        client = openai_client("http://127.0.0.1:18790")
-        return {c.name: run_case(client, c)[0] for c in cases}
-    finally:
-        launch.stop_group(proc)
-
-
 @pytest.fixture(scope="module")
 def references(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str]]:
     stop_active()
     tmp = tmp_path_factory.mktemp("tp-reference")
-    return {2: _reference(tiny_model, tmp, 2, [*CASES, DUMP_CASE]), 1: _reference(tiny_model, tmp, 1, MIXED_CASES)}
+    return {2: reference_at_tp(tiny_model, tmp, 2, [*CASES, DUMP_CASE]),
+            1: reference_at_tp(tiny_model, tmp, 1, MIXED_CASES)}
 
 
 @pytest.fixture(scope="module", params=sorted(PORTS), ids=[f"p{p}d{d}-{b}" for p, d, b in sorted(PORTS)])
@@ -82,9 +71,10 @@ def tp_stack(request: pytest.FixtureRequest, references: Any, tiny_model: Path,
     dump.mkdir()
     os.environ[DUMP_ENV] = str(dump)             # the engines inherit it (launch.server_env copies os.environ)
     try:
+        fault = {"connector__push_hook": "tests.e2e.faults:slow_when_asked"} if request.param == FAULT_STACK else {}
         handle = start_stack(tiny_model, tmp, PORTS[request.param], transport__backend=backend,
                              engine__prefill_tp=p_tp, engine__decode_tp=d_tp, connector__metrics_port=0,
-                             connector__inspect_hook=HOOK)
+                             connector__inspect_hook=HOOK, **fault)
     finally:
         del os.environ[DUMP_ENV]
     yield handle, p_tp, d_tp, dump
@@ -152,3 +142,75 @@ def test_installed_kv_is_the_prefill_kv_resharded(tp_stack, references):
     want = references[d_tp][DUMP_CASE.name]
     assert text == want, f"first difference at character {_first_difference(text, want)}: {text!r} vs {want!r}"
     assert read_events(handle.events_path)                 # the transfer log was written
+
+
+def _worker_pid(pgid: int, title: str) -> int:
+    """The pid of the process in group ``pgid`` whose title names it (vLLM: ``VLLM::Worker_TP1``)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if os.getpgid(int(proc.name)) == pgid and title in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                return int(proc.name)
+        except (OSError, ProcessLookupError):
+            continue
+    raise AssertionError(f"no process titled {title!r} in group {pgid}")
+
+
+def _prefill_idle(handle: Any) -> bool:
+    m = without_vllm_labels(scrape(f"{handle.stack.url(handle.stack.specs[0])}/metrics"))
+    busy = [v for k, v in m.items() if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                                     "vllm:kv_cache_usage_perc", "kvrelay_transfers_inflight"))]
+    return not any(busy)
+
+
+def test_killing_one_decode_rank_mid_transfer_leaves_no_partial_install_and_no_leak(tp_stack, references):
+    """SIGKILL decode rank 1 while chunks are landing: the client gets a clean error (or, had the
+    transfer finished, the exact answer), the prefill node frees every push and block, and the
+    decode node, restarted, installs the same prompt whole on both ranks with nothing recomputed."""
+    handle, p_tp, d_tp, _dump = tp_stack
+    if (p_tp, d_tp, handle.cfg.transport.backend.value) != FAULT_STACK:
+        pytest.skip("runs on one stack (it kills a decode rank)")
+    case = next(c for c in CASES if c.name == "c1800")              # 8 chunks, 0.4 s each on P
+    stack, client = handle.stack, openai_client(handle.router_url)
+    rid, outcome = f"slowpush-{uuid.uuid4().hex[:6]}", {}
+
+    def send() -> None:
+        try:
+            outcome["text"] = run_case(client, case, rid)[0]
+        except Exception as exc:  # noqa: BLE001 - the outcome is what the test checks
+            outcome["error"] = exc
+    sender = threading.Thread(target=send)
+    sender.start()
+    deadline = time.monotonic() + 120
+    while not any(e["event"] == "install" for e in handle.events(rid)):     # a chunk has landed on D
+        assert time.monotonic() < deadline and sender.is_alive(), f"no chunk installed: {outcome}"
+        time.sleep(0.05)
+    os.kill(_worker_pid(stack.procs["decode0"].pid, "Worker_TP1"), signal.SIGKILL)
+    sender.join(120)
+    assert not sender.is_alive(), "the client still waits 120 s after a decode rank died"
+    if "text" in outcome:
+        assert outcome["text"] == references[2][case.name], outcome
+    else:
+        assert isinstance(outcome["error"], openai.APIError), repr(outcome["error"])
+    done = [e for e in handle.events(rid) if e["event"] == "load_done"]
+    assert not [e for e in done if not e["failed"] and e["loaded_tokens"] and "text" not in outcome], done
+    deadline = time.monotonic() + 60
+    while not _prefill_idle(handle):
+        assert time.monotonic() < deadline, "the prefill node still holds pushes, requests or KV 60 s later"
+        time.sleep(0.5)
+    stack.kill("decode0")                                          # whatever is left of the node
+    stack.restart("decode0")
+    rid2 = f"tp-after-{uuid.uuid4().hex[:6]}"
+    deadline = time.monotonic() + 60
+    while True:                                                    # the router puts it back in rotation
+        try:
+            text = run_case(client, case, rid2)[0]
+            break
+        except openai.APIError:
+            assert time.monotonic() < deadline, "the restarted decode node never served"
+            rid2 = f"tp-after-{uuid.uuid4().hex[:6]}"
+            time.sleep(1)
+    assert text == references[2][case.name]
+    loads = _loads(handle, rid2, d_tp)
+    assert len(loads) == d_tp and all(d["recomputed_tokens"] == 0 and not d["failed"] for d in loads), loads

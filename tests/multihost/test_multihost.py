@@ -12,8 +12,10 @@ and announces the one its peers reach (``transport.advertise_host``), as it woul
 pod or behind NAT. UCX is limited to TCP over the namespace's interface, so nixl cannot
 take a shared-memory shortcut between the "hosts".
 
-Answers must be token-identical to the plain vLLM reference (``tests/e2e/harness.py``),
-and every prompt's KV must have been loaded from pushes, not recomputed.
+Answers must be token-identical to the plain vLLM reference (``tests/e2e/harness.py``; at
+the decode node's TP, one core per rank), and every prompt's KV must have been loaded from
+pushes, not recomputed. Besides one-rank engines, it runs mixed tensor parallelism across the
+hosts: TP2 prefill -> TP1 decode over tcp, TP1 prefill -> TP2 decode over nixl.
 
 Needs root (``ip netns``); without it the test skips and says why.
 """
@@ -33,7 +35,7 @@ import pytest
 import yaml
 from kvrelay.deploy import launch
 
-from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case, stop_active
+from tests.e2e.harness import CASES, MODEL, openai_client, read_events, reference_at_tp, run_case, stop_active
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -90,13 +92,13 @@ def hosts() -> Iterator[dict[str, str]]:
 class Hosts:
     """One node per namespace, started from one YAML file plus per-host flags."""
 
-    def __init__(self, tmp: Path, tiny_model: Path, backend: str) -> None:
-        self.tmp, self.procs = tmp, {}
+    def __init__(self, tmp: Path, tiny_model: Path, backend: str, p_tp: int = 1, d_tp: int = 1) -> None:
+        self.tmp, self.procs, self.p_tp, self.d_tp = tmp, {}, p_tp, d_tp
         self.events = tmp / "events.jsonl"
         self.config = tmp / "kvrelay.yaml"
         d = f"http://{ADDR['decode']}:{PORT['decode']}=tcp://{ADDR['decode']}:{PORT['kv']}"
         self.config.write_text(yaml.safe_dump({
-            "engine": {"model": str(tiny_model), "served_model_name": MODEL},
+            "engine": {"model": str(tiny_model), "served_model_name": MODEL, "prefill_tp": p_tp, "decode_tp": d_tp},
             "transport": {"backend": backend},
             "deploy": {"kv_base_port": PORT["kv"], "startup_timeout_s": 900},
             "connector": {"events_path": str(self.events), "first_chunk_s": 20},
@@ -116,9 +118,10 @@ class Hosts:
 
     def start(self) -> None:
         self._spawn("prefill", ["serve", "--role", "prefill", "--index", "0", "--port", str(PORT["prefill"]),
-                                "--deploy.host", ADDR["prefill"]], "0")
+                                "--deploy.host", ADDR["prefill"]], "|".join(["0", "1"][:self.p_tp]))
         self._spawn("decode", ["serve", "--role", "decode", "--index", "0", "--port", str(PORT["decode"]),
-                               "--deploy.host", "0.0.0.0", "--transport.advertise_host", ADDR["decode"]], "1")
+                               "--deploy.host", "0.0.0.0", "--transport.advertise_host", ADDR["decode"]],
+                    "|".join(["1", "0"][:self.d_tp]))
         for role in ("prefill", "decode"):
             launch.wait_healthy(f"http://{ADDR[role]}:{PORT[role]}", self.procs[role], 900,
                                 str(self.tmp / f"{role}.log"))
@@ -131,11 +134,17 @@ class Hosts:
             launch.stop_group(p)
 
 
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
+SETUPS = [("tcp", 1, 1), ("nixl", 1, 1), ("tcp", 2, 1), ("nixl", 1, 2)]     # (backend, prefill TP, decode TP)
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"{b}-p{p}d{d}" for b, p, d in SETUPS])
 def multihost(request: pytest.FixtureRequest, hosts: dict[str, str], tiny_model: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     stop_active()                      # an earlier module's stack would compete for the two cores
-    h = Hosts(tmp_path_factory.mktemp(f"multihost-{request.param}"), tiny_model, request.param)
+    backend, p_tp, d_tp = request.param
+    h = Hosts(tmp_path_factory.mktemp(f"multihost-{backend}-{p_tp}{d_tp}"), tiny_model, backend, p_tp, d_tp)
+    if d_tp == 2 and not _TP2_REFERENCE:     # one vLLM at the decode node's TP, before the nodes start
+        _TP2_REFERENCE.update(reference_at_tp(tiny_model, h.tmp, 2, CASES))
     try:
         h.start()
         yield h
@@ -143,16 +152,21 @@ def multihost(request: pytest.FixtureRequest, hosts: dict[str, str], tiny_model:
         h.stop()
 
 
+_TP2_REFERENCE: dict[str, str] = {}
+
+
 def test_three_hosts_are_token_exact_and_load_from_pushes(multihost: Hosts, reference: dict[str, str]) -> None:
+    want = reference if multihost.d_tp == 1 else _TP2_REFERENCE
     client = openai_client(f"http://{ADDR['router']}:{PORT['router']}")
     for case in CASES:
         rid = f"mh-{case.name}-{uuid.uuid4().hex[:6]}"
         text, usage = run_case(client, case, rid)
-        assert text == reference[case.name], f"{case}: output over three hosts differs from one vLLM"
+        assert text == want[case.name], f"{case}: output over three hosts differs from one vLLM"
         deadline = time.monotonic() + 30
-        while not (done := [e for e in read_events(multihost.events)
-                            if e["event"] == "load_done" and rid in e.get("transfer", "")]):
-            assert time.monotonic() < deadline, f"{case.name}: no load_done event"
+        while len(done := [e for e in read_events(multihost.events)
+                           if e["event"] == "load_done" and rid in e.get("transfer", "")]) < multihost.d_tp:
+            assert time.monotonic() < deadline, f"{case.name}: {len(done)} load_done events of {multihost.d_tp}"
             time.sleep(0.1)
-        assert done[0]["recomputed_tokens"] == 0 and not done[0]["failed"], done[0]
-        assert done[0]["loaded_tokens"] > 0, done[0]
+        for d in done:                                   # every decode rank loaded its heads
+            assert d["recomputed_tokens"] == 0 and not d["failed"], d
+            assert d["loaded_tokens"] > 0, d
