@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -62,6 +63,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="tcp,nixl", help="kvrelay transports to run")
     p.add_argument("--systems", default="single,single-p,kvrelay,nixl-fair,nixl-stock")
     p.add_argument("--first-token", default="prefill", help="kvrelay router.first_token settings to run (comma list)")
+    p.add_argument("--prefill-tp", default="1", help="kvrelay prefill TP sizes to run (comma list, e.g. 1,2: one "
+                   "kvrelay system each; engine.prefill_tp)")
+    p.add_argument("--decode-tp", type=int, default=1, help="kvrelay decode TP size (engine.decode_tp)")
     p.add_argument("--prefill-batch-tokens", type=int, default=0,
                    help="P's --max-num-batched-tokens (0 = vLLM's, as the single baselines run; a smaller "
                         "batch lets a long prompt's pushes overlap its later chunks but costs TTFT)")
@@ -271,12 +275,20 @@ def up_single(args: argparse.Namespace, out: Path, label: str, port: int) -> Sys
                   url=url, cfg=cfg)
 
 
-def up_kvrelay(args: argparse.Namespace, out: Path, backend: str, first_token: str, port: int) -> System:
-    label = f"kvrelay-{backend}" + ("-d" if first_token == "decode" else "")
+def kvrelay_label(backend: str, first_token: str, p_tp: int, d_tp: int) -> str:
+    """``kvrelay-tcp``, ``kvrelay-nixl-d`` (token 1 from D), ``kvrelay-tcp-tp2x1`` (prefill TP2, decode TP1)."""
+    tp = f"-tp{p_tp}x{d_tp}" if (p_tp, d_tp) != (1, 1) else ""
+    return f"kvrelay-{backend}" + ("-d" if first_token == "decode" else "") + tp
+
+
+def up_kvrelay(args: argparse.Namespace, out: Path, backend: str, first_token: str, port: int,
+               p_tp: int = 1, d_tp: int = 1) -> System:
+    label = kvrelay_label(backend, first_token, p_tp, d_tp)
     sub = out / label
     sub.mkdir(parents=True, exist_ok=True)
     (sub / "events.jsonl").unlink(missing_ok=True)
-    cfg = base_cfg(args, sub, port, transport__backend=backend, router__first_token=first_token)
+    cfg = base_cfg(args, sub, port, transport__backend=backend, router__first_token=first_token,
+                   engine__prefill_tp=p_tp, engine__decode_tp=d_tp)
     stack = launch.Stack(cfg)
     try:
         stack.start(progress=False)
@@ -293,23 +305,26 @@ def exposed_transfer(events_path: Path, chunk_tokens: int) -> dict:
     """Per prompt length: median exposed transfer (ms) and one chunk's transfer time (ms)."""
     evs = read_events(events_path)
     by_tid: dict[str, list[dict]] = {}
-    for e in evs:
-        by_tid.setdefault(e.get("transfer", ""), []).append(e)
+    for e in evs:             # a request's sub-transfers (tid#pN: one per prefill rank) and every rank together
+        by_tid.setdefault(e.get("transfer", "").split("#")[0], []).append(e)
     exposed: dict[int, list[float]] = {}
     one_chunk: list[float] = []
     for group in by_tid.values():
         done = [e for e in group if e["event"] == "load_done"]
         installs = [e for e in group if e["event"] == "install"]
-        starts = {e["chunk"]: e["t"] for e in group if e["event"] == "push_start"}
+        starts: dict[int, float] = {}
+        for e in group:                  # with TP, each piece of a chunk starts on its own rank: the first
+            if e["event"] == "push_start":
+                starts[e["chunk"]] = min(e["t"], starts.get(e["chunk"], e["t"]))
         if not done or not installs or not starts:
             continue
-        n = done[0]["chunks"]
+        n = done[0]["chunks"]         # the last piece of the last chunk, on whichever rank, ends it
         last_start = starts.get(n - 1, max(starts.values()))
         first_install = min(e["t_start"] for e in installs)
         last_end = max(e["t_end"] for e in installs)
         exposed.setdefault(done[0]["prompt_tokens"], []).append(last_end - max(first_install, last_start))
         if n == 1:
-            one_chunk.append(installs[0]["t_end"] - starts[0])
+            one_chunk.append(last_end - starts[0])
     chunk_ms = 1e3 * statistics.median(one_chunk) if one_chunk else float("nan")
     return {"one_chunk_ms": chunk_ms,
             "exposed_ms": {n: 1e3 * statistics.median(v) for n, v in sorted(exposed.items())}}
@@ -371,8 +386,9 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, Callable[[int], System]]]
     if "kvrelay" in systems:
         for b in args.backends.split(","):
             for mode in args.first_token.split(","):
-                label = f"kvrelay-{b}" + ("-d" if mode == "decode" else "")
-                plan.append((label, partial(up_kvrelay, args, out, b, mode)))
+                for p_tp in map(int, args.prefill_tp.split(",")):
+                    plan.append((kvrelay_label(b, mode, p_tp, args.decode_tp),
+                                 partial(up_kvrelay, args, out, b, mode, p_tp=p_tp, d_tp=args.decode_tp)))
     for label in ("nixl-fair", "nixl-stock"):
         if label in systems:
             plan.append((label, partial(up_nixl, args, out, label, label == "nixl-fair")))
@@ -383,7 +399,11 @@ ENGINE_GIB = 2.3          # one tiny-model vLLM server's resident memory here (1
 
 
 def engines_of(label: str) -> int:
-    return 1 if label.startswith("single") else 2
+    """Engine processes of a system (a TP engine has one per rank): ``kvrelay-tcp-tp2x1`` has 3."""
+    if label.startswith("single"):
+        return 1
+    tp = re.search(r"-tp(\d+)x(\d+)$", label)
+    return int(tp.group(1)) + int(tp.group(2)) if tp else 2
 
 
 def fits_together(labels: list[str], meminfo: str = "/proc/meminfo") -> bool:

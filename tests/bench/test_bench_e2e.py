@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 
+from kvrelay.bench import e2e
 from kvrelay.bench.e2e import Samples, System, measure_interleaved, paired_ratio, rotation, rows_of
 
 
@@ -85,3 +87,20 @@ def test_systems_that_do_not_fit_in_memory_together_run_one_after_the_other(tmp_
     assert not fits_together(labels, str(tight))
     assert "--sequential" in capsys.readouterr().err
     assert fits_together(labels[:2], str(tight))
+
+
+def test_tp_systems_are_labelled_counted_and_their_ranks_transfers_read_as_one(tmp_path) -> None:
+    assert e2e.kvrelay_label("tcp", "prefill", 2, 1) == "kvrelay-tcp-tp2x1"
+    assert e2e.kvrelay_label("nixl", "decode", 1, 1) == "kvrelay-nixl-d"
+    assert e2e.engines_of("kvrelay-tcp-tp2x1") == 3 and e2e.engines_of("kvrelay-tcp") == 2
+    # prefill TP2 -> decode TP1: two sub-transfers (one per prefill rank) of one 1-chunk request
+    evs = [{"event": "push_start", "transfer": "t1#p0", "chunk": 0, "t": 10.0},
+           {"event": "push_start", "transfer": "t1#p1", "chunk": 0, "t": 10.002},
+           {"event": "install", "transfer": "t1#p0", "chunk": 0, "t_start": 10.004, "t_end": 10.005},
+           {"event": "install", "transfer": "t1#p1", "chunk": 0, "t_start": 10.006, "t_end": 10.010},
+           {"event": "load_done", "transfer": "t1", "chunks": 1, "prompt_tokens": 240}]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in evs))
+    got = e2e.exposed_transfer(path, 256)
+    assert abs(got["one_chunk_ms"] - 10.0) < 1e-6          # first piece started -> last piece installed
+    assert abs(got["exposed_ms"][240] - 6.0) < 1e-6         # last piece installed - first install
