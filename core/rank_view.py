@@ -69,8 +69,9 @@ class RankView:
         pieces = tuple(plan(kv_heads, cfg.engine.prefill_tp, cfg.engine.decode_tp))
         view = cls(rank, tp, kv_heads, heads, layout.bytes_per_block,
                    layout.bytes_per_block // len(heads) if head_major else 0, pieces)
-        mine = view.outgoing() if role == "prefill" else view.incoming()
-        if any(pc.heads != heads for pc in mine) and not head_major:
+        sender, receiver = Sharding(kv_heads, cfg.engine.prefill_tp), Sharding(kv_heads, cfg.engine.decode_tp)
+        resharded = any(pc.heads != sender.heads(pc.src) or pc.heads != receiver.heads(pc.dst) for pc in pieces)
+        if resharded and not head_major:           # refused on both sides, whichever would slice
             raise ConfigError(f"engine.prefill_tp {cfg.engine.prefill_tp} and engine.decode_tp "
                               f"{cfg.engine.decode_tp} differ, which re-shards KV heads inside each block; this "
                               f"engine's KV blocks are {list(layout.block_shape())}, not head-major: run prefill "

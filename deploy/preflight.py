@@ -7,10 +7,14 @@ secret when none is set, and must fit its servers' ports without collisions.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
+from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import SECRET_ENV
 from kvrelay.core.config import KVRelayConfig, RoutingPolicy
+from kvrelay.core.ranks import Sharding
 from kvrelay.deploy.launch import PUBLISH_OFFSET, Role, node_specs
 from kvrelay.router import preflight as router_preflight
 from kvrelay.transport.config import TransportKind
@@ -49,6 +53,30 @@ def _collisions(cfg: KVRelayConfig) -> list[str]:
     return found
 
 
+def _tp_problems(cfg: KVRelayConfig) -> list[str]:
+    """TP sizes the model's heads do not allow (read from a local model directory's config.json;
+    a hub id is checked by each engine at start)."""
+    path = Path(cfg.engine.model).expanduser() / "config.json" if cfg.engine.model else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    heads = int(hf.get("num_attention_heads") or 0)
+    kv_heads = int(hf.get("num_key_value_heads") or heads)
+    found = []
+    for key, tp in (("engine.prefill_tp", cfg.engine.prefill_tp), ("engine.decode_tp", cfg.engine.decode_tp)):
+        if heads and heads % tp:
+            found.append(f"{key} {tp} does not divide the model's {heads} attention heads")
+            continue
+        try:
+            Sharding(kv_heads, tp)
+        except ConfigError as exc:
+            found.append(f"{key}: {exc}")
+    return found
+
+
 def problems(cfg: KVRelayConfig) -> list[str]:
     """Every reason the router (or ``kvrelay up``) would refuse ``cfg``; empty when it would start."""
     if cfg.router.prefill or cfg.router.decode:
@@ -56,4 +84,4 @@ def problems(cfg: KVRelayConfig) -> list[str]:
     skip = {"nodes", "cache_aware"}                # kvrelay up lists the nodes and their event ports
     if not (os.environ.get(SECRET_ENV) or cfg.transport.secret_file):
         skip.add("secret")                         # kvrelay up writes one into deploy.log_dir
-    return router_preflight.problems(cfg, frozenset(skip)) + _collisions(cfg)
+    return router_preflight.problems(cfg, frozenset(skip)) + _collisions(cfg) + _tp_problems(cfg)

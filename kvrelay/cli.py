@@ -106,8 +106,13 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import time
 
     from kvrelay.deploy import launch
+    from kvrelay.deploy.preflight import problems
 
     cfg = kcfg.config_from_args(args)
+    if found := problems(cfg):                # what `kvrelay config --check` reports, before anything starts
+        for p in found:
+            print(f"kvrelay: {p}", file=sys.stderr)
+        return 2
     stack = launch.Stack(cfg)
     print(f"kvrelay: starting {cfg.deploy.prefill} prefill + {cfg.deploy.decode} decode vLLM servers "
           f"({launch.served_name(cfg)}, transport {cfg.transport.backend.value}); logs in {stack.log_dir}/",
