@@ -215,10 +215,6 @@ class KVRelayConfig(Section, frozen=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         tp = max(self.engine.prefill_tp, self.engine.decode_tp)
-        if tp > 1 and self.store.enabled:
-            raise ConfigError(f"store.enabled with tensor parallelism (engine.prefill_tp {self.engine.prefill_tp}, "
-                              f"engine.decode_tp {self.engine.decode_tp}) is not supported yet: the store serves "
-                              "one-rank engines; turn one of them off")
         if tp > 1 and self.connector.metrics_port:
             raise ConfigError("connector.metrics_port with tensor parallelism: every rank would open the same "
                               "exporter port; read the kvrelay series from the engine's own /metrics (they sum "

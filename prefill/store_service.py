@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -29,6 +30,7 @@ from kvrelay.common.wire import parse_header
 from kvrelay.core.chunk_records import gather_record, record_payload
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.placement import place_helper_thread
+from kvrelay.core.rank_view import tp_rank
 from kvrelay.core.telemetry import EventLog, metrics
 from kvrelay.kernels.blocks import scatter
 from kvrelay.kernels.layout import KVLayout
@@ -45,13 +47,20 @@ class StoreService:
     """Worker side: the store, the lookup server, and chunk load/save."""
 
     def __init__(self, cfg: KVRelayConfig, vllm_config: Any, events: EventLog) -> None:
+        """With tensor parallelism every rank keeps its own records (keys under its own
+        fingerprint, which names its rank and TP size: records are per layout); rank 0 answers
+        the scheduler's lookups and publishes the events the router routes by, and the disk
+        tier gets a directory per rank. A chunk rank 0 holds that another rank lost is
+        recomputed there (reported as a failed load), never taken from another layout."""
         self.cfg, self.events = cfg, events
         self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         s = cfg.store
         secret = load_secret(cfg.transport)
+        rank, tp = tp_rank(vllm_config), getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
         self.publisher = (Publisher(s.publish_host or cfg.transport.host, s.publish_port,
-                                    derive_key(secret, KeyUse.EVENTS)) if s.publish_port else None)
-        self.store = MultiTierStore(int(s.cpu_bytes), policy=s.eviction_policy.value, disk_path=s.disk_path,
+                                    derive_key(secret, KeyUse.EVENTS)) if s.publish_port and rank == 0 else None)
+        disk = str(Path(s.disk_path) / f"rank{rank}") if s.disk_path and tp > 1 else s.disk_path
+        self.store = MultiTierStore(int(s.cpu_bytes), policy=s.eviction_policy.value, disk_path=disk,
                                     disk_bytes=int(s.disk_bytes), redis_url=s.redis_url,
                                     deferred_bytes=int(s.deferred_bytes), prefetch_ahead=s.prefetch_ahead,
                                     on_event=self.publisher, seal=seal_for(secret),
@@ -63,7 +72,8 @@ class StoreService:
         self.block_size: int = vllm_config.cache_config.block_size
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvrelay-store-lookup", daemon=True)
-        self._thread.start()
+        if rank == 0:                                  # one lookup server per engine
+            self._thread.start()
 
     def _export_stats(self) -> None:
         """The store's counts as counters, read at scrape time (and at each engine step)."""
@@ -162,7 +172,8 @@ class StoreService:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        if self._thread.ident is not None:             # started (rank 0)
+            self._thread.join(timeout=2)
         self.store.close()
         if self.publisher is not None:
             self.publisher.close()

@@ -23,7 +23,6 @@ from kvrelay.kernels.layout import KVLayout
     (["engine.extra_args=[--tensor-parallel-size, 2]"], "engine.prefill_tp and engine.decode_tp"),
     (["engine.decode_args=-tp 4"], "engine.prefill_tp and engine.decode_tp"),
     (["engine.prefill_args=--pipeline-parallel-size 2"], "pipeline and data parallelism are not supported"),
-    (["engine.decode_tp=2", "store.enabled=true"], "store.enabled with tensor parallelism"),
     (["engine.prefill_tp=2", "connector.metrics_port=9300"], "connector.metrics_port with tensor parallelism"),
 ])
 def test_what_tp_cannot_do_is_refused_at_load_naming_the_keys(over: list[str], names: str) -> None:

@@ -48,6 +48,7 @@ DUMP_CASE = Case("tp-dump", "completion", False, 1300, 4242)       # 6 chunks, a
 MIXED_CASES = [DUMP_CASE, *(c for c in CASES if c.name in {"c257", "h500", "c1024", "h1700"})]
 HOOK = "tests.e2e.kv_dump:dump"
 FAULT_STACK = (1, 2, "tcp")          # the stack whose decode rank 1 the last test kills
+STORE_STACK = (2, 2, "tcp")          # the stack whose prefill node runs the store
 PORTS = {(2, 2, "tcp"): 19100, (2, 2, "nixl"): 19200, (2, 1, "nixl"): 19300, (2, 1, "tcp"): 19400,
          (1, 2, "tcp"): 19500, (1, 2, "nixl"): 19600}
 
@@ -74,6 +75,9 @@ def tp_stack(request: pytest.FixtureRequest, references: Any, tiny_model: Path,
     os.environ[DUMP_ENV] = str(dump)             # the engines inherit it (launch.server_env copies os.environ)
     try:
         fault = {"connector__push_hook": "tests.e2e.faults:slow_when_asked"} if request.param == FAULT_STACK else {}
+        if request.param == STORE_STACK:         # each prefill rank stores and reloads its own heads
+            fault.update(store__enabled=True, store__cpu_bytes="64MiB", store__disk_path=str(tmp / "disk"),
+                         store__disk_bytes="256MiB", engine__prefill_args=["--no-enable-prefix-caching"])
         handle = start_stack(tiny_model, tmp, PORTS[request.param], transport__backend=backend,
                              engine__prefill_tp=p_tp, engine__decode_tp=d_tp, connector__metrics_port=0,
                              connector__inspect_hook=HOOK, **fault)
@@ -144,6 +148,30 @@ def test_installed_kv_is_the_prefill_kv_resharded(tp_stack, references):
     want = references[d_tp][DUMP_CASE.name]
     assert text == want, f"first difference at character {_first_difference(text, want)}: {text!r} vs {want!r}"
     assert read_events(handle.events_path)                 # the transfer log was written
+
+
+def test_each_prefill_rank_reloads_its_own_heads_from_the_store(tp_stack, references):
+    """The store with TP: a prompt seen before is loaded from the store on both prefill ranks
+    (each its own per-layout records, on its own disk directory), pushed, and answered exactly."""
+    handle, p_tp, d_tp, _dump = tp_stack
+    if (p_tp, d_tp, handle.cfg.transport.backend.value) != STORE_STACK:
+        pytest.skip("runs on the stack with the store on")
+    case = next(c for c in CASES if c.name == "c1100")
+    client = openai_client(handle.router_url)
+    rids = [f"tp-store-{i}-{uuid.uuid4().hex[:6]}" for i in range(2)]
+    for rid in rids:
+        text, _ = run_case(client, case, rid)
+        assert text == references[2][case.name]
+    loads = [e for e in handle.wait_events(rids[1], {"store_load"}) if e["event"] == "store_load"]
+    deadline = time.monotonic() + 30
+    while len(loads) < p_tp and time.monotonic() < deadline:
+        time.sleep(0.2)
+        loads = [e for e in handle.events(rids[1]) if e["event"] == "store_load"]
+    assert len({e["node"] for e in loads}) == p_tp, loads              # one load on each prefill rank
+    assert all(e["loaded_tokens"] >= 1024 for e in loads), loads
+    assert sorted(p.name for p in (handle.stack.log_dir.parent / "disk").iterdir()) == ["rank0", "rank1"]
+    done = _loads(handle, rids[1], d_tp)
+    assert len(done) == d_tp and all(d["recomputed_tokens"] == 0 for d in done), done
 
 
 def _worker_pid(pgid: int, title: str) -> int:
