@@ -31,6 +31,7 @@ import msgspec.inspect
 import yaml
 from kvrelay.common.config import MiB, NonNeg, Port, Positive, Seconds, Section, Size
 from kvrelay.common.errors import ConfigError
+from kvrelay.core.engine_args import TP_FLAGS, parallel_flag
 from kvrelay.core.logs import LogFormat
 from kvrelay.core.tracing import TraceProtocol
 from kvrelay.store import config as scfg
@@ -98,29 +99,13 @@ class EngineConfig(Section, frozen=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("extra_args", "prefill_args", "decode_args"):
-            if (flag := _parallel_flag(getattr(self, key))) is None:
+            if (flag := parallel_flag(getattr(self, key))) is None:
                 continue
-            if flag.startswith(_TP_FLAGS):
+            if flag.startswith(TP_FLAGS):
                 raise ConfigError(f"engine.{key}: {flag}: set the tensor-parallel size with engine.prefill_tp and "
                                   "engine.decode_tp instead (the connectors on both sides need to know it)")
             raise ConfigError(f"engine.{key}: {flag}: pipeline and data parallelism are not supported; use "
                               "engine.prefill_tp / engine.decode_tp, and scale with more prefill and decode nodes")
-
-
-_TP_FLAGS = ("--tensor-parallel-size", "-tp", "--tensor_parallel_size")
-_PARALLEL_FLAGS = (*_TP_FLAGS, "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp",
-                   "--pipeline_parallel_size", "--data_parallel_size")
-
-
-def _parallel_flag(args: Sequence[str]) -> str | None:
-    """The first parallelism flag in a vLLM argument list with a size above 1, as given."""
-    for i, arg in enumerate(args):
-        name, eq, value = arg.partition("=")
-        if name in _PARALLEL_FLAGS:
-            size = value if eq else (args[i + 1] if i + 1 < len(args) else "")
-            if size.strip() not in ("1", ""):
-                return f"{name} {size}"
-    return None
 
 
 _URL = r"(?:dns\+)?https?://[^\s=/]+:\d+/?"
@@ -214,8 +199,7 @@ class KVRelayConfig(Section, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        tp = max(self.engine.prefill_tp, self.engine.decode_tp)
-        if tp > 1 and self.connector.metrics_port:
+        if max(self.engine.prefill_tp, self.engine.decode_tp) > 1 and self.connector.metrics_port:
             raise ConfigError("connector.metrics_port with tensor parallelism: every rank would open the same "
                               "exporter port; read the kvrelay series from the engine's own /metrics (they sum "
                               "the ranks) and set connector.metrics_port: 0")
@@ -421,13 +405,9 @@ FIELD_HELP: dict[str, str] = {
     'router.breaker_backoff_s': ("how long a node whose breaker opened stays out; doubles each time it fails again, "
                                  "then one probe request (half-open) brings it back"),
     'router.breaker_max_backoff_s': 'the longest a node whose breaker opened stays out',
-    'engine.prefill_tp': ("tensor-parallel size of each prefill engine (vLLM --tensor-parallel-size; CPU: one OpenMP "
-                          "core set per rank, GPU: that many devices per node)"),
-    'engine.decode_tp': ("tensor-parallel size of each decode engine; may differ from engine.prefill_tp (the KV heads "
-                         "are re-sharded in flight; needs a head-major KV layout such as vLLM's CPU backend's)"),
-    'connector.inspect_hook': ("'module:function' called with (role, rank, request id, KV layout, block ids) when a "
-                               "request's prompt KV is complete on a prefill rank or installed on a decode rank "
-                               "(debugging and tests; '' = off)"),
+    'engine.prefill_tp': "tensor-parallel size of each prefill engine (CPU: a core set per rank; GPU: devices per node)",
+    'engine.decode_tp': "tensor-parallel size of each decode engine; may differ from prefill_tp (heads re-sharded)",
+    'connector.inspect_hook': "'module:function' shown each request's complete prompt KV per rank (core/hooks.py)",
     'deploy.prefill': 'kvrelay up: number of prefill servers',
     'deploy.decode': 'kvrelay up: number of decode servers',
     'deploy.host': 'kvrelay up: address every server binds to',

@@ -26,11 +26,13 @@ def tp_rank(vllm_config: Any) -> int:
 
         return int(get_tensor_model_parallel_rank())
     except (AssertionError, ImportError, AttributeError):      # no TP group (unit tests, one rank)
-        return int(getattr(vllm_config.parallel_config, "rank", 0) or 0) % max(1, _tp_size(vllm_config))
+        pc = getattr(vllm_config, "parallel_config", None)
+        return int(getattr(pc, "rank", 0) or 0) % max(1, tp_size(vllm_config))
 
 
-def _tp_size(vllm_config: Any) -> int:
-    return int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+def tp_size(vllm_config: Any) -> int:
+    """The engine's tensor-parallel size (1 when the config does not say)."""
+    return int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1) or 1)
 
 
 def _kv_heads(vllm_config: Any, layout: KVLayout, tp: int) -> int:
@@ -56,7 +58,7 @@ class RankView:
     @classmethod
     def of(cls, vllm_config: Any, layout: KVLayout, cfg: KVRelayConfig, role: str) -> RankView:
         """``role``: "prefill" or "decode" (whose configured TP this engine must match)."""
-        tp = _tp_size(vllm_config)
+        tp = tp_size(vllm_config)
         key = f"engine.{role}_tp"
         configured = cfg.engine.prefill_tp if role == "prefill" else cfg.engine.decode_tp
         if tp != configured:

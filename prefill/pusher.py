@@ -38,6 +38,7 @@ from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.connector_base import WorkerBase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
+from kvrelay.core.rank_view import RankView
 from kvrelay.core.ranks import Piece, part_transfer_id, piece_key, rank_endpoint
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.prefill.lanes import Lane, Lanes, session_lost
@@ -86,6 +87,24 @@ class _Push:
     def whole(self) -> bool:
         """It sends whole blocks (equal TP: no re-sharding)."""
         return self.span_bytes == (0, self.bytes_per_block)
+
+
+def plan_pushes(spec: PushSpec, keys: list[bytes], transfer_digest: bytes, ranks: RankView, lanes: Lanes,
+                deadline: float, chunk_tokens: int) -> list[_Push]:
+    """A request's pushes on this rank: one per decode rank it feeds (none when its heads travel
+    from a lower rank); a store-only request gets one push without a decode node."""
+    assert spec.token_ids is not None
+    bpb = ranks.bytes_per_block
+    if not spec.push_to:
+        return [_Push(spec, keys, len(keys), deadline, lanes.lane_for(spec.push_to), span_bytes=(0, bpb),
+                      bytes_per_block=bpb)]
+    base = chunk_keys_from_digest(spec.token_ids, transfer_digest, chunk_tokens)
+    pieces = list(ranks.pieces)
+    return [_Push(spec, keys, len(keys), deadline, lanes.lane_for(rank_endpoint(spec.push_to, pc.dst)), piece=pc,
+                  tid=part_transfer_id(spec.transfer_id, pc, pieces),
+                  push_keys=[piece_key(k, pc.heads, ranks.kv_heads) for k in base],
+                  span_bytes=ranks.byte_range(pc.heads), bytes_per_block=bpb)
+            for pc in ranks.outgoing()]
 
 
 class PushWorker(WorkerBase):
@@ -151,30 +170,16 @@ class PushWorker(WorkerBase):
                          spec.block_ids[:-(-spec.prompt_len // self.block_size)])
 
     def _new_pushes(self, spec: PushSpec) -> list[_Push]:
-        """One push per decode rank this rank feeds (none when its heads travel from a lower
-        rank); a store-only request gets one push without a decode node."""
         assert spec.token_ids is not None and self.ranks is not None
         keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)     # the store's keys
-        deadline = time.monotonic() + self.cfg.connector.free_deadline_s
-        bpb = self.ranks.bytes_per_block
-        if not spec.push_to:
-            return [self._started(_Push(spec, keys, len(keys), deadline, self.lanes.lane_for(spec.push_to),
-                                        span_bytes=(0, bpb), bytes_per_block=bpb))]
-        base = chunk_keys_from_digest(spec.token_ids, self.transfer_digest, self.cfg.chunk_tokens)
-        pieces, pushes = list(self.ranks.pieces), []
-        for pc in self.ranks.outgoing():
-            p = _Push(spec, keys, len(keys), deadline, self.lanes.lane_for(rank_endpoint(spec.push_to, pc.dst)),
-                      piece=pc, tid=part_transfer_id(spec.transfer_id, pc, pieces),
-                      push_keys=[piece_key(k, pc.heads, self.ranks.kv_heads) for k in base],
-                      span_bytes=self.ranks.byte_range(pc.heads), bytes_per_block=bpb)
-            p.span = self.spans.start("kvrelay.push", spec.traceparent, request_id=spec.req_id, transfer_id=p.tid,
-                                      push_to=p.lane.endpoint, chunks=len(keys))
-            pushes.append(self._started(p))
+        pushes = plan_pushes(spec, keys, self.transfer_digest, self.ranks, self.lanes,
+                             time.monotonic() + self.cfg.connector.free_deadline_s, self.cfg.chunk_tokens)
+        for p in pushes:
+            if p.piece is not None:
+                p.span = self.spans.start("kvrelay.push", spec.traceparent, request_id=spec.req_id,
+                                          transfer_id=p.tid, push_to=p.lane.endpoint, chunks=len(keys))
+            self.metrics.inflight.labels("prefill").inc()
         return pushes
-
-    def _started(self, p: _Push) -> _Push:
-        self.metrics.inflight.labels("prefill").inc()
-        return p
 
     def load_from_store(self, loads: list[StoreLoad]) -> None:
         """Synchronous: this step's forward reads the loaded blocks (model thread)."""

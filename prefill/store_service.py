@@ -30,7 +30,7 @@ from kvrelay.common.wire import parse_header
 from kvrelay.core.chunk_records import gather_record, record_payload
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.placement import place_helper_thread
-from kvrelay.core.rank_view import tp_rank
+from kvrelay.core.rank_view import tp_rank, tp_size
 from kvrelay.core.telemetry import EventLog, metrics
 from kvrelay.kernels.blocks import scatter
 from kvrelay.kernels.layout import KVLayout
@@ -56,7 +56,7 @@ class StoreService:
         self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         s = cfg.store
         secret = load_secret(cfg.transport)
-        rank, tp = tp_rank(vllm_config), getattr(vllm_config.parallel_config, "tensor_parallel_size", 1)
+        rank, tp = tp_rank(vllm_config), tp_size(vllm_config)
         self.publisher = (Publisher(s.publish_host or cfg.transport.host, s.publish_port,
                                     derive_key(secret, KeyUse.EVENTS)) if s.publish_port and rank == 0 else None)
         disk = str(Path(s.disk_path) / f"rank{rank}") if s.disk_path and tp > 1 else s.disk_path

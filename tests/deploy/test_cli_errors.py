@@ -33,7 +33,8 @@ def _dead_url() -> str:
     (["router", "--router.prefill", "http://127.0.0.1:1", "--router.decode", "http://127.0.0.1:2=tcp://127.0.0.1:3",
       "--router.tls-cert", "/nonexistent.pem"], "router.tls_cert and router.tls_key must be set together"),
     (["router"], "router.prefill and router.decode must list at least one node each"),
-    (["config", "--engine.decode-args=--tensor-parallel-size 2"], "tensor, pipeline and data parallelism are not supported"),
+    (["config", "--engine.decode-args=--tensor-parallel-size 2"], "set the tensor-parallel size with engine.prefill_tp"),
+    (["config", "--engine.decode-args=--pipeline-parallel-size 2"], "pipeline and data parallelism are not supported"),
 ])
 def test_a_bad_argument_or_a_dead_server_is_one_clear_line(argv, says, tmp_path: Path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
