@@ -298,18 +298,21 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
         launch.stop_group(proc)
 
 
+TP_REF_PORT = 18890       # not the differential harness's reference port (18790): both may run at once
+
+
 def reference_at_tp(tiny_model: Path, tmp: Path, tp: int, cases: list[Case]) -> dict[str, str]:
     """Greedy answers of one plain vLLM at TP ``tp`` (server stopped afterwards), bound one core
     per rank as each rank of a TP engine in a 1P1D stack is (``launch.rank_binding``)."""
-    cfg = _cfg(tiny_model, tmp, 18790)
-    spec = launch.NodeSpec(launch.Role.SINGLE, 0, 18790, tp=tp)
+    cfg = _cfg(tiny_model, tmp, TP_REF_PORT)
+    spec = launch.NodeSpec(launch.Role.SINGLE, 0, TP_REF_PORT, tp=tp)
     log = tmp / f"single-tp{tp}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 2, tp),
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        launch.wait_healthy("http://127.0.0.1:18790", proc, 900, str(log))
-        client = openai_client("http://127.0.0.1:18790")
+        launch.wait_healthy(f"http://127.0.0.1:{TP_REF_PORT}", proc, 900, str(log))
+        client = openai_client(f"http://127.0.0.1:{TP_REF_PORT}")
         return {c.name: run_case(client, c)[0] for c in cases}
     finally:
         launch.stop_group(proc)

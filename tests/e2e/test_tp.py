@@ -49,8 +49,8 @@ MIXED_CASES = [DUMP_CASE, *(c for c in CASES if c.name in {"c257", "h500", "c102
 HOOK = "tests.e2e.kv_dump:dump"
 FAULT_STACK = (1, 2, "tcp")          # the stack whose decode rank 1 the last test kills
 STORE_STACK = (2, 2, "tcp")          # the stack whose prefill node runs the store
-PORTS = {(2, 2, "tcp"): 19100, (2, 2, "nixl"): 19200, (2, 1, "nixl"): 19300, (2, 1, "tcp"): 19400,
-         (1, 2, "tcp"): 19500, (1, 2, "nixl"): 19600}
+PORTS = {(2, 2, "tcp"): 21000, (2, 2, "nixl"): 21200, (2, 1, "nixl"): 21400, (2, 1, "tcp"): 21600,
+         (1, 2, "tcp"): 21800, (1, 2, "nixl"): 22200}            # clear of every other suite's ports
 
 
 def _first_difference(a: str, b: str) -> int:
