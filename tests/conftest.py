@@ -37,6 +37,12 @@ def mount_small_fs(path, size: str):
     return mounted()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--matrix", action="store_true",
+                     help="also run the rest of the test matrices (tests marked `matrix`: the tensor-parallel "
+                          "combinations beyond the three CI runs)")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):  # noqa: ARG001 - pytest's hook signature
     """Every test on the shared PD stacks (``pd_stack``) first, then the tests that start stacks of
@@ -44,6 +50,11 @@ def pytest_collection_modifyitems(session, config, items):  # noqa: ARG001 - pyt
     previous one), so a test that starts its own stack between two ``pd_stack`` tests would stop
     the shared one under them; pytest's own ordering by fixture does not rule that out. A stable
     partition: the order within each part is pytest's."""
+    if not config.getoption("--matrix"):
+        more = pytest.mark.skip(reason="the rest of a test matrix: run with --matrix")
+        for item in items:
+            if "matrix" in item.keywords:
+                item.add_marker(more)
     shared = [item for item in items if "pd_stack" in getattr(item, "fixturenames", ())]
     if shared:
         rest = [item for item in items if "pd_stack" not in getattr(item, "fixturenames", ())]

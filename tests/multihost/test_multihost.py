@@ -137,7 +137,8 @@ class Hosts:
 SETUPS = [("tcp", 1, 1), ("nixl", 1, 1), ("tcp", 2, 1), ("nixl", 1, 2)]     # (backend, prefill TP, decode TP)
 
 
-@pytest.fixture(scope="module", params=SETUPS, ids=[f"{b}-p{p}d{d}" for b, p, d in SETUPS])
+@pytest.fixture(scope="module", ids=[f"{b}-p{p}d{d}" for b, p, d in SETUPS],
+                params=[pytest.param(s, marks=pytest.mark.matrix if s == ("nixl", 1, 2) else ()) for s in SETUPS])
 def multihost(request: pytest.FixtureRequest, hosts: dict[str, str], tiny_model: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     stop_active()                      # an earlier module's stack would compete for the two cores
