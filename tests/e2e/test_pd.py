@@ -224,7 +224,7 @@ def test_connector_metrics_on_the_engines_own_metrics_endpoint(pd_stack):
 
 @pytest.fixture(scope="session")
 def corrupt_stack(reference, tiny_model, tmp_path_factory):
-    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-corrupt"), 18500,
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-corrupt"), 20500,
                          transport__backend="tcp", connector__push_hook="tests.e2e.faults:corrupt_every_other")
     yield handle
     handle.stack.stop()
