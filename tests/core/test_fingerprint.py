@@ -72,3 +72,28 @@ def test_new_weights_at_the_same_path_change_the_keys(model_dir: Path, tmp_path_
     hub = engine_fingerprint(vllm_config("org/model", revision="abc123"), layout)
     assert hub.weights == "rev:abc123"
     assert engine_fingerprint(vllm_config("org/model", revision="def456"), layout).digest() != hub.digest()
+
+
+def test_store_records_are_per_layout_and_transfers_are_not(model_dir: Path):
+    """The store's keys name the rank and the TP size (a TP2 rank never reads a TP1 engine's
+    record, nor its sibling rank's); the transfer fingerprint does not, so TP2 and TP1 ranks
+    can exchange pieces (core/rank_view.py)."""
+    from kvrelay.core.rank_view import RankView
+
+    cfg = kcfg.from_dict({"engine": {"prefill_tp": 2}})
+    tokens = list(range(600))
+    vc = vllm_config(str(model_dir))
+    tp1 = KVLayout.from_caches({f"layers.{i}": torch.zeros(4, 4, 16, 32) for i in range(2)})    # 4 heads
+    tp2 = KVLayout.from_caches({f"layers.{i}": torch.zeros(4, 2, 16, 32) for i in range(2)})    # 2 of 4 heads
+    one = engine_fingerprint(vc, tp1, cfg)
+    ranks = [engine_fingerprint(SimpleNamespace(
+        **{**vars(vc), "parallel_config": SimpleNamespace(rank=r, tensor_parallel_size=2)}), tp2, cfg) for r in (0, 1)]
+    keys = {fp: chunk_keys(tokens, fp, cfg.chunk_tokens)[0] for fp in (one, *ranks)}
+    assert len(set(keys.values())) == 3                                  # three layouts, three records
+    vc2 = SimpleNamespace(**{**vars(vc), "parallel_config": SimpleNamespace(rank=1, tensor_parallel_size=2),
+                             "model_config": SimpleNamespace(**{**vars(vc.model_config),
+                                                                "get_total_num_kv_heads": lambda: 4})})
+    vc1 = SimpleNamespace(**{**vars(vc), "model_config": vc2.model_config})
+    d = RankView.of(vc1, tp1, kcfg.from_dict({"engine": {"prefill_tp": 2}}), "decode")
+    p = RankView.of(vc2, tp2, cfg, "prefill")
+    assert d.transfer_fingerprint(one, tp1).digest() == p.transfer_fingerprint(ranks[1], tp2).digest()

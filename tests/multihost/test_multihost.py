@@ -15,7 +15,8 @@ take a shared-memory shortcut between the "hosts".
 Answers must be token-identical to the plain vLLM reference (``tests/e2e/harness.py``; at
 the decode node's TP, one core per rank), and every prompt's KV must have been loaded from
 pushes, not recomputed. Besides one-rank engines, it runs mixed tensor parallelism across the
-hosts: TP2 prefill -> TP1 decode over tcp, TP1 prefill -> TP2 decode over nixl.
+hosts: TP2 prefill -> TP1 decode over tcp; with ``--matrix`` also TP1 -> TP2 over nixl and TP2 ->
+TP2 over tcp.
 
 Needs root (``ip netns``); without it the test skips and says why.
 """
@@ -134,11 +135,12 @@ class Hosts:
             launch.stop_group(p)
 
 
-SETUPS = [("tcp", 1, 1), ("nixl", 1, 1), ("tcp", 2, 1), ("nixl", 1, 2)]     # (backend, prefill TP, decode TP)
+SETUPS = [("tcp", 1, 1), ("nixl", 1, 1), ("tcp", 2, 1), ("nixl", 1, 2), ("tcp", 2, 2)]   # (backend, P TP, D TP)
+MATRIX = {("nixl", 1, 2), ("tcp", 2, 2)}          # run with --matrix
 
 
 @pytest.fixture(scope="module", ids=[f"{b}-p{p}d{d}" for b, p, d in SETUPS],
-                params=[pytest.param(s, marks=pytest.mark.matrix if s == ("nixl", 1, 2) else ()) for s in SETUPS])
+                params=[pytest.param(s, marks=pytest.mark.matrix if s in MATRIX else ()) for s in SETUPS])
 def multihost(request: pytest.FixtureRequest, hosts: dict[str, str], tiny_model: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     stop_active()                      # an earlier module's stack would compete for the two cores
