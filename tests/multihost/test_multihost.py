@@ -136,7 +136,7 @@ class Hosts:
 
 
 SETUPS = [("tcp", 1, 1), ("nixl", 1, 1), ("tcp", 2, 1), ("nixl", 1, 2), ("tcp", 2, 2)]   # (backend, P TP, D TP)
-MATRIX = {("nixl", 1, 2), ("tcp", 2, 2)}          # run with --matrix
+MATRIX = {("nixl", 1, 2), ("tcp", 2, 2)}          # run with --matrix (the suite runs TP2 -> TP1 across hosts)
 
 
 @pytest.fixture(scope="module", ids=[f"{b}-p{p}d{d}" for b, p, d in SETUPS],
