@@ -15,7 +15,7 @@ from typing import Any
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import Fingerprint
 from kvrelay.core.config import KVRelayConfig
-from kvrelay.core.ranks import Heads, Piece, Sharding, plan, receives, sends
+from kvrelay.core.ranks import Heads, Piece, Sharding, part_transfer_id, piece_key, plan, receives, sends
 from kvrelay.kernels.layout import KVLayout
 
 
@@ -43,6 +43,18 @@ def _kv_heads(vllm_config: Any, layout: KVLayout, tp: int) -> int:
     if callable(total):
         return int(total())
     return int(layout.block_shape()[0]) * tp     # a bare config (unit tests): vLLM's CPU layout
+
+
+@dataclass(frozen=True)
+class PieceTransfer:
+    """One piece of a request on the wire: its sub-transfer, its key per chunk, and where its
+    heads sit in a block of this rank (what the sending and the receiving rank both derive)."""
+
+    piece: Piece
+    transfer_id: str
+    keys: list[bytes]
+    offset: int
+    width: int
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,13 @@ class RankView:
     def incoming(self) -> list[Piece]:
         """Pieces this (decode) rank receives."""
         return receives(list(self.pieces), self.rank)
+
+    def transfer(self, piece: Piece, transfer_id: str, chunk_keys: list[bytes]) -> PieceTransfer:
+        """``piece`` of the request whose transfer is ``transfer_id`` and whose chunk keys (under the
+        transfer fingerprint) are ``chunk_keys``."""
+        offset, width = self.byte_range(piece.heads)
+        return PieceTransfer(piece, part_transfer_id(transfer_id, piece, list(self.pieces)),
+                             [piece_key(k, piece.heads, self.kv_heads) for k in chunk_keys], offset, width)
 
     def byte_range(self, heads: Heads) -> tuple[int, int]:
         """``(offset, width)`` of global heads ``heads`` inside one of this rank's blocks."""

@@ -26,7 +26,7 @@ from kvrelay.core.connector_base import WorkerBase
 from kvrelay.core.drain import DrainPhase, read_phase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
-from kvrelay.core.ranks import Piece, part_transfer_id, piece_key
+from kvrelay.core.ranks import Piece
 from kvrelay.decode.messages import LoadSpec
 from kvrelay.decode.saver import DecodeSaver, SaveSpec
 from kvrelay.kernels.blocks import scatter_range
@@ -180,13 +180,8 @@ class InstallWorker(WorkerBase):
         """The sub-transfers this rank receives for ``spec``: one per prefill rank that sends it heads."""
         assert self.ranks is not None
         base = chunk_keys_from_digest(spec.token_ids, self.transfer_digest, self.cfg.chunk_tokens)
-        pieces = list(self.ranks.pieces)
-        parts = []
-        for pc in self.ranks.incoming():
-            offset, width = self.ranks.byte_range(pc.heads)
-            parts.append(_Part(pc, part_transfer_id(spec.transfer_id, pc, pieces),
-                               [piece_key(k, pc.heads, self.ranks.kv_heads) for k in base], offset, width))
-        return parts
+        return [_Part(t.piece, t.transfer_id, t.keys, t.offset, t.width)
+                for t in (self.ranks.transfer(pc, spec.transfer_id, base) for pc in self.ranks.incoming())]
 
     def _stopping(self) -> str:
         """Why new transfers are refused: the node's drain reached STOPPING (core/drain.py)."""

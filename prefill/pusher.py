@@ -39,7 +39,7 @@ from kvrelay.core.connector_base import WorkerBase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
 from kvrelay.core.rank_view import RankView
-from kvrelay.core.ranks import Piece, part_transfer_id, piece_key, rank_endpoint
+from kvrelay.core.ranks import Piece, rank_endpoint
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.prefill.lanes import Lane, Lanes, session_lost
 from kvrelay.prefill.messages import PushSpec, StoreLoad
@@ -92,19 +92,20 @@ class _Push:
 def plan_pushes(spec: PushSpec, keys: list[bytes], transfer_digest: bytes, ranks: RankView, lanes: Lanes,
                 deadline: float, chunk_tokens: int) -> list[_Push]:
     """A request's pushes on this rank: one per decode rank it feeds (none when its heads travel
-    from a lower rank); a store-only request gets one push without a decode node."""
+    from a lower rank); a store-only request gets one push without a decode node. ``keys``: the
+    store's keys (empty without a store)."""
     assert spec.token_ids is not None
-    bpb = ranks.bytes_per_block
+    bpb, n = ranks.bytes_per_block, -(-len(spec.token_ids) // chunk_tokens)
     if not spec.push_to:
-        return [_Push(spec, keys, len(keys), deadline, lanes.lane_for(spec.push_to), span_bytes=(0, bpb),
+        return [_Push(spec, keys, n, deadline, lanes.lane_for(spec.push_to), span_bytes=(0, bpb),
                       bytes_per_block=bpb)]
     base = chunk_keys_from_digest(spec.token_ids, transfer_digest, chunk_tokens)
-    pieces = list(ranks.pieces)
-    return [_Push(spec, keys, len(keys), deadline, lanes.lane_for(rank_endpoint(spec.push_to, pc.dst)), piece=pc,
-                  tid=part_transfer_id(spec.transfer_id, pc, pieces),
-                  push_keys=[piece_key(k, pc.heads, ranks.kv_heads) for k in base],
-                  span_bytes=ranks.byte_range(pc.heads), bytes_per_block=bpb)
-            for pc in ranks.outgoing()]
+    out = []
+    for pc in ranks.outgoing():
+        t = ranks.transfer(pc, spec.transfer_id, base)
+        out.append(_Push(spec, keys, n, deadline, lanes.lane_for(rank_endpoint(spec.push_to, pc.dst)), piece=pc,
+                         tid=t.transfer_id, push_keys=t.keys, span_bytes=(t.offset, t.width), bytes_per_block=bpb))
+    return out
 
 
 class PushWorker(WorkerBase):
@@ -171,13 +172,14 @@ class PushWorker(WorkerBase):
 
     def _new_pushes(self, spec: PushSpec) -> list[_Push]:
         assert spec.token_ids is not None and self.ranks is not None
-        keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)     # the store's keys
+        keys = (chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)     # the store's keys
+                if self.store is not None else [])
         pushes = plan_pushes(spec, keys, self.transfer_digest, self.ranks, self.lanes,
                              time.monotonic() + self.cfg.connector.free_deadline_s, self.cfg.chunk_tokens)
         for p in pushes:
             if p.piece is not None:
                 p.span = self.spans.start("kvrelay.push", spec.traceparent, request_id=spec.req_id,
-                                          transfer_id=p.tid, push_to=p.lane.endpoint, chunks=len(keys))
+                                          transfer_id=p.tid, push_to=p.lane.endpoint, chunks=p.n_chunks)
             self.metrics.inflight.labels("prefill").inc()
         return pushes
 
