@@ -121,8 +121,20 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
                 "--shutdown-timeout", str(math.ceil(cfg.engine.drain_timeout_s))]   # SIGTERM finishes in-flight work
     if cfg.tracing.endpoint:                  # vLLM's request spans join the router's trace
         cmd += ["--otlp-traces-endpoint", cfg.tracing.endpoint]
+    if cfg.router.decode_first and spec.role is not Role.SINGLE:     # the router's KV index follows every engine
+        cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                  "endpoint": f"tcp://{cfg.deploy.host}:{kv_events_port(cfg, spec)}"})]
     role_args = {Role.PREFILL: cfg.engine.prefill_args, Role.DECODE: cfg.engine.decode_args}.get(spec.role, [])
     return cmd + list(cfg.engine.extra_args) + list(role_args)
+
+
+KV_EVENTS_OFFSET = 400    # router.decode_first: node k (prefill nodes, then decode) publishes vLLM's KV
+                          # events on kv_base_port + 400 + k
+
+
+def kv_events_port(cfg: KVRelayConfig, spec: NodeSpec) -> int:
+    k = spec.index if spec.role is Role.PREFILL else cfg.deploy.prefill + spec.index
+    return cfg.deploy.kv_base_port + KV_EVENTS_OFFSET + k
 
 
 def split_cores(k: int, n: int) -> list[int]:
@@ -284,6 +296,9 @@ class Stack:
         dec = [f"{self.url(s)}=tcp://{h}:{s.kv_port}" for s in self.specs if s.role is Role.DECODE]
         data = kcfg.to_dict(self.cfg)
         data["router"].update(prefill=pre, decode=dec)
+        if self.cfg.router.decode_first and not data["router"]["kv_events"]:
+            data["router"]["kv_events"] = [f"{self.url(s)}=tcp://{h}:{kv_events_port(self.cfg, s)}"
+                                           for s in self.specs if s.role is not Role.SINGLE]
         if not data["router"]["tokenizer"]:
             data["router"]["tokenizer"] = model_path(self.cfg)
         return kcfg.from_dict(data)

@@ -15,7 +15,7 @@ from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import SECRET_ENV
 from kvrelay.core.config import KVRelayConfig, RoutingPolicy
 from kvrelay.core.ranks import Sharding
-from kvrelay.deploy.launch import PUBLISH_OFFSET, Role, node_specs
+from kvrelay.deploy.launch import PUBLISH_OFFSET, Role, kv_events_port, node_specs
 from kvrelay.router import preflight as router_preflight
 from kvrelay.transport.config import TransportKind
 
@@ -39,6 +39,8 @@ def stack_ports(cfg: KVRelayConfig) -> dict[str, int]:
         if spec.role is Role.PREFILL and cfg.store.enabled and cfg.router.policy is RoutingPolicy.CACHE_AWARE:
             publish = cfg.store.publish_port or cfg.deploy.kv_base_port + PUBLISH_OFFSET
             ports[f"{spec.name} store events"] = publish + spec.index
+        if cfg.router.decode_first:
+            ports[f"{spec.name} KV events"] = kv_events_port(cfg, spec)
     return ports
 
 

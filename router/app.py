@@ -56,9 +56,12 @@ from kvrelay.core.tracing import annotate, request_span, tracer
 from kvrelay.router import split, validate
 from kvrelay.router.breaker import Breaker
 from kvrelay.router.cache_index import ChunkIndex, PromptTokenizer
+from kvrelay.router.decide import DecodeFirst, Placement, RoutePath
 from kvrelay.router.decode_path import DecodePath
 from kvrelay.router.discovery import Discovery, Resolver, parse_dns, system_resolver
 from kvrelay.router.job import Job, RequestIds
+from kvrelay.router.kv_events import KVEvents, parse_entries
+from kvrelay.router.kv_index import KVIndex
 from kvrelay.router.limits import Admission, ApiKeys, Overloaded, RateLimits
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.pools import (
@@ -116,6 +119,10 @@ class Router:
         self.tokenizer: PromptTokenizer | None = None
         if cfg.router.policy is RoutingPolicy.CACHE_AWARE:
             self.index, self.tokenizer = self._cache_aware()
+        self.decide: DecodeFirst | None = None
+        self.kv_events: KVEvents | None = None
+        if rc.decode_first:
+            self.decide, self.kv_events = self._decode_first()
         self._health: asyncio.Task[None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -136,6 +143,20 @@ class Router:
             raise ConfigError("router.policy cache_aware needs router.tokenizer (the model path)")
         return ChunkIndex(self.prefill, derive_key(self._secret, KeyUse.EVENTS)), PromptTokenizer(rc.tokenizer)
 
+    def _decode_first(self) -> tuple[DecodeFirst, KVEvents]:
+        """The KV index over both pools, fed by the engines' own KV events, and the placement."""
+        rc = self.cfg.router
+        if not rc.tokenizer:
+            raise ConfigError("router.decode_first needs router.tokenizer (the model path; kvrelay up sets it)")
+        if self.tokenizer is None:
+            self.tokenizer = PromptTokenizer(rc.tokenizer)
+        named = parse_entries(rc.kv_events)
+        if not named:
+            log.warning("decode_first: no router.kv_events; decode nodes are chosen by load and prompt length")
+        index = KVIndex(rc.index_max_blocks)
+        return (DecodeFirst(rc, self.prefill, self.decode, index, self.tokenizer),
+                KVEvents(index, named))
+
     def _discoveries(self) -> list[Discovery]:
         """One DNS discovery per pool with ``dns+`` entries; admission follows the decode pool's
         size, the breaker forgets nodes that left, and the chunk index (cache_aware) follows the
@@ -147,6 +168,8 @@ class Router:
             self.decode.breaker.forget({n.url for p in (self.prefill, self.decode) for n in p.nodes})
             if self.index is not None:
                 self.index.sync()
+            if self.kv_events is not None:
+                self.kv_events.sync([*self.prefill.nodes, *self.decode.nodes])
         out = []
         for pool, entries, decode in ((self.prefill, rc.prefill, False), (self.decode, rc.decode, True)):
             dns = [parse_dns(e, decode) for e in entries if is_dns(e)]
@@ -175,10 +198,14 @@ class Router:
                                                        self.cfg.router.health_timeouts))
         if self.index is not None:
             self.index.start()
+        if self.kv_events is not None:
+            self.kv_events.sync([*self.prefill.nodes, *self.decode.nodes])
 
     async def _stop(self, app: web.Application) -> None:
         if self.index is not None:
             await self.index.stop()
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         for task in [*self._tasks, self._health]:
             if task is not None:
                 task.cancel()
@@ -253,37 +280,61 @@ class Router:
         finally:
             self.admission.release()
 
-    async def _completion(self, request: web.Request, raw: bytes) -> web.StreamResponse:  # noqa: PLR0911
+    async def _completion(self, request: web.Request, raw: bytes) -> web.StreamResponse:
         ids = RequestIds.make(request.headers.get("X-Request-Id"))
         set_ids(request_id=ids.client)          # on every log line of this request (log_format: json)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
             body = None
+        alone = None
+        if isinstance(body, dict):
+            body.pop("kv_transfer_params", None)    # only the router's own, signed, ever reach an engine
+            alone = validate.check(request.path, body) or split.decode_only_reason(request.path, body)
         try:
-            d_node = self.decode.pick()
+            place = await self._place(body if isinstance(body, dict) and alone is None else None)
         except NoHealthyNode as exc:           # nothing can answer: come back when the health loop may have news
             self.metrics.errors.labels("no_healthy_node").inc()
             retry = str(max(1, round(self.cfg.router.health_interval_s)))
             return error_response(503, str(exc), "service_unavailable", ids.client, headers={"Retry-After": retry})
-        job = Job(request, request.path, body if isinstance(body, dict) else {}, ids, time.monotonic(), d_node)
+        job = Job(request, request.path, body if isinstance(body, dict) else {}, ids, time.monotonic(), place.decode)
         if not isinstance(body, dict):          # vLLM answers malformed bodies itself, as one vLLM would
             self.metrics.errors.labels("bad_request").inc()
             return await self.decode_path.pass_through(job, raw)
-        body.pop("kv_transfer_params", None)    # only the router's own, signed, ever reach an engine
-        alone = validate.check(job.endpoint, body) or split.decode_only_reason(job.endpoint, body)
         if alone is not None:
             self.metrics.errors.labels("decode_only").inc()
+            self._count(place, RoutePath.DECODE_REQUIRED)
             log.debug("request %s goes to a decode node alone: %s", ids.client, alone)
             return await self._timed(job, self.decode_path.decode(job, "", ""))
-        hint = await self._prefix_hint(body)
+        if place.path is RoutePath.DECODE_ONLY:  # decode_first: D holds (nearly) all of it
+            self._count(place, RoutePath.DECODE_ONLY)
+            work = PrefillWork(place.decode, place.decode_work)
+            try:
+                return await self._timed(job, self.decode_path.decode(job, "", ""))
+            finally:
+                work.done()
+        return await self._disaggregated(job, place)
+
+    async def _place(self, body: dict[str, Any] | None) -> Placement:
+        """Decode node and path: decode-first for a request that may be split, else D by load."""
+        if self.decide is None or body is None:
+            return Placement(self.decode.pick(), RoutePath.DISAGGREGATED, 0, 0)
+        return self.decide.place(await self.decide.tokens(body))
+
+    async def _disaggregated(self, job: Job, place: Placement) -> web.StreamResponse:
+        hint = await self._prefix_hint(job.body, list(place.token_ids) or None)
+        if self.decide is not None:
+            hint = self.decide.prefill_hint(place, hint)
         try:
             p_node = self.prefill.pick(hint=hint, load_weight=self.cfg.router.load_weight)
         except NoHealthyNode:                   # no prefill node: the decode node serves the request alone
             self.metrics.errors.labels("no_prefill_decode_only").inc()
+            self._count(place, RoutePath.NO_PREFILL)
             return await self._timed(job, self.decode_path.decode(job, "", ""))
+        self._count(place, RoutePath.DISAGGREGATED, hint.cached_tokens.get(p_node.url, 0) if hint else 0)
+        ids = job.ids
         set_ids(transfer_id=ids.transfer)
-        annotate(request_id=ids.client, transfer_id=ids.transfer, prefill=p_node.url, decode=d_node.url)
+        annotate(request_id=ids.client, transfer_id=ids.transfer, prefill=p_node.url, decode=place.decode.url)
         work = PrefillWork(p_node, hint.work(p_node) if hint else 0)
         if self.cfg.router.first_token is FirstToken.PREFILL:
             why = self._split_refusal(job)
@@ -295,6 +346,15 @@ class Router:
             self.metrics.errors.labels("first_token_fallback").inc()
             log.debug("request %s takes the decode path: %s", ids.client, why)
         return await self._timed(job, self.decode_path.prefill_and_decode(job, p_node, work))
+
+    def _count(self, place: Placement, path: RoutePath, prefill_held: int = 0) -> None:
+        m = self.metrics
+        m.decisions.labels(path.value).inc()
+        if place.prompt_tokens:
+            m.prompt_tokens.inc(place.prompt_tokens)
+            m.cached_tokens.labels("decode").inc(place.decode_held)
+            if prefill_held:
+                m.cached_tokens.labels("prefill").inc(prefill_held)
 
     def _split_refusal(self, job: Job) -> str | None:
         if split.kind(job.endpoint) == "chat" and self._parsers:
@@ -311,15 +371,16 @@ class Router:
         self.metrics.latency.observe(time.monotonic() - job.t0)
         return resp
 
-    async def _prefix_hint(self, body: dict[str, Any]) -> PrefixHint | None:
+    async def _prefix_hint(self, body: dict[str, Any], ids: list[int] | None = None) -> PrefixHint | None:
+        """What the store holds per prefill node (cache_aware with store events), else None."""
         if self.index is None or self.tokenizer is None or not self.index.fingerprint:
             return None
-        tok = self.tokenizer
-        try:
-            ids = await asyncio.to_thread(tok, body)
-        except Exception as exc:  # noqa: BLE001 - a prompt we cannot tokenise is routed without hints
-            log.info("cache_aware: cannot tokenise request (%s); routing by load", exc)
-            return None
+        if ids is None:
+            try:
+                ids = await asyncio.to_thread(self.tokenizer, body)
+            except Exception as exc:  # noqa: BLE001 - a prompt we cannot tokenise is routed without hints
+                log.info("cache_aware: cannot tokenise request (%s); routing by load", exc)
+                return None
         return self.index.hint(ids) if ids else None
 
 async def _freeze_heap(app: web.Application) -> None:

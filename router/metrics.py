@@ -33,6 +33,15 @@ class RouterMetrics:
                                 registry=self.registry)
         self.breaker_opens = Counter("kvrelay_router_breaker_opens", "Times a node's circuit breaker opened "
                                      "(consecutive request failures)", ["node"], registry=self.registry)
+        self.decisions = Counter("kvrelay_router_decisions", "Requests by the path the router chose: "
+                                 "disaggregated, decode_only (decode_first: little left to compute), "
+                                 "decode_required, no_prefill", ["path"], registry=self.registry)
+        self.cached_tokens = Counter("kvrelay_router_cached_prompt_tokens", "Prompt tokens the chosen engine's "
+                                     "prefix cache held when the request was placed (decode_first: by its KV "
+                                     "events), by the engine's role", ["role"], registry=self.registry)
+        self.prompt_tokens = Counter("kvrelay_router_placed_prompt_tokens", "Prompt tokens of requests placed with "
+                                     "a known prompt (decode_first), the denominator of the cached share",
+                                     registry=self.registry)
         self.itl = Histogram("kvrelay_router_itl_seconds", "Time between streamed pieces the client gets",
                              buckets=ITL_BUCKETS, registry=self.registry)
 

@@ -72,12 +72,13 @@ class Pool:
         self._rr = itertools.count()
 
     def pick(self, exclude: tuple[Node, ...] = (), hint: PrefixHint | None = None,
-             load_weight: float = 1.0) -> Node:
+             load_weight: float = 1.0, request_tokens: int = 0) -> Node:
         """The node for the next request (out of ``exclude``).
 
         ``cache_aware`` with a ``hint``: the node with the least prefill work ahead of this
         prompt's first token, in tokens - ``work = prompt - cached here`` plus ``load_weight``
-        times the prompt tokens already sent there and not yet answered. A node holding a
+        times the load there: prompt tokens sent and not yet answered, plus ``request_tokens``
+        per outstanding request (decode nodes: each answer it streams). A node holding a
         shared system prompt wins while idle and stops attracting new conversations once its
         queue outweighs what its cache saves (a per-request count cannot tell a queued 4k-token
         prompt from a 40-token one). Without a hint, ``cache_aware`` and ``least_outstanding``
@@ -94,7 +95,8 @@ class Pool:
                 raise NoHealthyNode(f"every healthy {self.name} node is out for failing requests (circuit breaker)")
             raise NoHealthyNode(f"no healthy {self.name} node")
         if self.policy is RoutingPolicy.CACHE_AWARE and hint is not None:
-            costs = [(hint.work(n) + load_weight * n.pending_tokens, n.outstanding) for n in live]
+            costs = [(hint.work(n) + load_weight * (n.pending_tokens + request_tokens * n.outstanding), n.outstanding)
+                     for n in live]
             best = min(costs)
             return self._turn([n for n, c in zip(live, costs, strict=True) if c == best])
         if self.policy in (RoutingPolicy.LEAST_OUTSTANDING, RoutingPolicy.CACHE_AWARE):
@@ -134,8 +136,14 @@ def pools_from_config(cfg: RouterConfig) -> tuple[Pool, Pool]:
     left to :class:`kvrelay.router.discovery.Discovery` (the pool may then start empty)."""
     pre = [e for e in cfg.prefill if not is_dns(e)]
     dec = [e for e in cfg.decode if not is_dns(e)]
-    prefill = Pool("prefill", [parse_prefill(u) for u in pre], cfg.policy, discovered=len(pre) < len(cfg.prefill))
-    decode_policy = RoutingPolicy.LEAST_OUTSTANDING if cfg.policy is RoutingPolicy.CACHE_AWARE else cfg.policy
+    prefill_policy = RoutingPolicy.CACHE_AWARE if cfg.decode_first else cfg.policy
+    prefill = Pool("prefill", [parse_prefill(u) for u in pre], prefill_policy, discovered=len(pre) < len(cfg.prefill))
+    if cfg.decode_first:                 # both pools weigh what a node's cache holds against its load
+        decode_policy = RoutingPolicy.CACHE_AWARE
+    elif cfg.policy is RoutingPolicy.CACHE_AWARE:
+        decode_policy = RoutingPolicy.LEAST_OUTSTANDING
+    else:
+        decode_policy = cfg.policy
     decode = Pool("decode", [parse_decode(e) for e in dec], decode_policy, discovered=len(dec) < len(cfg.decode))
     return prefill, decode
 

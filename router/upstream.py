@@ -107,8 +107,10 @@ class EngineClient:
         """The headers of a client's answer: its X-Request-Id, and the prefill node's URL only with
         ``router.expose_nodes`` (internal addresses stay inside by default)."""
         headers = job.ids.headers()
-        if self.cfg.router.expose_nodes and p_url:
-            headers["X-Kvrelay-Prefill"] = p_url
+        if self.cfg.router.expose_nodes:
+            if p_url:
+                headers["X-Kvrelay-Prefill"] = p_url
+            headers["X-Kvrelay-Decode"] = job.decode.url
         return headers
 
     def signed(self, params: PullParams | PushParams) -> dict[str, Any]:

@@ -1,0 +1,91 @@
+"""Decode-first placement (``router.decode_first``): which decode node, and is a prefill node needed.
+
+1. Tokenise the prompt as vLLM does (:class:`~kvrelay.router.cache_index.PromptTokenizer`).
+2. Choose D by the work it would do for this prompt: prompt tokens its prefix cache lacks
+   (:class:`~kvrelay.router.kv_index.KVIndex`, from its KV events) plus its load, priced by
+   ``router.load_weight`` (queued prompt tokens, and ``router.decode_request_tokens`` per
+   request it is already serving). A conversation's next turn lands where its history is
+   unless that node is busier than the history is worth.
+3. If D would compute at most ``router.disagg_min_tokens`` it serves the request alone
+   (:attr:`RoutePath.DECODE_ONLY`): no prefill node, no push, no split. Otherwise a prefill
+   node is chosen by what its own cache and the store hold against its load
+   (:attr:`RoutePath.DISAGGREGATED`), and it pushes only the chunks D lacks (D names the
+   chunks it holds in its pull, :mod:`kvrelay.prefill.pusher`).
+
+Everything here is a hint: a stale index or an unknown prompt costs a worse choice, never a
+wrong answer (the engine computes whatever it does not hold). With no events at all the
+choice is by load alone, and the decision by prompt length alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.core.router_config import RouterConfig
+from kvrelay.router.kv_index import KVIndex
+from kvrelay.router.pools import Node, Pool, PrefixHint
+
+log = logging.getLogger("kvrelay.router")
+
+
+class RoutePath(str, enum.Enum):
+    """Where a request went (``kvrelay_router_decisions_total{path}``)."""
+
+    DISAGGREGATED = "disaggregated"     # a prefill node computed the prompt and pushed its KV
+    DECODE_ONLY = "decode_only"         # decode_first: little left to compute, D alone
+    DECODE_REQUIRED = "decode_required" # a request only D may judge or serve (n > 1, invalid fields, ...)
+    NO_PREFILL = "no_prefill"           # no healthy prefill node: D alone
+
+
+@dataclass(frozen=True)
+class Placement:
+    decode: Node
+    path: RoutePath
+    prompt_tokens: int          # 0: unknown (not tokenised)
+    decode_held: int            # leading prompt tokens D's cache holds (by the index)
+    token_ids: tuple[int, ...] = ()
+
+    @property
+    def decode_work(self) -> int:
+        return self.prompt_tokens - self.decode_held
+
+
+class DecodeFirst:
+    """Chooses D, then the path, from one index over both pools."""
+
+    def __init__(self, cfg: RouterConfig, prefill: Pool, decode: Pool, index: KVIndex,
+                 tokenize: Callable[[dict[str, Any]], list[int] | None]) -> None:
+        self.cfg, self.prefill, self.decode, self.index, self._tokenize = cfg, prefill, decode, index, tokenize
+
+    async def tokens(self, body: dict[str, Any]) -> list[int] | None:
+        try:
+            return await asyncio.to_thread(self._tokenize, body)
+        except Exception as exc:  # noqa: BLE001 - a prompt we cannot tokenise is routed by load alone
+            log.info("decode_first: cannot tokenise the request (%s); routing by load", exc)
+            return None
+
+    def place(self, ids: list[int] | None) -> Placement:
+        """D and the path for a prompt of ``ids`` (None: unknown; raises NoHealthyNode)."""
+        if not ids:
+            node = self.decode.pick(load_weight=self.cfg.load_weight)
+            return Placement(node, RoutePath.DISAGGREGATED, 0, 0)
+        hint = PrefixHint(len(ids), self.index.held(ids, (n.url for n in self.decode.nodes)))
+        node = self.decode.pick(hint=hint, load_weight=self.cfg.load_weight,
+                                request_tokens=self.cfg.decode_request_tokens)
+        held = hint.cached_tokens.get(node.url, 0)
+        path = RoutePath.DECODE_ONLY if len(ids) - held <= self.cfg.disagg_min_tokens else RoutePath.DISAGGREGATED
+        return Placement(node, path, len(ids), held, tuple(ids))
+
+    def prefill_hint(self, placement: Placement, store: PrefixHint | None) -> PrefixHint | None:
+        """Per prefill node: the leading tokens its own cache or the store (``store``) holds."""
+        if not placement.token_ids:
+            return store
+        held = dict(self.index.held(placement.token_ids, (n.url for n in self.prefill.nodes)))
+        for url, n in (store.cached_tokens.items() if store else ()):
+            held[url] = max(held.get(url, 0), n)
+        return PrefixHint(placement.prompt_tokens, held)

@@ -1,0 +1,120 @@
+"""Follow every engine's KV-cache events into the router's :class:`~kvrelay.router.kv_index.KVIndex`.
+
+One ZeroMQ SUB socket per engine, which the router **binds** and the engine's publisher
+connects to: vLLM connects whenever its ``--kv-events-config`` endpoint names a host (it
+binds only wildcard addresses). The events carry the prompts' token ids, so they travel
+to the router alone instead of to anyone who can reach an engine's port. vLLM's frames
+are ``[topic, seq (8 bytes, big-endian), msgpack EventBatch]``.
+
+The socket's monitor tells when the publisher's connection drops or comes back: on a drop
+the engine's entries are forgotten at once (what it stores meanwhile would be missed), so
+a dead or restarted publisher costs the router its hints, never a claim that is not true;
+that engine is placed by load alone until its events resume.
+
+``router.kv_events`` names each engine's endpoint by its URL (``kvrelay up`` fills them
+in); :meth:`KVEvents.sync` follows the pools' current members that have one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping
+
+import msgspec
+import zmq
+import zmq.asyncio
+from kvrelay.router.kv_index import KVIndex, decode_batch
+from kvrelay.router.pools import Node
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("kvrelay.router")
+
+_LOST = {zmq.EVENT_DISCONNECTED, zmq.EVENT_MONITOR_STOPPED}
+
+
+def parse_entries(entries: Iterable[str]) -> dict[str, str]:
+    """``["http://h:8100=tcp://h:9500", ...]`` -> ``{"http://h:8100": "tcp://h:9500"}``."""
+    out = {}
+    for entry in entries:
+        url, _, endpoint = entry.partition("=")
+        out[url.rstrip("/")] = endpoint
+    return out
+
+
+class KVEvents:
+    """Subscribers for the engines of some pools, feeding one index."""
+
+    def __init__(self, index: KVIndex, named: Mapping[str, str]) -> None:
+        self.index, self.named = index, dict(named)
+        self._followers: dict[str, tuple[str, asyncio.Task[None]]] = {}   # url -> (endpoint, task)
+        self._ctx = zmq.asyncio.Context.instance()
+        self.connected: set[str] = set()
+
+    def sync(self, nodes: Iterable[Node]) -> None:
+        """Follow exactly ``nodes`` that publish (needs a running loop; non-blocking)."""
+        wanted = {n.url: self.named[n.url] for n in nodes if n.url in self.named}
+        for url in [u for u, (ep, _) in self._followers.items() if wanted.get(u) != ep]:
+            self._followers.pop(url)[1].cancel()
+            self.index.forget(url)
+        for url, ep in wanted.items():
+            if url not in self._followers:
+                self._followers[url] = (ep, asyncio.create_task(self._follow(url, ep)))
+
+    async def stop(self) -> None:
+        tasks = [t for _, t in self._followers.values()]
+        self._followers.clear()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    async def _follow(self, url: str, endpoint: str) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            log.error("KV events of %s: cannot listen on %s (%s); it is placed by load alone", url, endpoint, exc)
+            monitor.close(linger=0)
+            sock.close(linger=0)
+            return
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    self._on_monitor(url, endpoint, parse_monitor_message(await monitor.recv_multipart()))
+                if sock in ready:
+                    self._on_frames(url, endpoint, await sock.recv_multipart())
+        finally:
+            self.connected.discard(url)
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)
+
+    def _on_monitor(self, url: str, endpoint: str, event: dict) -> None:
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.connected.add(url)
+            log.info("KV events of %s: its publisher connected to %s", url, endpoint)
+        elif event["event"] in _LOST and url in self.connected:
+            self.connected.discard(url)
+            self.index.forget(url)              # whatever it stores until we are back, we would miss
+            log.warning("KV events of %s: lost %s; routing it by load until they resume", url, endpoint)
+
+    def _on_frames(self, url: str, endpoint: str, frames: list[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            log.warning("KV events of %s: unexpected %d-frame message from %s", url, len(frames), endpoint)
+            return
+        try:
+            batch = decode_batch(frames[2])
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("KV events of %s: bad batch from %s: %s", url, endpoint, exc)
+            return
+        self.index.apply(url, int.from_bytes(frames[1], "big"), batch)
