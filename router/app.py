@@ -99,6 +99,8 @@ class Router:
         if prefill is None or decode is None:
             prefill, decode = pools_from_config(rc)
         prefill.breaker = decode.breaker = breaker
+        if rc.decode_first:                  # both pools weigh what a node's cache holds against its load
+            prefill.policy = decode.policy = RoutingPolicy.CACHE_AWARE
         self.prefill, self.decode = prefill, decode
         self.metrics.follow((self.prefill, self.decode))
         self.tracer = tracer(cfg.tracing.endpoint, cfg.tracing.protocol, "kvrelay-router")

@@ -136,14 +136,8 @@ def pools_from_config(cfg: RouterConfig) -> tuple[Pool, Pool]:
     left to :class:`kvrelay.router.discovery.Discovery` (the pool may then start empty)."""
     pre = [e for e in cfg.prefill if not is_dns(e)]
     dec = [e for e in cfg.decode if not is_dns(e)]
-    prefill_policy = RoutingPolicy.CACHE_AWARE if cfg.decode_first else cfg.policy
-    prefill = Pool("prefill", [parse_prefill(u) for u in pre], prefill_policy, discovered=len(pre) < len(cfg.prefill))
-    if cfg.decode_first:                 # both pools weigh what a node's cache holds against its load
-        decode_policy = RoutingPolicy.CACHE_AWARE
-    elif cfg.policy is RoutingPolicy.CACHE_AWARE:
-        decode_policy = RoutingPolicy.LEAST_OUTSTANDING
-    else:
-        decode_policy = cfg.policy
+    prefill = Pool("prefill", [parse_prefill(u) for u in pre], cfg.policy, discovered=len(pre) < len(cfg.prefill))
+    decode_policy = RoutingPolicy.LEAST_OUTSTANDING if cfg.policy is RoutingPolicy.CACHE_AWARE else cfg.policy
     decode = Pool("decode", [parse_decode(e) for e in dec], decode_policy, discovered=len(dec) < len(cfg.decode))
     return prefill, decode
 

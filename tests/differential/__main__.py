@@ -21,7 +21,7 @@ from kvrelay.deploy.tiny_model import ensure_tiny_model
 
 from tests.differential import run
 from tests.differential.surface import Surface
-from tests.e2e.harness import _cfg, start_stack, stop_active
+from tests.e2e.harness import DECODE_FIRST, _cfg, start_stack, stop_active
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     diffs, rows = [], []
     targets = [(b, False) for b in args.backends.split(",")] + ([("tcp", True)] if args.busy else [])
     for i, (backend, busy) in enumerate(targets):
-        over = {"transport__backend": backend}
+        over = {"transport__backend": backend, **DECODE_FIRST}
         if busy:
             over["engine__prefill_args"] = run.busy_prefill_args()
         handle = start_stack(model, work / f"stack-{i}", 18400 + 100 * i, **over)

@@ -104,10 +104,18 @@ def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, l
         launch.stop_group(proc)
 
 
+EXTRA_DISAGG_MIN = 256    # the extra router (decode_first): prompts this short are served by D alone
+
+
 def extra_router(stack: launch.Stack, port: int, first_token: str) -> tuple[subprocess.Popen, str]:
-    """A second router over the same nodes with another ``router.first_token``; (process, URL)."""
+    """A second router over the same nodes with another ``router.first_token``; (process, URL).
+    Under ``router.decode_first`` it follows no KV events (the engines publish to the stack's own
+    router) and serves prompts of up to :data:`EXTRA_DISAGG_MIN` tokens on D alone, so the
+    comparison covers the decode-only path as well as the transfers."""
     data = kcfg.to_dict(stack.router_config())
     data["router"].update(port=port, first_token=first_token)
+    if data["router"]["decode_first"]:
+        data["router"].update(kv_events=[], disagg_min_tokens=EXTRA_DISAGG_MIN)
     path = stack.log_dir / f"router-{first_token}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     with open(stack.log_dir / f"router-{first_token}.log", "w") as log:

@@ -358,6 +358,9 @@ class StackHandle:
 
 _ACTIVE: list[launch.Stack] = []
 FIRST_TOKEN = {"tcp": "prefill", "nixl": "decode"}
+# The shared stacks place decode-first on the engines' KV events; with nothing left for D alone
+# (0 tokens) every request that can be split still takes a transfer, which the e2e tests assert.
+DECODE_FIRST = {"router__decode_first": True, "router__disagg_min_tokens": 0}
 
 
 def stop_active() -> None:
@@ -389,6 +392,6 @@ def pd_stack(request: pytest.FixtureRequest, reference: dict[str, str], tiny_mod
     # Both router.first_token settings run the whole e2e set: tcp with token 1 from the prefill
     # node (the default), nixl with every token from the decode node.
     handle = start_stack(tiny_model, tmp_path_factory.mktemp(f"stack-{backend}"), port0,
-                         transport__backend=backend, router__first_token=FIRST_TOKEN[backend])
+                         transport__backend=backend, router__first_token=FIRST_TOKEN[backend], **DECODE_FIRST)
     yield handle
     handle.stack.stop()

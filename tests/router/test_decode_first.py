@@ -1,0 +1,163 @@
+"""Decode-first placement (router/decide.py) through the real router, real ZeroMQ and real HTTP:
+scripted engines answer, and publishers send batches encoded by vLLM's own event classes to the
+endpoints the router binds, as a vLLM engine started with ``--kv-events-config`` does."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+from kvrelay.core import config as kcfg
+from kvrelay.router.app import Router
+from kvrelay.router.pools import Node, Pool
+
+from tests.router.test_router import Fake, fake_node, run, serve
+
+ev = pytest.importorskip("vllm.distributed.kv_events")
+BS = 128
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Publisher:
+    """One engine's publisher: connects to the router's endpoint, sends [topic, seq, batch]."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.seq = 0
+
+    def store(self, tokens: list[int]) -> None:
+        n = len(tokens) // BS
+        batch = ev.KVEventBatch(ts=0.0, events=[ev.BlockStored(
+            block_hashes=[self.seq * 1000 + i for i in range(n)], parent_block_hash=None,
+            token_ids=tokens[:n * BS], block_size=BS, lora_id=None, medium="GPU", lora_name=None)])
+        self.sock.send_multipart([b"", self.seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+        self.seq += 1
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@asynccontextmanager
+async def decode_first(tiny_model: Any, n_d: int = 2, **router: Any):
+    """One scripted P, ``n_d`` scripted Ds, the router with decode_first and a KV endpoint per D."""
+    p, ds = Fake(), [Fake() for _ in range(n_d)]
+    async with fake_node(p) as _, fake_node(ds[0]), fake_node(ds[1]) if n_d > 1 else fake_node(Fake()):
+        ends = [f"tcp://127.0.0.1:{free_port()}" for _ in ds]
+        cfg = kcfg.from_dict({"router": {
+            "decode_first": True, "tokenizer": str(tiny_model), "first_token": "decode", "health_interval_s": 0.2,
+            "kv_events": [f"{d.url}={e}" for d, e in zip(ds, ends, strict=True)], **router}})
+        pool_p = Pool("prefill", [Node(p.url)], cfg.router.policy)
+        pool_d = Pool("decode", [Node(d.url, f"tcp://127.0.0.1:{9100 + i}") for i, d in enumerate(ds)],
+                      cfg.router.policy)
+        r = Router(cfg, pool_p, pool_d, secret=b"k" * 32)
+        async with serve(r.app()) as url, aiohttp.ClientSession() as s:
+            while not all(n.healthy for n in pool_p.nodes + pool_d.nodes):
+                await asyncio.sleep(0.05)
+            pubs = [Publisher(e) for e in ends]
+            await until(lambda: len(r.kv_events.connected) == len(ds))    # a PUB drops what it sends before
+            try:
+                yield url, s, r, p, ds, pubs
+            finally:
+                for pub in pubs:
+                    pub.close()
+
+
+async def until(check: Any, timeout: float = 10.0) -> None:
+    for _ in range(int(timeout / 0.05)):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+async def metric(s: aiohttp.ClientSession, url: str, line: str) -> bool:
+    async with s.get(f"{url}/metrics") as r:
+        return line in await r.text()
+
+
+PROMPT = list(range(1, 601))          # 600 tokens: 4 full blocks of 128 (512 tokens) and 88 more
+
+
+def test_the_node_holding_the_prompt_serves_it_alone_when_little_is_left(tiny_model):
+    async def go() -> None:
+        async with decode_first(tiny_model, disagg_min_tokens=100) as (url, s, r, p, ds, pubs):
+            pubs[1].store(PROMPT)
+            await until(lambda: r.decide.index.held(PROMPT, [ds[1].url]) == {ds[1].url: 512})
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": PROMPT}) as resp:
+                assert resp.status == 200
+            assert len(ds[1].requests) == 1 and not ds[0].requests and not p.requests   # no prefill hop
+            assert "kv_transfer_params" not in ds[1].requests[0]
+            assert await metric(s, url, 'kvrelay_router_decisions_total{path="decode_only"} 1.0')
+            assert await metric(s, url, 'kvrelay_router_cached_prompt_tokens_total{role="decode"} 512.0')
+            # a prompt no node holds: more than 100 tokens to compute, so a prefill node computes it
+            other = [7] * 600
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": other}) as resp:
+                assert resp.status == 200
+            assert len(p.requests) == 1 and "kv_transfer_params" in p.requests[0]
+            assert await metric(s, url, 'kvrelay_router_decisions_total{path="disaggregated"} 1.0')
+    run(go())
+
+
+def test_a_busy_holder_loses_the_turn_and_a_lost_publisher_leaves_load_only_routing(tiny_model):
+    async def go() -> None:
+        async with decode_first(tiny_model, disagg_min_tokens=100, decode_request_tokens=256) as (
+                url, s, r, p, ds, pubs):
+            pubs[1].store(PROMPT)
+            await until(lambda: r.decide.index.held(PROMPT, [ds[1].url]))
+            busy = r.decode.nodes[1]
+            busy.outstanding = 3          # 88 + 3 x 256 tokens of work there > 600 on the idle node
+            placed = r.decide.place(PROMPT)
+            assert placed.decode.url == ds[0].url and placed.decode_held == 0
+            busy.outstanding = 0
+            assert r.decide.place(PROMPT).decode.url == ds[1].url
+            pubs[1].close()               # the publisher goes away: its claims go with it
+            await until(lambda: not r.decide.index.held(PROMPT, [ds[1].url]))
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": PROMPT}) as resp:
+                assert resp.status == 200
+            assert len(p.requests) == 1   # 600 tokens to compute wherever it lands: disaggregated
+    run(go())
+
+
+def test_requests_that_cannot_be_tokenised_or_must_go_alone_are_counted(tiny_model):
+    async def go() -> None:
+        async with decode_first(tiny_model, n_d=1) as (url, s, r, p, ds, pubs):
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi", "n": 2}) as resp:
+                assert resp.status == 200
+            assert await metric(s, url, 'kvrelay_router_decisions_total{path="decode_required"} 1.0')
+            async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi"}) as resp:
+                assert resp.status == 200     # 2 tokens: at most disagg_min_tokens, D alone
+            assert await metric(s, url, 'kvrelay_router_decisions_total{path="decode_only"} 1.0')
+            assert not p.requests
+    run(go())
+
+
+def test_kvrelay_up_gives_every_engine_an_events_endpoint_the_router_binds():
+    from kvrelay.deploy.launch import KV_EVENTS_OFFSET, Stack, server_command
+    from kvrelay.deploy.preflight import stack_ports
+
+    data = {"deploy": {"prefill": 2, "decode": 2, "kv_base_port": 9100}, "router": {"decode_first": True},
+            "engine": {"model": "/nonexistent"}}
+    stack = Stack(kcfg.from_dict(data), log_dir="/tmp/kvrelay-test-events")
+    events = stack.router_config().router.kv_events
+    assert [e.split("=", 1)[1] for e in events] == [f"tcp://127.0.0.1:{9100 + KV_EVENTS_OFFSET + k}"
+                                                    for k in range(4)]
+    for spec, entry in zip(stack.specs, events, strict=True):
+        cmd = server_command(stack.cfg, spec)
+        conf = cmd[cmd.index("--kv-events-config") + 1]
+        assert entry.split("=", 1)[1] in conf and '"publisher": "zmq"' in conf    # a host, not "*": vLLM connects
+    assert len(set(stack_ports(stack.cfg).values())) == len(stack_ports(stack.cfg))
+    with pytest.raises(kcfg.ConfigError, match="router.kv_events"):
+        kcfg.from_dict({"router": {"kv_events": ["tcp://127.0.0.1:1"]}})
