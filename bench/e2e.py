@@ -66,6 +66,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tp", default="1", help="kvrelay prefill TP sizes to run (comma list, e.g. 1,2: one "
                    "kvrelay system each; engine.prefill_tp)")
     p.add_argument("--decode-tp", type=int, default=1, help="kvrelay decode TP size (engine.decode_tp)")
+    p.add_argument("--decode-first", default="off",
+                   help="kvrelay router.decode_first settings to run (comma list of on/off; 'on' systems are "
+                        "labelled -df): D first on the engines' KV events, D alone up to --disagg-min-tokens")
+    p.add_argument("--disagg-min-tokens", type=int, default=-1,
+                   help="router.disagg_min_tokens of the decode-first systems (-1 = the configured default)")
     p.add_argument("--prefill-batch-tokens", type=int, default=0,
                    help="P's --max-num-batched-tokens (0 = vLLM's, as the single baselines run; a smaller "
                         "batch lets a long prompt's pushes overlap its later chunks but costs TTFT)")
@@ -275,20 +280,24 @@ def up_single(args: argparse.Namespace, out: Path, label: str, port: int) -> Sys
                   url=url, cfg=cfg)
 
 
-def kvrelay_label(backend: str, first_token: str, p_tp: int, d_tp: int) -> str:
-    """``kvrelay-tcp``, ``kvrelay-nixl-d`` (token 1 from D), ``kvrelay-tcp-tp2x1`` (prefill TP2, decode TP1)."""
+def kvrelay_label(backend: str, first_token: str, p_tp: int, d_tp: int, decode_first: bool = False) -> str:
+    """``kvrelay-tcp``, ``kvrelay-nixl-d`` (token 1 from D), ``kvrelay-tcp-tp2x1`` (prefill TP2, decode TP1),
+    ``kvrelay-tcp-df`` (decode-first routing)."""
     tp = f"-tp{p_tp}x{d_tp}" if (p_tp, d_tp) != (1, 1) else ""
-    return f"kvrelay-{backend}" + ("-d" if first_token == "decode" else "") + tp
+    return f"kvrelay-{backend}" + ("-d" if first_token == "decode" else "") + tp + ("-df" if decode_first else "")
 
 
 def up_kvrelay(args: argparse.Namespace, out: Path, backend: str, first_token: str, port: int,
-               p_tp: int = 1, d_tp: int = 1) -> System:
-    label = kvrelay_label(backend, first_token, p_tp, d_tp)
+               p_tp: int = 1, d_tp: int = 1, decode_first: bool = False) -> System:
+    label = kvrelay_label(backend, first_token, p_tp, d_tp, decode_first)
     sub = out / label
     sub.mkdir(parents=True, exist_ok=True)
     (sub / "events.jsonl").unlink(missing_ok=True)
+    over: dict[str, Any] = {"router__decode_first": decode_first}
+    if decode_first and args.disagg_min_tokens >= 0:
+        over["router__disagg_min_tokens"] = args.disagg_min_tokens
     cfg = base_cfg(args, sub, port, transport__backend=backend, router__first_token=first_token,
-                   engine__prefill_tp=p_tp, engine__decode_tp=d_tp)
+                   engine__prefill_tp=p_tp, engine__decode_tp=d_tp, **over)
     stack = launch.Stack(cfg)
     try:
         stack.start(progress=False)
@@ -387,8 +396,10 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, Callable[[int], System]]]
         for b in args.backends.split(","):
             for mode in args.first_token.split(","):
                 for p_tp in map(int, args.prefill_tp.split(",")):
-                    plan.append((kvrelay_label(b, mode, p_tp, args.decode_tp),
-                                 partial(up_kvrelay, args, out, b, mode, p_tp=p_tp, d_tp=args.decode_tp)))
+                    for df in (s.strip() == "on" for s in args.decode_first.split(",")):
+                        plan.append((kvrelay_label(b, mode, p_tp, args.decode_tp, df),
+                                     partial(up_kvrelay, args, out, b, mode, p_tp=p_tp, d_tp=args.decode_tp,
+                                             decode_first=df)))
     for label in ("nixl-fair", "nixl-stock"):
         if label in systems:
             plan.append((label, partial(up_nixl, args, out, label, label == "nixl-fair")))
@@ -402,7 +413,7 @@ def engines_of(label: str) -> int:
     """Engine processes of a system (a TP engine has one per rank): ``kvrelay-tcp-tp2x1`` has 3."""
     if label.startswith("single"):
         return 1
-    tp = re.search(r"-tp(\d+)x(\d+)$", label)
+    tp = re.search(r"-tp(\d+)x(\d+)", label)
     return int(tp.group(1)) + int(tp.group(2)) if tp else 2
 
 

@@ -4,6 +4,7 @@ Systems, one at a time on this host, same model, same requests:
 
 * ``single``       - one plain vLLM server with all cores;
 * ``kvrelay-tcp``, ``kvrelay-nixl`` - kvrelay 1P1D through its router (first token from P);
+* ``kvrelay-tcp-df``, ``kvrelay-nixl-df`` - the same with decode-first routing (``router.decode_first``);
 * ``nixl-fair``    - vLLM's NixlConnector 1P1D with its CPU faults fixed (:mod:`kvrelay.bench.fair_nixl`)
                      behind a minimal proxy doing the toy-proxy flow (P with ``max_tokens=1``,
                      then D streams with P's ``kv_transfer_params``).
@@ -20,6 +21,10 @@ the client's ``request_goodput``: completed requests per second that met both.
 plain vLLM, a peer's proxy), as ``vllm bench serve --base-url`` does: nothing is started, the
 model is the endpoint's own (``/v1/models``) unless ``--model``, the API key comes from
 ``--api-key`` or ``OPENAI_API_KEY`` and reaches the client through its environment.
+
+``--rates auto`` finds each system's knee: rates from ``--rate-start`` up by ``--rate-step``
+until the system's goodput falls below 90 % of the offered rate (or ``--rate-max``); its
+capacity is the highest rate whose goodput met the SLO that well, reported beside the others'.
 
 Writes one vLLM result JSON per (system, rate) under ``--out``/serve-*/, a combined
 ``serve.json`` (the same fields, plus the load and SLO), a table, and ``serve.png``
@@ -44,13 +49,20 @@ from kvrelay.common.errors import ConfigError, UnreachableError
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
 
-SYSTEMS = ("single", "kvrelay-tcp", "kvrelay-nixl", "nixl-fair")
+SYSTEMS = ("single", "kvrelay-tcp", "kvrelay-nixl", "nixl-fair", "kvrelay-tcp-df", "kvrelay-nixl-df")
+DEFAULT_SYSTEMS = SYSTEMS[:4]
+KNEE = 0.9          # a rate is served while goodput >= 90 % of it
 METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
-    p.add_argument("--rates", default="1,2,3,4", help="Poisson request rates to sweep (req/s, comma list)")
+    p.add_argument("--systems", default="", help="comma list of " + ", ".join(SYSTEMS) + " (default: "
+                   + ",".join(DEFAULT_SYSTEMS) + "; none with --base-url unless named)")
+    p.add_argument("--rates", default="1,2,3,4", help="Poisson request rates to sweep (req/s, comma list), or "
+                   "'auto': up from --rate-start by --rate-step until each system's goodput < 90%% of the rate")
+    p.add_argument("--rate-start", type=float, default=1.0, help="--rates auto: first rate")
+    p.add_argument("--rate-step", type=float, default=1.5, help="--rates auto: each rate is the last times this")
+    p.add_argument("--rate-max", type=float, default=32.0, help="--rates auto: never above this")
     p.add_argument("--num-prompts", type=int, default=40, help="requests per rate")
     p.add_argument("--prefix-len", type=int, default=256, help="shared prefix tokens at the start of every prompt")
     p.add_argument("--input-len", type=int, default=512, help="random body tokens after the prefix (mean)")
@@ -127,8 +139,8 @@ class System:
         if self.name == "single":
             return e2e.start_single(e2e.base_cfg(self.args, self.out), self.servers, self.args.base_port)
         if self.name.startswith("kvrelay-"):
-            cfg = e2e.base_cfg(self.args, self.out, transport__backend=self.name.split("-", 1)[1],
-                               router__max_inflight=1024)
+            cfg = e2e.base_cfg(self.args, self.out, transport__backend=self.name.split("-")[1],
+                               router__max_inflight=1024, router__decode_first=self.name.endswith("-df"))
             self.stack = launch.Stack(cfg)
             self.stack.start(progress=False)
             return f"http://127.0.0.1:{cfg.router.port}"
@@ -274,19 +286,53 @@ def endpoint_model(url: str, api_key: str) -> str:
                                "server, and does it need --api-key?") from exc
 
 
+def ladder(args: argparse.Namespace) -> list[float]:
+    """The rates to offer: the list given, or (auto) start, start x step, ... up to --rate-max."""
+    if args.rates != "auto":
+        return [float(r) for r in args.rates.split(",")]
+    rates, r = [], args.rate_start
+    while r <= args.rate_max + 1e-9:
+        rates.append(round(r, 2))
+        r *= args.rate_step
+    return rates
+
+
+def served(row: dict) -> bool:
+    return (row["goodput"] or 0.0) >= KNEE * row["rate"]
+
+
+def capacities(rows: list[dict]) -> dict[str, float]:
+    """Per system: the highest rate it served (goodput >= 90 % of the rate), 0 if none."""
+    out: dict[str, float] = {}
+    for r in rows:
+        out.setdefault(r["system"], 0.0)
+        if served(r):
+            out[r["system"]] = max(out[r["system"]], r["rate"])
+    return out
+
+
+def capacity_table(caps: dict[str, float], peers: tuple[str, str]) -> str:
+    lines = [f"{'system':<16} {'capacity req/s':>14} {'/ ' + peers[0]:>12} {'/ ' + peers[1]:>12}"]
+    for name, cap in caps.items():
+        rel = [cap / caps[p] if caps.get(p) else float("nan") for p in peers]
+        lines.append(f"{name:<16} {cap:>14g} {rel[0]:>12.2f} {rel[1]:>12.2f}")
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     from kvrelay.common.optional import need
 
     tqdm = need("tqdm", "bench", "kvrelay bench serve").tqdm
     if args.quick:
         args.rates, args.num_prompts = "1,3", 16
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = ladder(args)
     args.endpoints = endpoints(args.base_url)
-    systems = list(args.endpoints) or args.systems.split(",")
+    named = [s for s in args.systems.split(",") if s] or ([] if args.endpoints else list(DEFAULT_SYSTEMS))
+    if unknown := set(named) - set(SYSTEMS):
+        raise ConfigError(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    systems = named + list(args.endpoints)
     if args.endpoints:
         args.model = args.model or endpoint_model(next(iter(args.endpoints.values())), args.api_key)
-    elif unknown := set(systems) - set(SYSTEMS):
-        raise ConfigError(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
     out = Path(args.out) / f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     load = {k: getattr(args, k) for k in ("prefix_len", "input_len", "output_len", "range_ratio", "num_prompts")}
@@ -310,12 +356,16 @@ def main(args: argparse.Namespace) -> int:
                 results[f"{name}@{rate:g}"] = res
                 rows.append(_row(name, rate, res))
                 bar.update(1)
+                if args.rates == "auto" and not served(rows[-1]):       # past this system's knee
+                    break
         finally:
             system.stop()
     bar.close()
-    peers = (systems[0], systems[0]) if args.endpoints else ("nixl-fair", "single")
-    report.write_report(out, table(rows, peers),
-                     ("serve.json", {"load": load, "slo": slo, "rates": rates, "rows": rows,
+    peers = ("nixl-fair", "single") if {"nixl-fair", "single"} <= set(systems) else (systems[0], systems[0])
+    caps = capacities(rows)
+    report.write_report(out, table(rows, peers) + "\n\ncapacity (highest rate with goodput >= 90 % of it):\n"
+                        + capacity_table(caps, peers),
+                     ("serve.json", {"load": load, "slo": slo, "rates": rates, "rows": rows, "capacity": caps,
                                      "vllm_results": results, "host": {"cpus": os.cpu_count()},
                                      "endpoints": args.endpoints, "model": args.model}),
                      ("serve.png", lambda path: plot(rows, slo, path)))

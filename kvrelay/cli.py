@@ -250,7 +250,14 @@ def _add_ops_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
+    from kvrelay.bench import calibrate
     from kvrelay.deploy import warmup
+
+    cal = sub.add_parser("calibrate", help="measure router.disagg_min_tokens: where P + push beats D alone here",
+                         description=(calibrate.__doc__ or "").split("\n\n")[1])
+    calibrate.add_args(cal)
+    kcfg.add_config_args(cal)
+    cal.set_defaults(func=calibrate.main)
 
     w = sub.add_parser("warmup", help="run hot prompts through prefill nodes so their chunks land in the store",
                        description=(warmup.__doc__ or "").split("\n\n")[1])

@@ -224,7 +224,9 @@ def test_every_case_is_exact_and_a_repeat_goes_back_to_its_decode_node_alone(df_
         assert (not p1) == (n <= DISAGG_MIN), (case.name, n, p1)     # nothing held yet: the prompt decides
         again, _, d2, p2 = placed.case(case)
         assert again == first, f"{case.name}: the repeat differs"
-        assert d2 == d1 and not p2, (case.name, names.get(d1), names.get(d2), p2)   # back where it is, alone
+        assert not p2, (case.name, p2)                      # alone: what is left is short either way
+        if n >= 128:                                          # a whole block cached: back where it is
+            assert d2 == d1, (case.name, names.get(d1), names.get(d2))
     c = _counters(handle.router_url)
     assert c['kvrelay_router_decisions_total{path="decode_only"}'] >= len(CASES)
     assert c['kvrelay_router_cached_prompt_tokens_total{role="decode"}'] > 0
