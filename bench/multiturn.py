@@ -60,6 +60,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--realistic", action="store_true",
                    help="prefix caches on, engines' KV capped (--kv-blocks), 2 prefill nodes; prefix cache + "
                         "round-robin vs store + cache-aware routing")
+    p.add_argument("--decode-first", action="store_true",
+                   help="--realistic: compare prefix cache + round-robin against decode-first routing on the "
+                        "engines' KV events (router.decode_first; store off) instead of store + cache-aware")
+    p.add_argument("--disagg-min-tokens", type=int, default=-1,
+                   help="--decode-first: router.disagg_min_tokens (-1 = the configured default)")
     p.add_argument("--kv-blocks", type=int, default=72,
                    help="--realistic: each engine's KV cache in blocks (vLLM's --num-gpu-blocks-override; 72 x 128 tokens: one 8192-token prompt and a little)")
     p.add_argument("--base-port", type=int, default=19300)
@@ -71,8 +76,9 @@ def _text(n: int, seed: int) -> str:
     return "".join(rng.choice(ALPHABET) for _ in range(n))
 
 
-def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int, str]:
-    """Streamed chat turn: (TTFT seconds, answer, prompt tokens, the prefill node that served it)."""
+def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int, str, str]:
+    """Streamed chat turn: (TTFT seconds, answer, prompt tokens, the prefill node that served it ("" = none),
+    the decode node)."""
     import urllib.request
 
     body = {"model": launch.TINY_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
@@ -81,7 +87,7 @@ def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, 
                                  headers={"Content-Type": "application/json"})
     t0, first, parts, prompt_tokens = time.perf_counter(), None, [], 0
     with urllib.request.urlopen(req, timeout=600) as r:
-        node = r.headers.get("X-Kvrelay-Prefill", "")
+        node, d_node = r.headers.get("X-Kvrelay-Prefill", ""), r.headers.get("X-Kvrelay-Decode", "")
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data: {"):
@@ -94,7 +100,7 @@ def _chat(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, 
                 if text and first is None:
                     first = time.perf_counter()
                 parts.append(text)
-    return (first or time.perf_counter()) - t0, "".join(parts), prompt_tokens, node
+    return (first or time.perf_counter()) - t0, "".join(parts), prompt_tokens, node, d_node
 
 
 def _stack(args: argparse.Namespace, out: Path, store: bool, redis_url: str = "") -> tuple[launch.Stack, Path]:
@@ -119,6 +125,11 @@ def _stack(args: argparse.Namespace, out: Path, store: bool, redis_url: str = ""
         engine.update(prefill_args=[], extra_args=["--num-gpu-blocks-override", str(args.kv_blocks)])
         data["deploy"]["prefill"] = 2
         data["router"]["policy"] = "cache_aware" if store else "round_robin"
+        if store and args.decode_first:      # the compared system: decode-first on the engines' own events
+            data["store"]["enabled"] = False
+            data["router"].update(policy="round_robin", decode_first=True)
+            if args.disagg_min_tokens >= 0:
+                data["router"]["disagg_min_tokens"] = args.disagg_min_tokens
     if redis_url:
         data["store"].update(redis_url=redis_url, save_decoded=True)
     return launch.Stack(kcfg.from_dict(data)), sub
@@ -134,21 +145,25 @@ def _turns(args: argparse.Namespace, stack: launch.Stack, label: str) -> dict[st
     order, rng = list(range(args.users)), random.Random(17)
     last_node: dict[int, str] = {}
     moved = 0
+    decisions: list[dict[str, Any]] = []
     for turn in range(args.turns):
         if args.realistic:
             rng.shuffle(order)
         for u in order:
             msgs = convs[u]
             msgs.append({"role": "user", "content": _text(args.user_tokens, 1000 * u + turn + 7)})
-            t, answer, n, node = _chat(url, msgs, args.answer_tokens)
+            t, answer, n, node, d_node = _chat(url, msgs, args.answer_tokens)
             msgs.append({"role": "assistant", "content": answer})
             ttft.setdefault(turn, []).append(t)
             history_tokens.setdefault(turn, []).append(n)
             moved += u in last_node and last_node[u] != node
             last_node[u] = node
-            print(f"  {label} turn {turn} user {u}: {n} tokens, TTFT {1e3 * t:.0f} ms on {node}", file=sys.stderr)
+            path = f"P {node} + push to D {d_node}" if node else f"D {d_node} alone"
+            print(f"  {label} turn {turn} user {u}: {n} tokens, TTFT {1e3 * t:.0f} ms; {path}", file=sys.stderr)
+            decisions.append({"turn": turn, "user": u, "prompt_tokens": n, "ttft_ms": 1e3 * t, "prefill": node,
+                              "decode": d_node})
     return {"ttft": ttft, "history_tokens": history_tokens, "moved_turns": moved,
-            "later_turns": args.users * (args.turns - 1)}
+            "later_turns": args.users * (args.turns - 1), "decisions": decisions}
 
 
 def _prefill_s(p_url: str, prompt: str) -> float:
@@ -198,7 +213,7 @@ def _run_stacks(args: argparse.Namespace, out: Path, redis_url: str) -> tuple[di
             off = _turns(args, off_stack, "prefix-cache+rr")
             off_stack.stop()
             on_stack.start(progress=False)
-            on = _turns(args, on_stack, "store+cache-aware")
+            on = _turns(args, on_stack, "decode-first" if args.decode_first else "store+cache-aware")
         else:
             on_stack.start(progress=False)
             on = _turns(args, on_stack, "on ")
@@ -236,7 +251,7 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     args.model_path = _model_path(args.model)
     on, off, pairs = _run_all(args, out)
-    names = ("prefix+rr", "store+ca") if args.realistic else ("off", "on")
+    names = ("prefix+rr", "decode-first" if args.decode_first else "store+ca") if args.realistic else ("off", "on")
     lines = []
     if args.realistic:
         lines.append(f"realistic: 2P1D, prefix caches on, {args.kv_blocks} KV blocks per engine, {args.users} users; "
@@ -259,6 +274,11 @@ def main(args: argparse.Namespace) -> int:
     if args.realistic:
         lines.append("turns served by another prefill node than the user's previous turn: "
                      + ", ".join(f"{name} {x['moved_turns']}/{x['later_turns']}" for name, x in zip(names, (off, on), strict=True)))
+    if args.realistic and args.decode_first:
+        later = [d for d in on["decisions"] if d["turn"] > 0]
+        alone = sum(not d["prefill"] for d in later)
+        lines.append(f"decode-first: {alone} of {len(later)} later turns served by their decode node alone "
+                     f"(the rest: a prefill node and a push); every turn's decision is in multiturn.json")
     if pairs:
         lines.append(f"store-path overhead on fresh 2048-token prefills (median of {len(pairs)} paired ratios): "
                      f"{100 * over:+.1f}% (target <= +5%)")

@@ -105,6 +105,10 @@ class Pool:
         return self._turn(live)
 
     def _turn(self, tied: list[Node]) -> Node:
+        """Nodes that tie take turns; a clear winner does not use up a turn (else a pattern of
+        one tie, one clear pick would give every tie to the same node)."""
+        if len(tied) == 1:
+            return tied[0]
         return tied[next(self._rr) % len(tied)]
 
 

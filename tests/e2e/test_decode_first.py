@@ -218,6 +218,7 @@ class Placed:
 def test_every_case_is_exact_and_a_repeat_goes_back_to_its_decode_node_alone(df_stack, reference):
     handle, _, names = df_stack
     placed = Placed(handle.router_url)
+    homes = set()
     for case in CASES:
         first, n, d1, p1 = placed.case(case)
         assert first == reference[case.name], f"{case.name}: differs from one vLLM ({'D alone' if not p1 else 'P+D'})"
@@ -227,6 +228,8 @@ def test_every_case_is_exact_and_a_repeat_goes_back_to_its_decode_node_alone(df_
         assert not p2, (case.name, p2)                      # alone: what is left is short either way
         if n >= 128:                                          # a whole block cached: back where it is
             assert d2 == d1, (case.name, names.get(d1), names.get(d2))
+        homes.add(names.get(d1))
+    assert homes == {"decode0", "decode1"}, homes             # new prompts spread; only held ones stick
     c = _counters(handle.router_url)
     assert c['kvrelay_router_decisions_total{path="decode_only"}'] >= len(CASES)
     assert c['kvrelay_router_cached_prompt_tokens_total{role="decode"}'] > 0

@@ -162,7 +162,7 @@ def test_a_failed_prefill_node_is_replaced_and_with_none_left_the_decode_node_se
     async def go():
         dead, good = DeadPrefill(status=0), Decoder()
         async with stack([dead, good], [Decoder()]) as (url, s, r):
-            for _ in range(2):                                         # whichever P round robin picks first
+            for _ in range(3):                                         # round robin: dead, good, dead
                 async with s.post(f"{url}/v1/completions", json=BODY) as resp:
                     answer = await resp.json()
                 assert answer["choices"][0]["text"] == _want(12)
