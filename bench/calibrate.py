@@ -12,12 +12,14 @@ from the configuration (its engines, model, transport and core binding):
   median gap, is the stall that request caused (a prompt computed on D stalls every stream
   on D for about its whole prefill; a push costs D an install).
 
-D alone wins at a length while its TTFT is no worse than P plus the push and the stall it
-causes stays within ``--itl-budget-ms`` (default: ``kvrelay bench serve``'s per-token SLO);
-past that, P plus the push wins. For each prompt length (fresh prompts: nothing cached) both
-paths run ``--reps`` times, alternating; the recommended value is the longest length up to
-which D alone wins at every length measured (the crossover). It prints the table and the
-line to put in the config, and writes JSON and a PNG.
+For a decode node serving others (``router.disagg_min_tokens``), D alone wins at a length
+while its TTFT is no worse than P plus the push and the stall it causes stays within
+``--itl-budget-ms`` (default: ``kvrelay bench serve``'s per-token SLO). For an idle decode
+node (``router.disagg_min_tokens_idle``) there is no one to stall: D alone wins while its
+TTFT is no worse. For each prompt length (fresh prompts: nothing cached) both paths run
+``--reps`` times, alternating; each recommended value is the longest length up to which D
+alone wins at every length measured (the crossover). It prints the table and the lines to
+put in the config, and writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def d_alone_wins(row: dict[str, Any], budget_s: float) -> bool:
     return row["ttft_d"] <= row["ttft_pd"] and row["stall_d"] <= budget_s
 
 
-def recommend(rows: list[dict[str, Any]], budget_s: float) -> tuple[int, bool]:
+def recommend(rows: list[dict[str, Any]], budget_s: float = float("inf")) -> tuple[int, bool]:
     """(the longest length up to which D alone wins at every length, whether P + push ever won)."""
     best = 0
     for row in sorted(rows, key=lambda r: r["tokens"]):
@@ -170,6 +172,7 @@ def main(args: argparse.Namespace) -> int:
     rows = _run(args, out)
     budget = args.itl_budget_ms / 1e3
     value, crossed = recommend(rows, budget)
+    idle, idle_crossed = recommend(rows)
     lines = [f"{'tokens':>6} {'TTFT P+push ms':>14} {'TTFT D ms':>9} {'P+push / D':>10} {'stall P+push ms':>15} "
              f"{'stall D ms':>10} {'D alone wins':>12}"]
     for r in rows:
@@ -182,11 +185,15 @@ def main(args: argparse.Namespace) -> int:
     why = ("P + push wins from the next length on" if crossed
            else "D alone won at every length measured; measure longer prompts to find where P + push wins")
     lines.append(f"recommended: router.disagg_min_tokens: {value}   ({why})")
+    lines.append(f"recommended: router.disagg_min_tokens_idle: {idle}   (" + (
+        "P + push answers faster from the next length on)" if idle_crossed else
+        "D alone answered no slower at every length measured)"))
     table = "\n".join(lines)
     print(table)
     (out / "table.txt").write_text(table + "\n")
     (out / "calibrate.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "func"},
-                                                    "rows": rows, "disagg_min_tokens": value, "crossed": crossed},
+                                                    "rows": rows, "disagg_min_tokens": value, "crossed": crossed,
+                                                    "disagg_min_tokens_idle": idle, "idle_crossed": idle_crossed},
                                                    indent=2, default=str))
     from kvrelay.common.optional import pyplot
 

@@ -46,7 +46,8 @@ class RouterConfig(Section, frozen=True):
     prefill: list[str] = msgspec.field(default_factory=list)   # http://host:port of prefill servers
     decode: list[str] = msgspec.field(default_factory=list)    # "http://host:port=tcp://host:kvport"
     decode_first: bool = False       # pick D first by the prompt its prefix cache holds (vLLM KV events) and load
-    disagg_min_tokens: NonNeg = 512  # decode_first: D serves alone when at most this many prompt tokens are left
+    disagg_min_tokens: NonNeg = 128  # decode_first: D serves alone when at most this many prompt tokens are left
+    disagg_min_tokens_idle: NonNeg = 2048   # ... and this many while D has no request in flight (nothing to stall)
     decode_request_tokens: NonNeg = 256   # decode_first: a request D already serves weighs this many prompt tokens
     kv_events: list[str] = msgspec.field(default_factory=list)  # "http://engine:port=tcp://router-host:port" per engine
     index_max_blocks: Positive = 262144   # decode_first: blocks the KV index keeps per engine (oldest go first)
@@ -160,8 +161,12 @@ FIELD_HELP: dict[str, str] = {
     'router.decode_first': ("pick the decode node first, by the prompt tokens its prefix cache already holds (vLLM's "
                             "KV events, router.kv_events) against its load; if at most router.disagg_min_tokens are "
                             "left to compute it serves the request alone (no prefill node, no transfer)"),
-    'router.disagg_min_tokens': ("decode_first: prompt tokens a decode node may compute itself; more and a prefill "
-                                 "node computes them and pushes the chunks D lacks (measure it: kvrelay calibrate)"),
+    'router.disagg_min_tokens': ("decode_first: prompt tokens a decode node that is serving other requests may "
+                                 "compute itself (it stalls their streams meanwhile); more and a prefill node computes "
+                                 "them and pushes the chunks D lacks. Measure it: kvrelay calibrate"),
+    'router.disagg_min_tokens_idle': ("decode_first: the same for a decode node with no request in flight, which "
+                                      "stalls nobody: as long as D alone answers no slower than a prefill node plus "
+                                      "the push (kvrelay calibrate)"),
     'router.decode_request_tokens': ("decode_first: how much one request a decode node is already serving weighs "
                                       "against the prompt tokens its cache saves, in prompt tokens (times load_weight)"),
     'router.kv_events': ("where the router listens for each engine's KV-cache events, as 'http://engine:port=tcp://"

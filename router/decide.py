@@ -7,7 +7,10 @@
    request it is already serving). A conversation's next turn lands where its history is
    unless that node is busier than the history is worth.
 3. If D would compute at most ``router.disagg_min_tokens`` it serves the request alone
-   (:attr:`RoutePath.DECODE_ONLY`): no prefill node, no push, no split. Otherwise a prefill
+   (:attr:`RoutePath.DECODE_ONLY`): no prefill node, no push, no split. A decode node with
+   no request in flight stalls nobody by computing a prompt, so for it the bound is
+   ``router.disagg_min_tokens_idle``: as long as D alone answers no slower than a prefill
+   node plus the push (both measured by ``kvrelay calibrate``). Otherwise a prefill
    node is chosen by what its own cache and the store hold against its load
    (:attr:`RoutePath.DISAGGREGATED`), and it pushes only the chunks D lacks (D names the
    chunks it holds in its pull, :mod:`kvrelay.prefill.pusher`).
@@ -78,7 +81,9 @@ class DecodeFirst:
         node = self.decode.pick(hint=hint, load_weight=self.cfg.load_weight,
                                 request_tokens=self.cfg.decode_request_tokens)
         held = hint.cached_tokens.get(node.url, 0)
-        path = RoutePath.DECODE_ONLY if len(ids) - held <= self.cfg.disagg_min_tokens else RoutePath.DISAGGREGATED
+        idle = node.outstanding == 0 and node.pending_tokens == 0
+        limit = self.cfg.disagg_min_tokens_idle if idle else self.cfg.disagg_min_tokens
+        path = RoutePath.DECODE_ONLY if len(ids) - held <= limit else RoutePath.DISAGGREGATED
         return Placement(node, path, len(ids), held, tuple(ids))
 
     def prefill_hint(self, placement: Placement, store: PrefixHint | None) -> PrefixHint | None:

@@ -16,3 +16,4 @@ def test_the_crossover_is_the_last_length_where_d_alone_wins_everywhere_below():
     assert recommend(rows, 0.06) == (512, True)        # 1024: P + push is faster even for this request
     assert recommend(rows[:2], 0.03) == (256, False)   # never crossed: say so
     assert recommend([_row(64, 0.02, 0.03, 0.0)], 1.0) == (0, True)    # a faster prefill node wins at once
+    assert recommend(rows) == (512, True)              # idle D: no one to stall, TTFT alone decides

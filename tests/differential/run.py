@@ -115,7 +115,7 @@ def extra_router(stack: launch.Stack, port: int, first_token: str) -> tuple[subp
     data = kcfg.to_dict(stack.router_config())
     data["router"].update(port=port, first_token=first_token)
     if data["router"]["decode_first"]:
-        data["router"].update(kv_events=[], disagg_min_tokens=EXTRA_DISAGG_MIN)
+        data["router"].update(kv_events=[], disagg_min_tokens=EXTRA_DISAGG_MIN, disagg_min_tokens_idle=EXTRA_DISAGG_MIN)
     path = stack.log_dir / f"router-{first_token}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     with open(stack.log_dir / f"router-{first_token}.log", "w") as log:

@@ -360,7 +360,7 @@ _ACTIVE: list[launch.Stack] = []
 FIRST_TOKEN = {"tcp": "prefill", "nixl": "decode"}
 # The shared stacks place decode-first on the engines' KV events; with nothing left for D alone
 # (0 tokens) every request that can be split still takes a transfer, which the e2e tests assert.
-DECODE_FIRST = {"router__decode_first": True, "router__disagg_min_tokens": 0}
+DECODE_FIRST = {"router__decode_first": True, "router__disagg_min_tokens": 0, "router__disagg_min_tokens_idle": 0}
 
 
 def stop_active() -> None:

@@ -173,7 +173,7 @@ def _forwarder(sub_port: int, pub_endpoint: str) -> subprocess.Popen:
 def df_stack(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("decode-first")
     over: dict[str, Any] = {"deploy__decode": 2, "transport__backend": "tcp", "router__decode_first": True,
-                            "router__disagg_min_tokens": DISAGG_MIN, "router__expose_nodes": True}
+                            "router__disagg_min_tokens": DISAGG_MIN, "router__disagg_min_tokens_idle": DISAGG_MIN, "router__expose_nodes": True}
     cfg = _cfg(tiny_model, tmp, PORT0, **over)
     stack = launch.Stack(cfg)
     specs = stack.specs

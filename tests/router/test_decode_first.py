@@ -93,7 +93,7 @@ PROMPT = list(range(1, 601))          # 600 tokens: 4 full blocks of 128 (512 to
 
 def test_the_node_holding_the_prompt_serves_it_alone_when_little_is_left(tiny_model):
     async def go() -> None:
-        async with decode_first(tiny_model, disagg_min_tokens=100) as (url, s, r, p, ds, pubs):
+        async with decode_first(tiny_model, disagg_min_tokens=100, disagg_min_tokens_idle=100) as (url, s, r, p, ds, pubs):
             pubs[1].store(PROMPT)
             await until(lambda: r.decide.index.held(PROMPT, [ds[1].url]) == {ds[1].url: 512})
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": PROMPT}) as resp:
@@ -113,7 +113,7 @@ def test_the_node_holding_the_prompt_serves_it_alone_when_little_is_left(tiny_mo
 
 def test_a_busy_holder_loses_the_turn_and_a_lost_publisher_leaves_load_only_routing(tiny_model):
     async def go() -> None:
-        async with decode_first(tiny_model, disagg_min_tokens=100, decode_request_tokens=256) as (
+        async with decode_first(tiny_model, disagg_min_tokens=100, disagg_min_tokens_idle=100, decode_request_tokens=256) as (
                 url, s, r, p, ds, pubs):
             pubs[1].store(PROMPT)
             await until(lambda: r.decide.index.held(PROMPT, [ds[1].url]))
@@ -161,3 +161,17 @@ def test_kvrelay_up_gives_every_engine_an_events_endpoint_the_router_binds():
     assert len(set(stack_ports(stack.cfg).values())) == len(stack_ports(stack.cfg))
     with pytest.raises(kcfg.ConfigError, match="router.kv_events"):
         kcfg.from_dict({"router": {"kv_events": ["tcp://127.0.0.1:1"]}})
+
+
+def test_an_idle_decode_node_takes_longer_prompts_than_a_busy_one(tiny_model):
+    async def go() -> None:
+        async with decode_first(tiny_model, disagg_min_tokens=100, disagg_min_tokens_idle=600) as (
+                url, s, r, p, ds, pubs):
+            from kvrelay.router.decide import RoutePath
+
+            assert r.decide.place(PROMPT).path is RoutePath.DECODE_ONLY        # 600 tokens, nobody to stall
+            for node in r.decode.nodes:
+                node.outstanding = 1                                          # every D streams an answer
+            assert r.decide.place(PROMPT).path is RoutePath.DISAGGREGATED
+            assert r.decide.place(PROMPT[:90]).path is RoutePath.DECODE_ONLY
+    run(go())
