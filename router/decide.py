@@ -36,6 +36,23 @@ from kvrelay.router.pools import Node, Pool, PrefixHint
 log = logging.getLogger("kvrelay.router")
 
 
+INLINE_CHARS = 2048          # prompts up to this many characters are tokenised without a thread
+
+
+def _size(body: dict[str, Any]) -> int:
+    """Characters of the prompt or the messages' text (a bound on the tokenising work)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return len(prompt)
+    total = 0
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        total += len(content) if isinstance(content, str) else INLINE_CHARS + 1
+    return total
+
+
 class RoutePath(str, enum.Enum):
     """Where a request went (``kvrelay_router_decisions_total{path}``)."""
 
@@ -66,7 +83,11 @@ class DecodeFirst:
         self.cfg, self.prefill, self.decode, self.index, self._tokenize = cfg, prefill, decode, index, tokenize
 
     async def tokens(self, body: dict[str, Any]) -> list[int] | None:
+        """The prompt's token ids as vLLM computes them (None: not tokenisable). Short prompts are
+        tokenised on the event loop (~0.1 ms for 256 tokens: less than a thread hand-off)."""
         try:
+            if _size(body) <= INLINE_CHARS:
+                return self._tokenize(body)
             return await asyncio.to_thread(self._tokenize, body)
         except Exception as exc:  # noqa: BLE001 - a prompt we cannot tokenise is routed by load alone
             log.info("decode_first: cannot tokenise the request (%s); routing by load", exc)
