@@ -5,6 +5,7 @@ Systems, one at a time on this host, same model, same requests:
 * ``single``       - one plain vLLM server with all cores;
 * ``kvrelay-tcp``, ``kvrelay-nixl`` - kvrelay 1P1D through its router (first token from P);
 * ``kvrelay-tcp-df``, ``kvrelay-nixl-df`` - the same with decode-first routing (``router.decode_first``);
+  ``-d-df``: and every token from the decode node (``router.first_token: decode``);
 * ``nixl-fair``    - vLLM's NixlConnector 1P1D with its CPU faults fixed (:mod:`kvrelay.bench.fair_nixl`)
                      behind a minimal proxy doing the toy-proxy flow (P with ``max_tokens=1``,
                      then D streams with P's ``kv_transfer_params``).
@@ -49,7 +50,8 @@ from kvrelay.common.errors import ConfigError, UnreachableError
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
 
-SYSTEMS = ("single", "kvrelay-tcp", "kvrelay-nixl", "nixl-fair", "kvrelay-tcp-df", "kvrelay-nixl-df")
+SYSTEMS = ("single", "kvrelay-tcp", "kvrelay-nixl", "nixl-fair", "kvrelay-tcp-df", "kvrelay-nixl-df",
+           "kvrelay-tcp-d-df", "kvrelay-nixl-d-df")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
 KNEE = 0.9          # a rate is served while goodput >= 90 % of it
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -139,8 +141,10 @@ class System:
         if self.name == "single":
             return e2e.start_single(e2e.base_cfg(self.args, self.out), self.servers, self.args.base_port)
         if self.name.startswith("kvrelay-"):
-            cfg = e2e.base_cfg(self.args, self.out, transport__backend=self.name.split("-")[1],
-                               router__max_inflight=1024, router__decode_first=self.name.endswith("-df"))
+            parts = self.name.split("-")
+            cfg = e2e.base_cfg(self.args, self.out, transport__backend=parts[1], router__max_inflight=1024,
+                               router__decode_first="df" in parts,
+                               router__first_token="decode" if "d" in parts else "prefill")
             self.stack = launch.Stack(cfg)
             self.stack.start(progress=False)
             return f"http://127.0.0.1:{cfg.router.port}"

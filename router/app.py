@@ -350,13 +350,7 @@ class Router:
         return await self._timed(job, self.decode_path.prefill_and_decode(job, p_node, work))
 
     def _count(self, place: Placement, path: RoutePath, prefill_held: int = 0) -> None:
-        m = self.metrics
-        m.decisions.labels(path.value).inc()
-        if place.prompt_tokens:
-            m.prompt_tokens.inc(place.prompt_tokens)
-            m.cached_tokens.labels("decode").inc(place.decode_held)
-            if prefill_held:
-                m.cached_tokens.labels("prefill").inc(prefill_held)
+        self.metrics.decided(path.value, place.prompt_tokens, place.decode_held, prefill_held)
 
     def _split_refusal(self, job: Job) -> str | None:
         if split.kind(job.endpoint) == "chat" and self._parsers:

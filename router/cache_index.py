@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import chunk_keys_from_digest
 from kvrelay.router.pools import Pool, PrefixHint
 from kvrelay.store.events import StoreEvent, decode_event, published_key
@@ -133,7 +134,11 @@ class PromptTokenizer:
     """Tokenise request bodies the way vLLM's OpenAI server does (for key computation only)."""
 
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise ConfigError("router.tokenizer: cache-aware and decode-first routing tokenise prompts with "
+                              "transformers (no torch needed): pip install 'kvrelay[router]'") from exc
 
         self.tok = AutoTokenizer.from_pretrained(path)
 

@@ -45,6 +45,15 @@ class RouterMetrics:
         self.itl = Histogram("kvrelay_router_itl_seconds", "Time between streamed pieces the client gets",
                              buckets=ITL_BUCKETS, registry=self.registry)
 
+    def decided(self, path: str, prompt_tokens: int, decode_held: int, prefill_held: int = 0) -> None:
+        """One placement: its path, and (prompt known) the prompt tokens the chosen engines held."""
+        self.decisions.labels(path).inc()
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+            self.cached_tokens.labels("decode").inc(decode_held)
+            if prefill_held:
+                self.cached_tokens.labels("prefill").inc(prefill_held)
+
     def follow(self, pools: tuple[Pool, ...]) -> None:
         """Node gauges read the pools at scrape time (membership may change: router/discovery.py)."""
         def count(pool: Pool, healthy: bool) -> float:
