@@ -67,6 +67,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="--decode-first: router.disagg_min_tokens (-1 = the configured default)")
     p.add_argument("--kv-blocks", type=int, default=72,
                    help="--realistic: each engine's KV cache in blocks (vLLM's --num-gpu-blocks-override; 72 x 128 tokens: one 8192-token prompt and a little)")
+    p.add_argument("--long-history", type=int, default=4096,
+                   help="the summary pools every request with at least this many prompt tokens")
     p.add_argument("--base-port", type=int, default=19300)
     p.add_argument("--out", default="bench_results")
 
@@ -227,6 +229,12 @@ def _run_stacks(args: argparse.Namespace, out: Path, redis_url: str) -> tuple[di
     return on, off, pairs
 
 
+def _long_turns(run: dict[str, Any], tokens: int) -> list[float]:
+    """Every request's TTFT whose prompt had at least ``tokens`` tokens (all users pooled)."""
+    return [t for turn, ts in run["ttft"].items() for t, n in zip(ts, run["history_tokens"][turn], strict=True)
+            if n >= tokens]
+
+
 def _store_stats(path: Path) -> dict[str, Any]:
     evs = read_events(path)
     loads = [e for e in evs if e["event"] == "store_load"]
@@ -265,6 +273,11 @@ def main(args: argparse.Namespace) -> int:
         rows.append({"turn": turn, "history_tokens": n, "ttft_off_ms": 1e3 * a, "ttft_on_ms": 1e3 * b,
                      "speedup": a / b})
         lines.append(f"{turn:>4} {n:>11} {1e3 * a:>15.0f} {1e3 * b:>14.0f} {a / b:>8.2f}")
+    long_off, long_on = _long_turns(off, args.long_history), _long_turns(on, args.long_history)
+    if long_off and long_on:
+        a, b = statistics.mean(long_off), statistics.mean(long_on)
+        lines.append(f"turns with >= {args.long_history} tokens of history ({len(long_on)} requests each): mean TTFT "
+                     f"{names[0]} {1e3 * a:.0f} ms, {names[1]} {1e3 * b:.0f} ms: {a / b:.2f}x")
     st = on["store"]
     hit = st["loaded_tokens"] / max(st["prompt_tokens"], 1)
     over = statistics.median(p["ratio"] for p in pairs) - 1 if pairs else float("nan")
@@ -286,7 +299,10 @@ def main(args: argparse.Namespace) -> int:
     print(table)
     (out / "table.txt").write_text(table + "\n")
     (out / "multiturn.json").write_text(json.dumps({"args": vars(args), "rows": rows, "on": on, "off": off, "overhead_pairs": pairs,
-                                                    "hit_rate": hit, "store_overhead": over}, indent=2, default=str))
+                                                    "hit_rate": hit, "store_overhead": over,
+                                                    "long_history_ttft": {"tokens": args.long_history, names[0]: long_off,
+                                                                          names[1]: long_on}},
+                                                   indent=2, default=str))
     from kvrelay.common.optional import pyplot
 
     plt = pyplot("kvrelay bench multiturn")

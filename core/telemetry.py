@@ -112,6 +112,11 @@ class Sourced:
         with self._lock:
             self._sources[labelvalues] = source
 
+    def unbind(self) -> None:
+        """Stop reading the bound sources (their owner closed); the counts stay."""
+        with self._lock:
+            self._sources.clear()
+
     def labels(self, *values: str, **kw: str) -> Any:
         return self.counter.labels(*values, **kw)
 
@@ -126,6 +131,12 @@ class Sourced:
                     (self.counter.labels(*values) if values else self.counter).inc(grown)
                     self._seen[values] = self._seen.get(values, 0.0) + grown
         return self.counter.collect()
+
+
+def unbind_gauge(gauge: Any) -> None:
+    """Undo ``gauge.set_function``: it stores its sampler on the instance, so dropping that
+    restores the gauge's own value (a closed worker's pool must not be read by the next)."""
+    gauge.__dict__.pop("_child_samples", None)
 
 
 # Gauges a worker holds (a state, not a count) - name: (help, own labels). The engine's API server

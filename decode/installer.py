@@ -27,6 +27,7 @@ from kvrelay.core.drain import DrainPhase, read_phase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
 from kvrelay.core.ranks import Piece
+from kvrelay.core.telemetry import unbind_gauge
 from kvrelay.decode.messages import LoadSpec
 from kvrelay.decode.saver import DecodeSaver, SaveSpec
 from kvrelay.kernels.blocks import scatter_range
@@ -366,4 +367,7 @@ class InstallWorker(WorkerBase):
             self.saver.close()
         if self.receiver is not None:
             self.receiver.close()
+            unbind_gauge(self.metrics.pool_leased)      # process-wide gauges: nothing reads a closed pool
+            unbind_gauge(self.metrics.receiver_entries)
+            self.metrics.refusals.unbind()
         super().close()
