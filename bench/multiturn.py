@@ -17,6 +17,10 @@ histories do not fit, and **two prefill nodes** (2P1D). It compares, on the same
 conversations, "prefix cache only" (store off, round-robin routing, so a turn often lands
 on the other node) against "store + cache-aware routing" (store on, ``router.policy:
 cache_aware``). Users are served in interleaved order, one turn each per round.
+``--decode-first`` compares the same baseline against decode-first routing on the engines'
+own KV events (store off): each turn's decision (D alone, or which P pushed to which D) is
+printed and kept in the JSON, and the turns with at least ``--long-history`` tokens are
+pooled into one mean TTFT per system.
 
 The model defaults to the tiny model's ``wide`` variant (``--model wide``): the same KV
 layout, so every chunk is the same 2 MiB, but linear layers dominate its compute as in
@@ -262,8 +266,10 @@ def main(args: argparse.Namespace) -> int:
     names = ("prefix+rr", "decode-first" if args.decode_first else "store+ca") if args.realistic else ("off", "on")
     lines = []
     if args.realistic:
+        other = ("'decode-first' = decode-first routing on the engines' KV events (store off)" if args.decode_first
+                 else "'store+ca' = store + cache-aware routing")
         lines.append(f"realistic: 2P1D, prefix caches on, {args.kv_blocks} KV blocks per engine, {args.users} users; "
-                     "'prefix+rr' = prefix cache only, round-robin; 'store+ca' = store + cache-aware routing")
+                     f"'prefix+rr' = prefix cache only, round-robin; {other}")
     lines.append(f"{'turn':>4} {'history tok':>11} {'TTFT ' + names[0] + ' ms':>15} {'TTFT ' + names[1] + ' ms':>14} "
                  f"{'speed-up':>8}")
     rows = []
