@@ -258,27 +258,9 @@ def _model_path(model: str) -> str:
     return str(ensure_tiny_model(root if model == "narrow" else root.with_name(root.name + "-" + model), model))
 
 
-def main(args: argparse.Namespace) -> int:
-    out = Path(args.out) / f"multiturn-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
-    args.model_path = _model_path(args.model)
-    on, off, pairs = _run_all(args, out)
-    names = ("prefix+rr", "decode-first" if args.decode_first else "store+ca") if args.realistic else ("off", "on")
-    lines = []
-    if args.realistic:
-        other = ("'decode-first' = decode-first routing on the engines' KV events (store off)" if args.decode_first
-                 else "'store+ca' = store + cache-aware routing")
-        lines.append(f"realistic: 2P1D, prefix caches on, {args.kv_blocks} KV blocks per engine, {args.users} users; "
-                     f"'prefix+rr' = prefix cache only, round-robin; {other}")
-    lines.append(f"{'turn':>4} {'history tok':>11} {'TTFT ' + names[0] + ' ms':>15} {'TTFT ' + names[1] + ' ms':>14} "
-                 f"{'speed-up':>8}")
-    rows = []
-    for turn in sorted(on["ttft"]):
-        a, b = statistics.median(off["ttft"][turn]), statistics.median(on["ttft"][turn])
-        n = int(statistics.median(on["history_tokens"][turn]))
-        rows.append({"turn": turn, "history_tokens": n, "ttft_off_ms": 1e3 * a, "ttft_on_ms": 1e3 * b,
-                     "speedup": a / b})
-        lines.append(f"{turn:>4} {n:>11} {1e3 * a:>15.0f} {1e3 * b:>14.0f} {a / b:>8.2f}")
+def _summary(args: argparse.Namespace, names: tuple[str, str], on: dict, off: dict, pairs: list,
+             lines: list[str]) -> tuple[float, float]:
+    """The lines under the per-turn table; returns (store hit rate, store-path overhead)."""
     long_off, long_on = _long_turns(off, args.long_history), _long_turns(on, args.long_history)
     if long_off and long_on:
         a, b = statistics.mean(long_off), statistics.mean(long_on)
@@ -301,6 +283,32 @@ def main(args: argparse.Namespace) -> int:
     if pairs:
         lines.append(f"store-path overhead on fresh 2048-token prefills (median of {len(pairs)} paired ratios): "
                      f"{100 * over:+.1f}% (target <= +5%)")
+    return hit, over
+
+
+def main(args: argparse.Namespace) -> int:
+    out = Path(args.out) / f"multiturn-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    args.model_path = _model_path(args.model)
+    on, off, pairs = _run_all(args, out)
+    names = ("prefix+rr", "decode-first" if args.decode_first else "store+ca") if args.realistic else ("off", "on")
+    lines = []
+    if args.realistic:
+        other = ("'decode-first' = decode-first routing on the engines' KV events (store off)" if args.decode_first
+                 else "'store+ca' = store + cache-aware routing")
+        lines.append(f"realistic: 2P1D, prefix caches on, {args.kv_blocks} KV blocks per engine, {args.users} users; "
+                     f"'prefix+rr' = prefix cache only, round-robin; {other}")
+    lines.append(f"{'turn':>4} {'history tok':>11} {'TTFT ' + names[0] + ' ms':>15} {'TTFT ' + names[1] + ' ms':>14} "
+                 f"{'speed-up':>8}")
+    rows = []
+    for turn in sorted(on["ttft"]):
+        a, b = statistics.median(off["ttft"][turn]), statistics.median(on["ttft"][turn])
+        n = int(statistics.median(on["history_tokens"][turn]))
+        rows.append({"turn": turn, "history_tokens": n, "ttft_off_ms": 1e3 * a, "ttft_on_ms": 1e3 * b,
+                     "speedup": a / b})
+        lines.append(f"{turn:>4} {n:>11} {1e3 * a:>15.0f} {1e3 * b:>14.0f} {a / b:>8.2f}")
+    long_off, long_on = _long_turns(off, args.long_history), _long_turns(on, args.long_history)
+    hit, over = _summary(args, names, on, off, pairs, lines)
     table = "\n".join(lines)
     print(table)
     (out / "table.txt").write_text(table + "\n")

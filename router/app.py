@@ -49,6 +49,7 @@ import orjson
 from aiohttp import web
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import KeyUse, derive_key, load_secret
+from kvrelay.common.tasks import cancel_all
 from kvrelay.core.config import FirstToken, KVRelayConfig, RoutingPolicy
 from kvrelay.core.logs import set_ids
 from kvrelay.core.params import ParamsSigner
@@ -208,11 +209,7 @@ class Router:
             await self.index.stop()
         if self.kv_events is not None:
             await self.kv_events.stop()
-        for task in [*self._tasks, self._health]:
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_all([*self._tasks, self._health])
         await self.client.close()
 
     @web.middleware

@@ -16,7 +16,6 @@ answer (the chosen node verifies everything it loads).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import defaultdict
 from typing import Any
@@ -26,6 +25,7 @@ import zmq
 import zmq.asyncio
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import chunk_keys_from_digest
+from kvrelay.common.tasks import cancel_all
 from kvrelay.router.pools import Pool, PrefixHint
 from kvrelay.store.events import StoreEvent, decode_event, published_key
 
@@ -63,11 +63,7 @@ class ChunkIndex:
     async def stop(self) -> None:
         tasks = list(self._followers.values())
         self._followers.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(tasks)
 
     async def _follow(self, url: str, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.SUB)

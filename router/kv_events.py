@@ -18,13 +18,13 @@ in); :meth:`KVEvents.sync` follows the pools' current members that have one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 
 import msgspec
 import zmq
 import zmq.asyncio
+from kvrelay.common.tasks import cancel_all
 from kvrelay.router.kv_index import KVIndex, decode_batch
 from kvrelay.router.pools import Node
 from zmq.utils.monitor import parse_monitor_message
@@ -65,11 +65,7 @@ class KVEvents:
     async def stop(self) -> None:
         tasks = [t for _, t in self._followers.values()]
         self._followers.clear()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_all(tasks)
 
     async def _follow(self, url: str, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.SUB)
