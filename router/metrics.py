@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 
+from kvrelay.router.decide import RoutePath
 from kvrelay.router.pools import Pool
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -42,6 +43,10 @@ class RouterMetrics:
         self.prompt_tokens = Counter("kvrelay_router_placed_prompt_tokens", "Prompt tokens of requests placed with "
                                      "a known prompt (decode_first), the denominator of the cached share",
                                      registry=self.registry)
+        for path in RoutePath:                  # every series exists from the start, at 0 (Prometheus convention)
+            self.decisions.labels(path.value)
+        for role in ("decode", "prefill"):
+            self.cached_tokens.labels(role)
         self.itl = Histogram("kvrelay_router_itl_seconds", "Time between streamed pieces the client gets",
                              buckets=ITL_BUCKETS, registry=self.registry)
 
