@@ -317,7 +317,7 @@ class Router:
     async def _place(self, body: dict[str, Any] | None) -> Placement:
         """Decode node and path: decode-first for a request that may be split, else D by load."""
         if self.decide is None or body is None:
-            return Placement(self.decode.pick(), RoutePath.DISAGGREGATED, 0, 0)
+            return Placement(self.decode.pick(), RoutePath.DISAGGREGATED, 0)
         return self.decide.place(await self.decide.tokens(body))
 
     async def _disaggregated(self, job: Job, place: Placement) -> web.StreamResponse:

@@ -15,7 +15,6 @@ answer (the chosen node verifies everything it loads).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import defaultdict
 from typing import Any
@@ -25,7 +24,7 @@ import zmq
 import zmq.asyncio
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import chunk_keys_from_digest
-from kvrelay.common.tasks import cancel_all
+from kvrelay.router.followers import Followers
 from kvrelay.router.pools import Pool, PrefixHint
 from kvrelay.store.events import StoreEvent, decode_event, published_key
 
@@ -44,7 +43,7 @@ class ChunkIndex:
         self.fingerprint = b""
         self.chunk_tokens = 0
         self.events = 0
-        self._followers: dict[str, asyncio.Task[None]] = {}    # node url -> its subscriber task
+        self._followers = Followers(self._follow, self.forget)
         self._ctx = zmq.asyncio.Context.instance()
 
     def start(self) -> None:
@@ -52,18 +51,10 @@ class ChunkIndex:
 
     def sync(self) -> None:
         """Follow the pool's current nodes (needs a running event loop). Non-blocking."""
-        wanted = {n.url: n.events_endpoint for n in self.pool.nodes if n.events_endpoint}
-        for url in [u for u in self._followers if u not in wanted]:
-            self._followers.pop(url).cancel()
-            self.forget(url)
-        for url, endpoint in wanted.items():
-            if url not in self._followers:
-                self._followers[url] = asyncio.create_task(self._follow(url, endpoint))
+        self._followers.sync({n.url: n.events_endpoint for n in self.pool.nodes if n.events_endpoint})
 
     async def stop(self) -> None:
-        tasks = list(self._followers.values())
-        self._followers.clear()
-        await cancel_all(tasks)
+        await self._followers.stop()
 
     async def _follow(self, url: str, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.SUB)

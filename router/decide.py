@@ -25,8 +25,8 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.core.router_config import RouterConfig
@@ -67,8 +67,13 @@ class Placement:
     decode: Node
     path: RoutePath
     prompt_tokens: int          # 0: unknown (not tokenised)
-    decode_held: int            # leading prompt tokens D's cache holds (by the index)
+    held: Mapping[str, int] = field(default_factory=dict)   # per engine URL (both pools): leading tokens cached
     token_ids: tuple[int, ...] = ()
+
+    @property
+    def decode_held(self) -> int:
+        """Leading prompt tokens D's cache holds (by the index)."""
+        return self.held.get(self.decode.url, 0)
 
     @property
     def decode_work(self) -> int:
@@ -97,21 +102,21 @@ class DecodeFirst:
         """D and the path for a prompt of ``ids`` (None: unknown; raises NoHealthyNode)."""
         if not ids:
             node = self.decode.pick(load_weight=self.cfg.load_weight)
-            return Placement(node, RoutePath.DISAGGREGATED, 0, 0)
-        hint = PrefixHint(len(ids), self.index.held(ids, (n.url for n in self.decode.nodes)))
-        node = self.decode.pick(hint=hint, load_weight=self.cfg.load_weight,
+            return Placement(node, RoutePath.DISAGGREGATED, 0)
+        # one pass over the prompt's block keys for every engine; the prefill pick reuses it
+        held = self.index.held(ids, (n.url for pool in (self.decode, self.prefill) for n in pool.nodes))
+        node = self.decode.pick(hint=PrefixHint(len(ids), held), load_weight=self.cfg.load_weight,
                                 request_tokens=self.cfg.decode_request_tokens)
-        held = hint.cached_tokens.get(node.url, 0)
         idle = node.outstanding == 0 and node.pending_tokens == 0
         limit = self.cfg.disagg_min_tokens_idle if idle else self.cfg.disagg_min_tokens
-        path = RoutePath.DECODE_ONLY if len(ids) - held <= limit else RoutePath.DISAGGREGATED
+        path = RoutePath.DECODE_ONLY if len(ids) - held.get(node.url, 0) <= limit else RoutePath.DISAGGREGATED
         return Placement(node, path, len(ids), held, tuple(ids))
 
     def prefill_hint(self, placement: Placement, store: PrefixHint | None) -> PrefixHint | None:
         """Per prefill node: the leading tokens its own cache or the store (``store``) holds."""
         if not placement.token_ids:
             return store
-        held = dict(self.index.held(placement.token_ids, (n.url for n in self.prefill.nodes)))
+        held = {n.url: placement.held[n.url] for n in self.prefill.nodes if n.url in placement.held}
         for url, n in (store.cached_tokens.items() if store else ()):
             held[url] = max(held.get(url, 0), n)
         return PrefixHint(placement.prompt_tokens, held)

@@ -17,14 +17,13 @@ in); :meth:`KVEvents.sync` follows the pools' current members that have one.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Iterable, Mapping
 
 import msgspec
 import zmq
 import zmq.asyncio
-from kvrelay.common.tasks import cancel_all
+from kvrelay.router.followers import Followers
 from kvrelay.router.kv_index import KVIndex, decode_batch
 from kvrelay.router.pools import Node
 from zmq.utils.monitor import parse_monitor_message
@@ -48,24 +47,16 @@ class KVEvents:
 
     def __init__(self, index: KVIndex, named: Mapping[str, str]) -> None:
         self.index, self.named = index, dict(named)
-        self._followers: dict[str, tuple[str, asyncio.Task[None]]] = {}   # url -> (endpoint, task)
+        self._followers = Followers(self._follow, index.forget)
         self._ctx = zmq.asyncio.Context.instance()
         self.connected: set[str] = set()
 
     def sync(self, nodes: Iterable[Node]) -> None:
         """Follow exactly ``nodes`` that publish (needs a running loop; non-blocking)."""
-        wanted = {n.url: self.named[n.url] for n in nodes if n.url in self.named}
-        for url in [u for u, (ep, _) in self._followers.items() if wanted.get(u) != ep]:
-            self._followers.pop(url)[1].cancel()
-            self.index.forget(url)
-        for url, ep in wanted.items():
-            if url not in self._followers:
-                self._followers[url] = (ep, asyncio.create_task(self._follow(url, ep)))
+        self._followers.sync({n.url: self.named[n.url] for n in nodes if n.url in self.named})
 
     async def stop(self) -> None:
-        tasks = [t for _, t in self._followers.values()]
-        self._followers.clear()
-        await cancel_all(tasks)
+        await self._followers.stop()
 
     async def _follow(self, url: str, endpoint: str) -> None:
         sock = self._ctx.socket(zmq.SUB)
