@@ -70,7 +70,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="kvrelay router.decode_first settings to run (comma list of on/off; 'on' systems are "
                         "labelled -df): D first on the engines' KV events, D alone up to --disagg-min-tokens")
     p.add_argument("--disagg-min-tokens", type=int, default=-1,
-                   help="router.disagg_min_tokens of the decode-first systems (-1 = the configured default)")
+                   help="router.disagg_min_tokens and disagg_min_tokens_idle of the decode-first systems "
+                        "(-1 = the configured defaults)")
     p.add_argument("--prefill-batch-tokens", type=int, default=0,
                    help="P's --max-num-batched-tokens (0 = vLLM's, as the single baselines run; a smaller "
                         "batch lets a long prompt's pushes overlap its later chunks but costs TTFT)")
@@ -294,8 +295,8 @@ def up_kvrelay(args: argparse.Namespace, out: Path, backend: str, first_token: s
     sub.mkdir(parents=True, exist_ok=True)
     (sub / "events.jsonl").unlink(missing_ok=True)
     over: dict[str, Any] = {"router__decode_first": decode_first}
-    if decode_first and args.disagg_min_tokens >= 0:
-        over["router__disagg_min_tokens"] = args.disagg_min_tokens
+    if decode_first and args.disagg_min_tokens >= 0:      # both bounds: D is idle or busy as the run goes
+        over["router__disagg_min_tokens"] = over["router__disagg_min_tokens_idle"] = args.disagg_min_tokens
     cfg = base_cfg(args, sub, port, transport__backend=backend, router__first_token=first_token,
                    engine__prefill_tp=p_tp, engine__decode_tp=d_tp, **over)
     stack = launch.Stack(cfg)

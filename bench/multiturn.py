@@ -68,7 +68,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="--realistic: compare prefix cache + round-robin against decode-first routing on the "
                         "engines' KV events (router.decode_first; store off) instead of store + cache-aware")
     p.add_argument("--disagg-min-tokens", type=int, default=-1,
-                   help="--decode-first: router.disagg_min_tokens (-1 = the configured default)")
+                   help="--decode-first: router.disagg_min_tokens and disagg_min_tokens_idle (-1 = the "
+                        "configured defaults)")
     p.add_argument("--kv-blocks", type=int, default=72,
                    help="--realistic: each engine's KV cache in blocks (vLLM's --num-gpu-blocks-override; 72 x 128 tokens: one 8192-token prompt and a little)")
     p.add_argument("--long-history", type=int, default=4096,
@@ -135,7 +136,8 @@ def _stack(args: argparse.Namespace, out: Path, store: bool, redis_url: str = ""
             data["store"]["enabled"] = False
             data["router"].update(policy="round_robin", decode_first=True)
             if args.disagg_min_tokens >= 0:
-                data["router"]["disagg_min_tokens"] = args.disagg_min_tokens
+                data["router"].update(disagg_min_tokens=args.disagg_min_tokens,
+                                      disagg_min_tokens_idle=args.disagg_min_tokens)
     if redis_url:
         data["store"].update(redis_url=redis_url, save_decoded=True)
     return launch.Stack(kcfg.from_dict(data)), sub
