@@ -20,11 +20,9 @@ from collections import defaultdict
 from typing import Any
 
 import msgspec
-import zmq
-import zmq.asyncio
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import chunk_keys_from_digest
-from kvrelay.router.followers import Followers
+from kvrelay.router.followers import Followers, subscriber
 from kvrelay.router.pools import Pool, PrefixHint
 from kvrelay.store.events import StoreEvent, decode_event, published_key
 
@@ -44,7 +42,6 @@ class ChunkIndex:
         self.chunk_tokens = 0
         self.events = 0
         self._followers = Followers(self._follow, self.forget)
-        self._ctx = zmq.asyncio.Context.instance()
 
     def start(self) -> None:
         self.sync()
@@ -57,9 +54,7 @@ class ChunkIndex:
         await self._followers.stop()
 
     async def _follow(self, url: str, endpoint: str) -> None:
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock = subscriber()
         sock.connect(endpoint)
         try:
             while True:

@@ -13,7 +13,17 @@ import asyncio
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
+import zmq
+import zmq.asyncio
 from kvrelay.common.tasks import cancel_all
+
+
+def subscriber() -> zmq.asyncio.Socket:
+    """A SUB socket that takes every message and drops what is unsent on close."""
+    sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    return sock
 
 
 class Followers:

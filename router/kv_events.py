@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 import zmq
 import zmq.asyncio
-from kvrelay.router.followers import Followers
+from kvrelay.router.followers import Followers, subscriber
 from kvrelay.router.kv_index import KVIndex, decode_batch
 from kvrelay.router.pools import Node
 from zmq.utils.monitor import parse_monitor_message
@@ -48,7 +48,6 @@ class KVEvents:
     def __init__(self, index: KVIndex, named: Mapping[str, str]) -> None:
         self.index, self.named = index, dict(named)
         self._followers = Followers(self._follow, index.forget)
-        self._ctx = zmq.asyncio.Context.instance()
         self.connected: set[str] = set()
 
     def sync(self, nodes: Iterable[Node]) -> None:
@@ -59,9 +58,7 @@ class KVEvents:
         await self._followers.stop()
 
     async def _follow(self, url: str, endpoint: str) -> None:
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock = subscriber()
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         try:
             sock.bind(endpoint)
