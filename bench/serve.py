@@ -83,6 +83,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "name, or the built-in tiny model's)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
                    help="bearer key for --base-url (default: $OPENAI_API_KEY; never put on the client's command line)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
+                   help="config override for every kvrelay system this run starts (YAML value; repeatable), "
+                   "e.g. --set connector.sync_landed=false")
     p.add_argument("--base-port", type=int, default=19300)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--quick", action="store_true", help="rates 1,3 and 16 prompts each")
@@ -142,9 +145,9 @@ class System:
             return e2e.start_single(e2e.base_cfg(self.args, self.out), self.servers, self.args.base_port)
         if self.name.startswith("kvrelay-"):
             parts = self.name.split("-")
-            cfg = e2e.base_cfg(self.args, self.out, transport__backend=parts[1], router__max_inflight=1024,
-                               router__decode_first="df" in parts,
-                               router__first_token="decode" if "d" in parts else "prefill")
+            over = {"transport__backend": parts[1], "router__max_inflight": 1024, "router__decode_first": "df" in parts,
+                    "router__first_token": "decode" if "d" in parts else "prefill"}
+            cfg = e2e.base_cfg(self.args, self.out, **over | overrides(self.args.overrides))
             self.stack = launch.Stack(cfg)
             self.stack.start(progress=False)
             return f"http://127.0.0.1:{cfg.router.port}"
@@ -164,6 +167,20 @@ class System:
         if self.stack is not None:
             self.stack.stop()
         self.servers.stop()
+
+
+def overrides(items: list[str]) -> dict[str, Any]:
+    """``--set section.key=value`` items as :func:`kvrelay.bench.e2e.base_cfg` keywords (``section__key``)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        section, dot, field = key.strip().partition(".")
+        if not sep or not dot or not section or not field or "." in field:
+            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE (e.g. connector.sync_landed=false)")
+        out[f"{section}__{field}"] = yaml.safe_load(value)
+    return out
 
 
 # ------------------------------------------------------------------ the client
@@ -203,7 +220,17 @@ def _row(system: str, rate: float, res: dict) -> dict:
     for m in METRICS:
         for q in ("50", "90", "99"):
             row[f"{m}_p{q}"] = res.get(f"p{q}_{m}_ms", res.get(f"median_{m}_ms") if q == "50" else None)
+    gaps = [1000 * itl[0] for itl in res.get("itls") or () if itl]      # token 1 -> token 2, per request
+    row["gap12_p50"], row["gap12_p99"] = (percentile(gaps, 50), percentile(gaps, 99)) if gaps else (None, None)
     return row
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``xs``, interpolated as numpy's default (as vLLM's client reports)."""
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (k - lo)
 
 
 # ------------------------------------------------------------------ report
@@ -213,7 +240,7 @@ def table(rows: list[dict], peers: tuple[str, str] = ("nixl-fair", "single")) ->
     a, b = peers
     hdr = (f"{'system':<13} {'rate':>5} {'done':>5} {'req/s':>6} {'goodput':>7} {'gp/' + a[:6]:>9} {'gp/' + b[:6]:>9} "
            f"{'TTFT p50':>8} {'p90':>7} {'p99':>7} {'TTFT/' + a[:6]:>11} {'ITL p50':>7} {'p90':>6} {'p99':>6} "
-           f"{'TPOT p50':>8} {'E2E p50':>8}")
+           f"{'ITL99/' + a[:6]:>12} {'tok1>2 p50':>10} {'p99':>6} {'TPOT p50':>8} {'E2E p50':>8}")
     lines = [hdr]
     for r in rows:
         fair, single = ref.get((a, r["rate"])), ref.get((b, r["rate"]))
@@ -227,8 +254,13 @@ def table(rows: list[dict], peers: tuple[str, str] = ("nixl-fair", "single")) ->
                      f"{r['ttft_p50']:>8.1f} {r['ttft_p90']:>7.1f} {r['ttft_p99']:>7.1f} "
                      f"{ratio(r['ttft_p50'], fair, 'ttft_p50'):>11.2f} "
                      f"{r['itl_p50']:>7.2f} {r['itl_p90']:>6.2f} {r['itl_p99']:>6.2f} "
-                     f"{r['tpot_p50']:>8.2f} {r['e2el_p50']:>8.1f}")
+                     f"{ratio(r['itl_p99'], fair, 'itl_p99'):>12.2f} {_ms(r.get('gap12_p50')):>10} "
+                     f"{_ms(r.get('gap12_p99')):>6} {r['tpot_p50']:>8.2f} {r['e2el_p50']:>8.1f}")
     return "\n".join(lines)
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def plot(rows: list[dict], slo: dict, path: Path) -> None:

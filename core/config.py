@@ -62,6 +62,8 @@ class ConnectorConfig(Section, frozen=True):
     inspect_hook: str = ""           # "module:function" shown a request's KV blocks once complete (core/hooks.py)
     helper_cpus: str = "all"         # push/install threads: "all" allowed CPUs, "inherit" the engine pin, or "2-3"
     drain_file: str = ""             # the node's drain state (core/drain.py); kvrelay serve sets one per node
+    sync_landed: bool = True         # decode: a transfer wholly received before its request is scheduled is
+                                     # installed inside that step (one step sooner; false: always in the background)
 
 
 class EngineConfig(Section, frozen=True):

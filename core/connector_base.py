@@ -158,11 +158,14 @@ class WorkerBase:
         """Transfers in flight (the subclass says which)."""
         return False
 
-    def settled(self, req_id: str, failed_blocks: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-        """Report a request to vLLM at the next ``get_finished`` (any thread)."""
+    def settled(self, req_id: str, failed_blocks: set[int] = frozenset(),  # type: ignore[assignment]
+                finished: bool = True) -> None:
+        """Report a request's failed blocks, and (``finished``: a background transfer) the request
+        itself, to vLLM at the next ``get_finished`` (any thread)."""
         with self._lock:
             self._errors |= failed_blocks
-            self._finished.add(req_id)
+            if finished:
+                self._finished.add(req_id)
             self._progress.set()
 
     def take_finished(self) -> set[str]:

@@ -21,6 +21,14 @@ Request lifecycle on a decode node (D)
 4. When every chunk is installed (or has failed) ``get_finished`` reports the
    request in ``finished_recving``; vLLM then schedules it, recomputing only the
    last prompt token to sample the first output token.
+
+   *Landed transfers* (``connector.sync_landed``, on by default): every step the workers
+   report the transfers wholly received (:class:`~kvrelay.decode.messages.LandedMeta`). A
+   request whose transfer is among them and that computes a tail of its own (token 1 came
+   from P) is loaded synchronously instead: it is scheduled at once, and its chunks are
+   installed on the model thread before that step's forward. This saves the step a
+   background load waits for ``finished_recving`` - the gap between token 1 (from P) and
+   token 2 (from D). A chunk that fails there is reported the same way (step 5).
 5. A chunk that fails (checksum, wrong key, lease expiry, dead P, timeout) is never
    used: its blocks - and everything after them - are reported through
    ``get_block_ids_with_load_errors`` and, under ``load_failure_policy: recompute``
@@ -44,7 +52,7 @@ from kvrelay.core.guard import count_refusal, verifier_for
 from kvrelay.core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams
 from kvrelay.core.tracing import traceparent_of
 from kvrelay.decode.installer import InstallWorker
-from kvrelay.decode.messages import DecodeMeta, LoadSpec
+from kvrelay.decode.messages import DecodeMeta, LandedMeta, LoadSpec
 from kvrelay.decode.saver import SaveSpec, save_spec
 
 log = logging.getLogger("vllm.kvrelay.decode")
@@ -55,7 +63,9 @@ class DecodeScheduler:
     def __init__(self, cfg: KVRelayConfig, verifier: ParamsVerifier | None = None) -> None:
         self.cfg = cfg
         self.verifier = verifier or verifier_for(cfg, producer=False)
-        self._pending: dict[str, tuple[PullParams, int]] = {}   # req -> (params, local tokens)
+        self._pending: dict[str, tuple[PullParams, int, bool]] = {}   # req -> (params, local tokens, now)
+        self._landed: frozenset[str] = frozenset()              # transfers wholly received (the workers' last word)
+        self._sync_landed = cfg.connector.sync_landed
         self._owner: dict[str, str] = {}                         # transfer id -> the request loading it
         self._params_of: dict[str, PullParams] = {}              # request -> its verified params
         self._loads: list[LoadSpec] = []
@@ -90,20 +100,27 @@ class DecodeScheduler:
         n = len(request.prompt_token_ids) - params.tail - num_computed    # the tail is D's to compute
         if n <= 0:
             return 0, False
-        self._pending[rid] = (params, num_computed)
-        return n, True
+        now = self._install_now(params)
+        self._pending[rid] = (params, num_computed, now)
+        return n, not now
+
+    def _install_now(self, params: PullParams) -> bool:
+        """Install in this step (vLLM's sync load): the transfer has wholly landed on every rank
+        and D computes at least one token itself (the tail), so the request can run at once."""
+        return self._sync_landed and params.tail > 0 and params.transfer_id in self._landed
 
     def after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         rid = request.request_id
         entry = self._pending.pop(rid, None)
         if entry is None or num_external == 0:
             return
-        params, local = entry
-        self._loading.add(rid)
+        params, local, now = entry
+        if not now:                               # in the background: vLLM waits for finished_recving
+            self._loading.add(rid)
         self._done.add(rid)
         transferred = list(request.prompt_token_ids)[:len(request.prompt_token_ids) - params.tail]
         self._loads.append(LoadSpec(rid, params.transfer_id, transferred, list(blocks.get_block_ids()[0]), local,
-                                    num_external, traceparent_of(request.kv_transfer_params)))
+                                    num_external, traceparent_of(request.kv_transfer_params), now))
 
     def build_meta(self, so: Any = None) -> DecodeMeta:
         idle = so is not None and so.total_num_scheduled_tokens == 0
@@ -130,6 +147,9 @@ class DecodeScheduler:
         return True, None
 
     def update_output(self, out: Any) -> None:
+        meta = getattr(out, "kv_connector_worker_meta", None)
+        if isinstance(meta, LandedMeta):
+            self._landed = meta.landed
         for rid in out.finished_recving or ():
             self._loading.discard(rid)
         for rid in out.finished_sending or ():
@@ -157,6 +177,12 @@ class DecodeConnector(RelayConnector[InstallWorker]):
 
     def wait_for_save(self) -> None:
         return None
+
+    def build_connector_worker_meta(self) -> LandedMeta | None:
+        """Every step, what has landed (read by the scheduler's next ``get_num_new_matched_tokens``)."""
+        if self._worker is None or not self.cfg.connector.sync_landed:
+            return None
+        return LandedMeta(self._worker.landed())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:

@@ -3,7 +3,9 @@
 Each install task blocks on its transfer's events (driving the backend's progress
 itself when the backend is poll-driven) and scatters every verified chunk into the
 engine's paged KV cache the moment it arrives. Tasks run on their own threads;
-the model thread only starts them and collects results.
+the model thread only starts them and collects results - except for a load vLLM runs
+synchronously (``LoadSpec.now``: its transfer had wholly landed), which the model thread
+installs itself before the step's forward, waiting on nothing but the queued chunks.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from kvrelay.core.connector_base import WorkerBase
 from kvrelay.core.drain import DrainPhase, read_phase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
-from kvrelay.core.ranks import Piece
+from kvrelay.core.ranks import Piece, part_transfer_id
 from kvrelay.core.telemetry import unbind_gauge
 from kvrelay.decode.messages import LoadSpec
 from kvrelay.decode.saver import DecodeSaver, SaveSpec
@@ -42,6 +44,10 @@ log = logging.getLogger("vllm.kvrelay.decode")
 # names the chunks this request holds) waits this long for it. Registration normally
 # follows within a step; on a loaded host a prefix-cached P can be faster than that.
 REGISTER_WAIT_S = 0.5
+# A synchronous load's chunks have all landed; its events are already queued. Should one be
+# missing after all (an orphaned transfer dropped meanwhile), the model thread waits no longer
+# than this for it, and the rest is recomputed.
+NOW_WAIT_S = 0.05
 AUTO_POOL_PROMPTS = 2            # pool_bytes 0 (auto): room for this many prompts of max_model_len
 AUTO_POOL_MIN_BYTES = 256 << 20
 
@@ -113,6 +119,15 @@ class InstallWorker(WorkerBase):
 
     def busy(self) -> bool:
         return bool(self._loads) or (self.saver is not None and self.saver.busy())
+
+    def landed(self) -> frozenset[str]:
+        """Transfers (the router's ids) of which every piece this rank receives has landed intact."""
+        if self.receiver is None or self.ranks is None:
+            return frozenset()
+        parts, pieces = self.receiver.landed(), list(self.ranks.pieces)
+        incoming = self.ranks.incoming()
+        bases = {tid.rsplit("#p", 1)[0] for tid in parts}
+        return frozenset(b for b in bases if all(part_transfer_id(b, pc, pieces) in parts for pc in incoming))
 
     def _save_done(self, req_id: str) -> None:
         with self._lock:
@@ -206,9 +221,13 @@ class InstallWorker(WorkerBase):
             for part in parts:     # chunks wholly inside this request's own local prefix-cache hit are not sent
                 self.receiver.expect(part.transfer_id, held=part.keys[:self._first_chunk(load)])
             self.metrics.inflight.labels("decode").inc()
-            self.events.write("load_start", req=spec.req_id, transfer=spec.transfer_id, tokens=spec.num_tokens)
+            self.events.write("load_start", req=spec.req_id, transfer=spec.transfer_id, tokens=spec.num_tokens,
+                              now=spec.now)
             for part in parts:
-                self._pool.submit(self._run, load, part)
+                if spec.now:                      # landed: installed here, before this step's forward
+                    self._run(load, part, NOW_WAIT_S)
+                else:
+                    self._pool.submit(self._run_placed, load, part)
         for rid in cancelled:
             with self._lock:
                 victim = self._loads.get(rid)
@@ -222,11 +241,16 @@ class InstallWorker(WorkerBase):
     def _first_chunk(self, load: _Load) -> int:
         return load.spec.local_tokens // self.cfg.chunk_tokens
 
-    def _run(self, load: _Load, part: _Part) -> None:
+    def _run_placed(self, load: _Load, part: _Part) -> None:
         place_helper_thread(self.cfg.connector.helper_cpus)
+        self._run(load, part)
+
+    def _run(self, load: _Load, part: _Part, wait_s: float | None = None) -> None:
+        """Install ``part``, then settle the load if it was the last; ``wait_s``: the longest wait
+        for any one event (None: the configured first-chunk and per-chunk timeouts)."""
         with bind(load.spec.req_id, part.transfer_id):      # on every log line (log_format: json)
             try:
-                self._receive(load, part)
+                self._receive(load, part, wait_s)
             except Exception as exc:  # noqa: BLE001 - never leave the request waiting forever
                 log.exception("install of %s crashed", load.spec.req_id)
                 self._fail_rest(load, part, f"internal error: {exc!r}")
@@ -239,17 +263,17 @@ class InstallWorker(WorkerBase):
                 if last:                          # every piece of every chunk settled: all or nothing
                     self._complete(load)
 
-    def _receive(self, load: _Load, part: _Part) -> None:
+    def _receive(self, load: _Load, part: _Part, wait_s: float | None = None) -> None:
         assert self.receiver is not None
         tid, first, n = part.transfer_id, self._first_chunk(load), load.n_chunks
-        timeout = self.cfg.connector.first_chunk_s
+        timeout = wait_s or self.cfg.connector.first_chunk_s
         while len(part.installed) + len(part.failed) < n - first and not load.cancelled.is_set():
             try:
                 ev = self.receiver.next_event(tid, timeout)
             except TransferTimeout as exc:
                 self._fail_rest(load, part, str(exc))
                 return
-            timeout = self.cfg.timeouts.chunk_s
+            timeout = wait_s or self.cfg.timeouts.chunk_s
             if isinstance(ev, ChunkArrival) and ev.chunk_index < first:
                 self.receiver.release(ev)         # pushed early (before D said what it holds): not needed
             elif isinstance(ev, ChunkArrival):
@@ -346,7 +370,7 @@ class InstallWorker(WorkerBase):
         self.metrics.tokens_recomputed.inc(spec.num_tokens - loaded)
         self.metrics.transfer_latency.observe(time.monotonic() - load.t_start)
         self.metrics.inflight.labels("decode").dec()
-        self.events.write("load_done", req=spec.req_id, transfer=spec.transfer_id, prompt_tokens=n,
+        self.events.write("load_done", req=spec.req_id, transfer=spec.transfer_id, prompt_tokens=n, now=spec.now,
                           local_tokens=spec.local_tokens, loaded_tokens=loaded,
                           recomputed_tokens=spec.num_tokens - loaded, chunks=load.n_chunks,
                           failed={str(k): v for k, v in sorted(failed.items())})
@@ -357,7 +381,7 @@ class InstallWorker(WorkerBase):
                          spec.block_ids[:-(-n // self.block_size)])
         with self._lock:
             self._loads.pop(spec.req_id, None)
-        self.settled(spec.req_id, errors)
+        self.settled(spec.req_id, errors, finished=not spec.now)     # a synchronous load is vLLM's already
 
     def close(self) -> None:
         for load in list(self._loads.values()):

@@ -1,7 +1,12 @@
-"""The decode connector's per-step metadata: loads to start, transfers to cancel, saves.
+"""The decode connector's per-step metadata, both ways.
 
-Built by the scheduler half in the EngineCore process and read by the install thread in
-the worker process; :class:`DecodeMeta` is the ``KVConnectorMetadata`` vLLM carries across.
+:class:`DecodeMeta` (scheduler -> workers, vLLM's ``KVConnectorMetadata``): loads to start,
+transfers to cancel, saves. Built by the scheduler half in the EngineCore process and read by
+the install thread in the worker process.
+
+:class:`LandedMeta` (workers -> scheduler, vLLM's ``KVConnectorWorkerMetadata``): the transfers
+wholly received on every rank, so the scheduler can install one inside the step that first
+schedules its request instead of waiting a step for it in the background.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.core.connector_base import RelayMeta
 from kvrelay.decode.saver import SaveSpec
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -21,6 +27,7 @@ class LoadSpec:
     local_tokens: int          # D's own prefix-cache hit (block aligned): those blocks are not written
     num_tokens: int            # tokens to load = prompt_len - local_tokens
     traceparent: str = ""      # the router's trace (core/tracing.py): the install span's parent
+    now: bool = False          # every chunk had landed: install before this step's forward (vLLM sync load)
 
 
 @dataclass
@@ -28,3 +35,16 @@ class DecodeMeta(RelayMeta):
     loads: list[LoadSpec] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LandedMeta(KVConnectorWorkerMetadata):
+    """Transfer ids whose every chunk has landed intact on a rank and is not yet installed.
+    Each rank reports its whole current set every step; vLLM aggregates the ranks' reports,
+    and a transfer counts as landed only where every rank has it (the intersection)."""
+
+    landed: frozenset[str] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, LandedMeta)
+        return LandedMeta(self.landed & other.landed)

@@ -128,6 +128,10 @@ class Receiver:
         """How many entries each per-transfer map holds (all zero when nothing is in flight)."""
         return self.table.tracked()
 
+    def landed(self) -> set[str]:
+        """Transfers wholly here and intact, not yet finished by their consumer (any thread)."""
+        return self.table.landed()
+
     def abort(self, transfer_id: str, reason: str = "aborted by consumer") -> None:
         """End the transfer now. One not granted yet is remembered as dead: its waiting consumer
         wakes at once, and its Alloc, parked or still to come, is refused."""

@@ -130,6 +130,12 @@ class TransferTable:
                 with contextlib.suppress(TransportError):
                     self.pool.release(ev.slot)
 
+    def landed(self) -> set[str]:
+        """Transfers whose every granted chunk arrived intact and that no consumer has finished:
+        their consumer can install them now, without waiting on the network."""
+        with self.lock:
+            return {tid for tid, t in self.transfers.items() if t.done and len(t.landed) == len(t.slots)}
+
     def tracked(self) -> dict[str, int]:
         """How many entries each per-transfer map holds (all zero when nothing is in flight)."""
         with self.lock:

@@ -1,10 +1,13 @@
-"""`kvrelay bench serve --rates auto`: the rate ladder, where a system stops, and its capacity."""
+"""`kvrelay bench serve`: the rate ladder, where a system stops, its capacity, the rows' figures, --set."""
 
 from __future__ import annotations
 
 import argparse
 
+import pytest
+from kvrelay.bench import serve
 from kvrelay.bench.serve import capacities, capacity_table, ladder, served
+from kvrelay.common.errors import ConfigError
 
 
 def test_the_ladder_climbs_geometrically_to_the_cap():
@@ -22,3 +25,15 @@ def test_capacity_is_the_highest_rate_served_at_90_percent():
     assert caps == {"a": 2.0, "b": 0.0, "c": 0.0}
     table = capacity_table(caps, ("a", "b"))
     assert "1.00" in table.splitlines()[1] and "nan" in table.splitlines()[1]
+
+
+def test_rows_report_the_token_1_to_2_gap_and_overrides_parse_as_yaml():
+    res = {"completed": 3, "request_throughput": 1.0, "request_goodput": 1.0, "output_throughput": 9.0,
+           "itls": [[0.030, 0.006], [0.010, 0.005, 0.006], [], [0.020]]}
+    row = serve._row("kvrelay-nixl-df", 1.0, res)
+    assert row["gap12_p50"] == pytest.approx(20.0) and row["gap12_p99"] == pytest.approx(29.8)
+    assert serve._row("x", 1.0, {})["gap12_p50"] is None
+    assert serve.overrides(["connector.sync_landed=false", "router.disagg_min_tokens=64"]) == {
+        "connector__sync_landed": False, "router__disagg_min_tokens": 64}
+    with pytest.raises(ConfigError, match="SECTION.KEY=VALUE"):
+        serve.overrides(["sync_landed=false"])

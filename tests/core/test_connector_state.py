@@ -40,6 +40,7 @@ class Blocks:
 class Out:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
+    kv_connector_worker_meta: object = None
 
 
 SIGNER = pd.ParamsSigner(os.environ["KVRELAY_SECRET"].encode(), 60)
@@ -49,8 +50,8 @@ def push(tid: str = "t1") -> dict:
     return pd.params_dict(SIGNER.sign(pd.PushParams(transfer_id=tid, push_to="tcp://127.0.0.1:9100")))
 
 
-def pull(tid: str = "t1") -> dict:
-    return pd.params_dict(SIGNER.sign(pd.PullParams(transfer_id=tid)))
+def pull(tid: str = "t1", tail: int = 0) -> dict:
+    return pd.params_dict(SIGNER.sign(pd.PullParams(transfer_id=tid, tail=tail)))
 
 
 def sched_out(new=(), cached_ids=(), cached_new_blocks=(), cached_computed=(), scheduled=None):
@@ -137,6 +138,31 @@ def test_decode_reports_prompt_beyond_local_hit_as_async_and_hands_load_to_worke
     s.update_output(Out(finished_recving={"d1"}))
     assert not s.has_pending()
     assert s.request_finished(r, []) == (False, None)
+
+
+@pytest.mark.parametrize("sync_landed", [True, False])
+def test_decode_installs_a_landed_transfer_in_the_step_that_schedules_it(sync_landed):
+    from kvrelay.decode.messages import LandedMeta
+    s = DecodeScheduler(kcfg.from_dict({"connector": {"sync_landed": sync_landed}}))
+    split, whole, early = Req("a", list(range(601)), pull("tA", 1)), Req("b", list(range(600)), pull("tB")), \
+        Req("c", list(range(601)), pull("tC", 1))
+    # Ranks report what landed; vLLM aggregates them (a transfer one rank lacks is not landed).
+    both = LandedMeta(frozenset({"tA", "tB", "tX"})).aggregate(LandedMeta(frozenset({"tA", "tB", "tC"})))
+    assert both == LandedMeta(frozenset({"tA", "tB"}))
+    s.update_output(Out(kv_connector_worker_meta=both))
+    # token 1 came from P (a tail D computes): loaded now, if configured; a whole prompt (no tail) and a
+    # transfer not yet landed everywhere load in the background as before
+    assert s.matched(split, 0) == (600, not sync_landed)
+    assert s.matched(whole, 0) == (600, True)
+    assert s.matched(early, 0) == (600, True)
+    s.after_alloc(split, Blocks(list(range(38))), 600)
+    (load,) = s.build_meta().loads
+    assert load.now is sync_landed
+    # a synchronous load never waits for finished_recving: nothing is pending for it
+    assert s.has_pending() is not sync_landed
+    assert s.matched(split, 600) == (0, False)
+    s.update_output(Out(finished_recving=set() if sync_landed else {"a"}))
+    assert s.request_finished(split, []) == (False, None)
 
 
 def test_decode_abort_mid_load_keeps_blocks_until_worker_stops():

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from tests.differential import run  # noqa: E402
 from tests.differential.compare import Answer  # noqa: E402
 from tests.differential.surface import Request, Surface  # noqa: E402
-from tests.e2e.harness import _cfg, start_stack  # noqa: E402
+from tests.e2e.harness import _cfg, read_events, start_stack  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]   # a reference server, 200 requests x 2 routers
 SEED, N = 20261203, int(os.environ.get("KVRELAY_DIFF_N", "200"))
@@ -43,7 +43,8 @@ def _assert_same(diffs: list[run.Difference]) -> None:
     assert not diffs, f"{len(diffs)} differences from one vLLM:\n" + "\n".join(map(str, diffs[:25]))
 
 
-def test_every_request_is_answered_as_one_vllm_answers_it(diff_requests, diff_reference, pd_stack):
+def test_every_request_is_answered_as_one_vllm_answers_it(diff_requests, diff_reference, pd_stack,
+                                                          record_property):
     routers, proc = run.routers_of(pd_stack.stack, pd_stack.cfg.router.port + 1)
     diffs = []
     try:
@@ -53,6 +54,14 @@ def test_every_request_is_answered_as_one_vllm_answers_it(diff_requests, diff_re
     finally:
         run.launch.stop_group(proc)
     _assert_same(diffs)
+    # With 4 requests in flight the decode node is busy, and a split request (token 1 from P) often
+    # finds its whole transfer landed: it is installed inside the step that schedules it
+    # (connector.sync_landed). The run above must have taken that path too, and stayed exact.
+    loads = [e for e in read_events(pd_stack.events_path) if e["event"] == "load_done"]
+    now = sum(bool(e.get("now")) for e in loads)
+    record_property("installs_in_step", now)
+    print(f"{now} of {len(loads)} decode-side installs ran inside the step that scheduled them")
+    assert now > 0, "no split request found its transfer landed: the synchronous install was not tested"
 
 
 @pytest.mark.chaos

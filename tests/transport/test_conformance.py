@@ -35,6 +35,15 @@ def drain(receiver, tid, timeout=10.0):
             return out
 
 
+def wait_resolved(receiver, tid, timeout=10.0):
+    """Wait until every chunk of ``tid`` has arrived or failed; True: all of them intact (landed)."""
+    deadline = time.monotonic() + timeout
+    while not (t := receiver.table.transfers.get(tid)) or not t.done:
+        assert time.monotonic() < deadline, f"{tid} never resolved"
+        time.sleep(0.01)
+    return tid in receiver.landed()
+
+
 SIZES = [1, 4093, 65536, 300_001, 1 << 20]
 
 
@@ -48,7 +57,9 @@ def test_random_payloads_arrive_byte_identical(pair):
     for i, (off, n) in enumerate(zip(offs, SIZES, strict=True)):
         want[i] = peer.call("digest", "src", off, n)
         peer.call("write", tid, i, "src", off, n, 1 + i % 3)       # 1..3 regions per chunk
+    assert wait_resolved(receiver, tid)                          # wholly here: its consumer may install it now
     events = drain(receiver, tid)
+    assert tid not in receiver.landed()                          # ... until it finished it
     got = {ev.chunk_index: d for ev, d in events if isinstance(ev, ChunkArrival)}
     assert got == want
     assert isinstance(events[-1][0], TransferDone) and events[-1][0].arrived == len(SIZES)
@@ -108,6 +119,7 @@ def test_corrupted_payload_is_rejected_by_checksum(pair):
     peer.call("write", tid, 0, "src", 0, 65536)
     peer.call("write", tid, 1, "src", 65536, 65536, 1, True)          # corrupted in flight
     peer.call("write", tid, 2, "src", 2 * 65536, 65536)
+    assert not wait_resolved(receiver, tid)                      # a rejected chunk: never "landed"
     events = drain(receiver, tid)
     rejected = [e for e, _ in events if isinstance(e, ChunkRejected)]
     assert [(e.chunk_index, e.reason) for e in rejected] == [(1, FailReason.CHECKSUM)]
