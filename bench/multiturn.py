@@ -13,7 +13,8 @@ reuse) on the store-on and store-off prefill nodes. JSON + PNG under ``--out``.
 
 ``--realistic`` runs the case users run instead: vLLM's prefix cache **on** for every
 engine, each engine's KV cache capped at ``--kv-blocks`` blocks so that ``--users``
-histories do not fit, and **two prefill nodes** (2P1D). It compares, on the same
+histories do not fit (``--decode-kv-blocks`` sizes the decode node's apart), and **two
+prefill nodes** (2P1D). It compares, on the same
 conversations, "prefix cache only" (store off, round-robin routing, so a turn often lands
 on the other node) against "store + cache-aware routing" (store on, ``router.policy:
 cache_aware``). Users are served in interleaved order, one turn each per round.
@@ -72,6 +73,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "configured defaults)")
     p.add_argument("--kv-blocks", type=int, default=72,
                    help="--realistic: each engine's KV cache in blocks (vLLM's --num-gpu-blocks-override; 72 x 128 tokens: one 8192-token prompt and a little)")
+    p.add_argument("--decode-kv-blocks", type=int, default=0,
+                   help="--realistic: the decode node's KV cache in blocks, in both systems (0 = --kv-blocks). "
+                        "Decode nodes hold every running conversation, so deployments give them the larger cache")
     p.add_argument("--long-history", type=int, default=4096,
                    help="the summary pools every request with at least this many prompt tokens")
     p.add_argument("--base-port", type=int, default=19300)
@@ -129,7 +133,8 @@ def _stack(args: argparse.Namespace, out: Path, store: bool, redis_url: str = ""
         "store": {"enabled": store, "cpu_bytes": "1GiB", "disk_path": str(sub / "disk"), "disk_bytes": "2GiB"},
         "transport": {"backend": "tcp"}}
     if args.realistic:
-        engine.update(prefill_args=[], extra_args=["--num-gpu-blocks-override", str(args.kv_blocks)])
+        engine.update(prefill_args=["--num-gpu-blocks-override", str(args.kv_blocks)],
+                      decode_args=["--num-gpu-blocks-override", str(args.decode_kv_blocks or args.kv_blocks)])
         data["deploy"]["prefill"] = 2
         data["router"]["policy"] = "cache_aware" if store else "round_robin"
         if store and args.decode_first:      # the compared system: decode-first on the engines' own events
@@ -298,7 +303,9 @@ def main(args: argparse.Namespace) -> int:
     if args.realistic:
         other = ("'decode-first' = decode-first routing on the engines' KV events (store off)" if args.decode_first
                  else "'store+ca' = store + cache-aware routing")
-        lines.append(f"realistic: 2P1D, prefix caches on, {args.kv_blocks} KV blocks per engine, {args.users} users; "
+        blocks = (f"{args.kv_blocks} KV blocks per engine" if args.decode_kv_blocks in (0, args.kv_blocks)
+                  else f"{args.kv_blocks} KV blocks per prefill engine, {args.decode_kv_blocks} on the decode node")
+        lines.append(f"realistic: 2P1D, prefix caches on, {blocks}, {args.users} users; "
                      f"'prefix+rr' = prefix cache only, round-robin; {other}")
     lines.append(f"{'turn':>4} {'history tok':>11} {'TTFT ' + names[0] + ' ms':>15} {'TTFT ' + names[1] + ' ms':>14} "
                  f"{'speed-up':>8}")

@@ -268,6 +268,9 @@ FIELD_HELP: dict[str, str] = {
     'connector.push_hook': ('"module:function" the push thread calls with each chunk before writing it, e.g. a '
                             "test's fault injection (\"\" = none)"),
     'connector.helper_cpus': "push/install threads' CPUs: all (any CPU the container allows), inherit (the engine thread's pin) or a list like 2-3",
+    'connector.sync_landed': "decode: a transfer wholly received before vLLM schedules its request (token 1 from P) is "
+                             "installed inside that step, before its forward, instead of in the background: token 2 "
+                             "comes one engine step sooner. false: always in the background",
     'engine.model': 'HF model id or local path ("" = the built-in tiny model)',
     'engine.tiny_model_dir': 'where the tiny model is created on first use',
     'engine.served_model_name': 'model name clients use ("" = the model path; kvrelay-tiny for the tiny model)',
