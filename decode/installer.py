@@ -126,7 +126,7 @@ class InstallWorker(WorkerBase):
             return frozenset()
         parts, pieces = self.receiver.landed(), list(self.ranks.pieces)
         incoming = self.ranks.incoming()
-        bases = {tid.rsplit("#p", 1)[0] for tid in parts}
+        bases = parts | {tid.rsplit("#p", 1)[0] for tid in parts if "#p" in tid}    # one sender / several
         return frozenset(b for b in bases if all(part_transfer_id(b, pc, pieces) in parts for pc in incoming))
 
     def _save_done(self, req_id: str) -> None:

@@ -259,3 +259,17 @@ def test_multimodal_requests_bypass_the_push_the_pull_and_the_store():
     q = MMReq("m2", list(range(600)), pull())
     assert d.matched(q, 0) == (0, False)                                # computed on D, never loaded
     assert d.request_finished(q, [1, 2, 3, 4, 5]) == (False, None)      # and never saved
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "parts", "landed"), [
+    (1, 1, {"T", "kvr-a#p9"}, {"T", "kvr-a#p9"}),      # one sender: the part is the transfer (any id)
+    (2, 1, {"T#p0"}, set()),                           # two senders, one piece still out
+    (2, 1, {"T#p0", "T#p1", "U#p1"}, {"T"}),
+])
+def test_decode_rank_reports_a_transfer_landed_only_when_every_piece_it_receives_has(p_tp, d_tp, parts, landed):
+    from kvrelay.core.ranks import plan, receives
+    from kvrelay.decode.installer import InstallWorker
+    pieces = plan(4, p_tp, d_tp)
+    rank = SimpleNamespace(pieces=tuple(pieces), incoming=lambda: receives(pieces, 0))
+    worker = SimpleNamespace(receiver=SimpleNamespace(landed=lambda: set(parts)), ranks=rank)
+    assert InstallWorker.landed(worker) == landed
