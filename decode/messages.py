@@ -39,9 +39,10 @@ class DecodeMeta(RelayMeta):
 
 @dataclass(frozen=True)
 class LandedMeta(KVConnectorWorkerMetadata):
-    """Transfer ids whose every chunk has landed intact on a rank and is not yet installed.
-    Each rank reports its whole current set every step; vLLM aggregates the ranks' reports,
-    and a transfer counts as landed only where every rank has it (the intersection)."""
+    """Transfer ids whose every chunk has landed intact on a rank and whose consumer has not
+    finished with them (a background install may be under way). Each rank reports its whole
+    current set every step; vLLM aggregates the ranks' reports, and a transfer counts as landed
+    only where every rank has it (the intersection)."""
 
     landed: frozenset[str] = frozenset()
 
