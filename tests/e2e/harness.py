@@ -251,9 +251,15 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
+# Every engine the tests start, references included, runs eagerly: torch.compile's warm-up is
+# 10-20 s of each start on 2 cores, and a reference differs from a PD engine in nothing but
+# that. tests/e2e/test_compiled.py keeps one stack and its reference compiled, as users run them.
+EAGER = ("--enforce-eager",)
+
+
 def _cfg(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> kcfg.KVRelayConfig:
     data: dict[str, Any] = {
-        "engine": {"model": str(tiny_model), "served_model_name": MODEL},
+        "engine": {"model": str(tiny_model), "served_model_name": MODEL, "extra_args": list(EAGER)},
         "deploy": {"base_port": port0, "kv_base_port": port0 + 1000, "log_dir": str(tmp / "logs"),
                    "startup_timeout_s": 900},
         "router": {"port": port0 + 50, "health_interval_s": 0.5},
