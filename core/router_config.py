@@ -50,6 +50,7 @@ class RouterConfig(Section, frozen=True):
     disagg_min_tokens_idle: NonNeg = 2048   # ... and this many while D has no request in flight (nothing to stall)
     decode_request_tokens: NonNeg = 256   # decode_first: a request D already serves weighs this many prompt tokens
     kv_events: list[str] = msgspec.field(default_factory=list)  # "http://engine:port=tcp://router-host:port" per engine
+    kv_events_port: Port = 0         # decode_first: engines bind tcp://*:PORT, the router subscribes to each pool member
     index_max_blocks: Positive = 262144   # decode_first: blocks the KV index keeps per engine (oldest go first)
     health_interval_s: Seconds = 2.0
     health_timeouts: Positive = 3          # consecutive /health timeouts before a node leaves rotation
@@ -173,5 +174,9 @@ FIELD_HELP: dict[str, str] = {
                          "router-host:port': the router binds the endpoint and that engine's --kv-events-config "
                          "connects to it, so the events (they carry prompt token ids) go to the router alone; kvrelay "
                          "up fills this in when decode_first is on"),
+    'router.kv_events_port': ("decode_first where pool members come and go (Kubernetes): every engine publishes its "
+                              "KV events on tcp://*:PORT and the router subscribes to each prefill and decode node it "
+                              "knows at that node's host and PORT (keep the port closed to all but the routers: the "
+                              "events carry prompt token ids); 0: only router.kv_events"),
     'router.index_max_blocks': "decode_first: cached blocks the router's KV index keeps per engine (oldest dropped first)",
 }

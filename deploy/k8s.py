@@ -17,7 +17,8 @@ apply order:
 * ``kvrelay-redis`` when ``store.enabled`` and ``--redis``;
 * PodDisruptionBudgets (engine pools: one pod at a time; router: one always up);
 * NetworkPolicies: the transfer, control and store-event ports open only to the stack's own
-  pods, the engines' HTTP port to the stack and to ``--metrics-namespace``;
+  pods, the engines' KV-event port (``router.decode_first``) only to the routers, the engines'
+  HTTP port to the stack and to ``--metrics-namespace``;
 * a PodMonitor and a PrometheusRule (the alerts of ``deploy/monitoring/alerts.yaml``) for
   the Prometheus Operator.
 
@@ -46,6 +47,7 @@ from kvrelay.deploy.k8s_pods import HTTP_PORT, KV_PORT, SECRET_DIR, K8sOptions, 
 from kvrelay import __version__
 
 EVENTS_PORT = 9400        # prefill pods (store on, cache_aware): store events for the router
+KV_EVENTS_PORT = 9401     # every engine pod (router.decode_first): vLLM's KV events for the routers
 API_KEYS = "api_keys"     # the Secret's key (and file under SECRET_DIR) of the router's client API keys
 K8S_VERSIONS = ("1.31.0", "1.32.0", "1.33.0", "1.34.0")    # what the tests validate against
 ALERTS = Path(__file__).resolve().parent / "monitoring" / "alerts.yaml"
@@ -130,6 +132,10 @@ def cluster_config(cfg: kcfg.KVRelayConfig, opts: K8sOptions) -> kcfg.KVRelayCon
         data["router"]["tokenizer"] = data["router"]["tokenizer"] or data["engine"]["model"]
     elif data["router"]["policy"] == "cache_aware":
         data["router"]["policy"] = "least_outstanding"      # no store, no events to route by
+    if data["router"]["decode_first"]:
+        # every engine pod publishes its KV events on its own port; each router subscribes to the pods it resolves
+        data["router"].update(kv_events=[], kv_events_port=KV_EVENTS_PORT,
+                              tokenizer=data["router"]["tokenizer"] or data["engine"]["model"])
     data["router"].update(host="0.0.0.0", prefill=[prefill],
                           decode=[f"dns+http://kvrelay-decode.{svc}:{HTTP_PORT}=tcp://kvrelay-decode.{svc}:{KV_PORT}"])
     data["transport"].update(secret_file=f"{SECRET_DIR}/secret", host="0.0.0.0", allowed_decode=[])

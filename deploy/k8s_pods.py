@@ -218,10 +218,15 @@ def network_policies(cfg: kcfg.KVRelayConfig, opts: K8sOptions, events_port: int
     ranks = cfg.engine.decode_tp                 # decode rank r: KV_PORT + r and KV_DATA_PORT + r
     decode = {"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": base + r} for base in (KV_PORT, KV_DATA_PORT)
                                                  for r in range(ranks)]}
-    prefill = [http]
+    prefill, decode_rules = [http], [http, decode]
     if cfg.store.publish_port:
         prefill.append({"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": events_port}]})
-    objs = [_policy("kvrelay-prefill", ns, "prefill", prefill), _policy("kvrelay-decode", ns, "decode", [http, decode]),
+    if cfg.router.kv_events_port:               # the KV events carry prompt token ids: the routers alone
+        routers = {"from": [{"podSelector": {"matchLabels": labels("router")}}],
+                   "ports": [{"protocol": "TCP", "port": cfg.router.kv_events_port}]}
+        prefill.append(routers)
+        decode_rules.append(routers)
+    objs = [_policy("kvrelay-prefill", ns, "prefill", prefill), _policy("kvrelay-decode", ns, "decode", decode_rules),
             _policy("kvrelay-router", ns, "router", [{"ports": [{"protocol": "TCP", "port": cfg.router.port}]}])]
     if opts.redis and cfg.store.enabled:
         objs.append(_policy("kvrelay-redis", ns, "redis", [{"from": [_from_stack()],

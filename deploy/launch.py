@@ -123,7 +123,7 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
         cmd += ["--otlp-traces-endpoint", cfg.tracing.endpoint]
     if cfg.router.decode_first and spec.role is not Role.SINGLE:     # the router's KV index follows every engine
         cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                                  "endpoint": f"tcp://{cfg.deploy.host}:{kv_events_port(cfg, spec)}"})]
+                                                  "endpoint": kv_events_endpoint(cfg, spec)})]
     role_args = {Role.PREFILL: cfg.engine.prefill_args, Role.DECODE: cfg.engine.decode_args}.get(spec.role, [])
     return cmd + list(cfg.engine.extra_args) + list(role_args)
 
@@ -135,6 +135,15 @@ KV_EVENTS_OFFSET = 400    # router.decode_first: node k (prefill nodes, then dec
 def kv_events_port(cfg: KVRelayConfig, spec: NodeSpec) -> int:
     k = spec.index if spec.role is Role.PREFILL else cfg.deploy.prefill + spec.index
     return cfg.deploy.kv_base_port + KV_EVENTS_OFFSET + k
+
+
+def kv_events_endpoint(cfg: KVRelayConfig, spec: NodeSpec) -> str:
+    """Where node ``spec``'s vLLM publishes its KV events: with ``router.kv_events_port`` it binds
+    that port on every interface (the routers subscribe to it); otherwise it connects to the
+    endpoint the router binds for it (vLLM binds only wildcard addresses)."""
+    if cfg.router.kv_events_port:
+        return f"tcp://*:{cfg.router.kv_events_port}"
+    return f"tcp://{cfg.deploy.host}:{kv_events_port(cfg, spec)}"
 
 
 def split_cores(k: int, n: int) -> list[int]:
@@ -296,7 +305,7 @@ class Stack:
         dec = [f"{self.url(s)}=tcp://{h}:{s.kv_port}" for s in self.specs if s.role is Role.DECODE]
         data = kcfg.to_dict(self.cfg)
         data["router"].update(prefill=pre, decode=dec)
-        if self.cfg.router.decode_first and not data["router"]["kv_events"]:
+        if self.cfg.router.decode_first and not data["router"]["kv_events"] and not self.cfg.router.kv_events_port:
             data["router"]["kv_events"] = [f"{self.url(s)}=tcp://{h}:{kv_events_port(self.cfg, s)}"
                                            for s in self.specs if s.role is not Role.SINGLE]
         if not data["router"]["tokenizer"]:

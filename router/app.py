@@ -154,11 +154,12 @@ class Router:
         if self.tokenizer is None:
             self.tokenizer = PromptTokenizer(rc.tokenizer)
         named = parse_entries(rc.kv_events)
-        if not named:
-            log.warning("decode_first: no router.kv_events; decode nodes are chosen by load and prompt length")
+        if not named and not rc.kv_events_port:
+            log.warning("decode_first: no router.kv_events or router.kv_events_port; decode nodes are chosen by load "
+                        "and prompt length")
         index = KVIndex(rc.index_max_blocks)
         return (DecodeFirst(rc, self.prefill, self.decode, index, self.tokenizer),
-                KVEvents(index, named))
+                KVEvents(index, named, rc.kv_events_port))
 
     def _discoveries(self) -> list[Discovery]:
         """One DNS discovery per pool with ``dns+`` entries; admission follows the decode pool's

@@ -12,13 +12,17 @@ a dead or restarted publisher costs the router its hints, never a claim that is 
 that engine is placed by load alone until its events resume.
 
 ``router.kv_events`` names each engine's endpoint by its URL (``kvrelay up`` fills them
-in); :meth:`KVEvents.sync` follows the pools' current members that have one.
+in); :meth:`KVEvents.sync` follows the pools' current members that have one. Where pool
+members come and go (Kubernetes), ``router.kv_events_port`` turns it around for every member
+not named: its engine binds that port and the router **connects** to ``tcp://<its host>:<port>``
+(ZeroMQ reconnects by itself; the NetworkPolicy keeps the port to the routers).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from urllib.parse import urlsplit
 
 import msgspec
 import zmq
@@ -33,6 +37,10 @@ log = logging.getLogger("kvrelay.router")
 _LOST = {zmq.EVENT_DISCONNECTED, zmq.EVENT_MONITOR_STOPPED}
 
 
+def _zmq_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host        # an IPv6 pod address
+
+
 def parse_entries(entries: Iterable[str]) -> dict[str, str]:
     """``["http://h:8100=tcp://h:9500", ...]`` -> ``{"http://h:8100": "tcp://h:9500"}``."""
     out = {}
@@ -45,14 +53,23 @@ def parse_entries(entries: Iterable[str]) -> dict[str, str]:
 class KVEvents:
     """Subscribers for the engines of some pools, feeding one index."""
 
-    def __init__(self, index: KVIndex, named: Mapping[str, str]) -> None:
-        self.index, self.named = index, dict(named)
+    def __init__(self, index: KVIndex, named: Mapping[str, str], port: int = 0) -> None:
+        """``named``: engine URL -> the endpoint the router binds for it; ``port``: every other
+        engine publishes on its own host at this port, where the router connects (0: none does)."""
+        self.index, self.named, self.port = index, dict(named), port
         self._followers = Followers(self._follow, index.forget)
         self.connected: set[str] = set()
 
+    def endpoint(self, url: str) -> str | None:
+        if url in self.named:
+            return self.named[url]
+        host = urlsplit(url).hostname
+        return f"tcp://{_zmq_host(host)}:{self.port}" if self.port and host else None
+
     def sync(self, nodes: Iterable[Node]) -> None:
         """Follow exactly ``nodes`` that publish (needs a running loop; non-blocking)."""
-        self._followers.sync({n.url: self.named[n.url] for n in nodes if n.url in self.named})
+        wanted = {n.url: self.endpoint(n.url) for n in nodes}
+        self._followers.sync({url: ep for url, ep in wanted.items() if ep})
 
     async def stop(self) -> None:
         await self._followers.stop()
@@ -61,9 +78,12 @@ class KVEvents:
         sock = subscriber()
         monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         try:
-            sock.bind(endpoint)
+            if url in self.named:
+                sock.bind(endpoint)
+            else:
+                sock.connect(endpoint)
         except zmq.ZMQError as exc:
-            log.error("KV events of %s: cannot listen on %s (%s); it is placed by load alone", url, endpoint, exc)
+            log.error("KV events of %s: cannot follow %s (%s); it is placed by load alone", url, endpoint, exc)
             monitor.close(linger=0)
             sock.close(linger=0)
             return
@@ -86,7 +106,7 @@ class KVEvents:
     def _on_monitor(self, url: str, endpoint: str, event: dict) -> None:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected.add(url)
-            log.info("KV events of %s: its publisher connected to %s", url, endpoint)
+            log.info("KV events of %s: following its publisher (%s)", url, endpoint)
         elif event["event"] in _LOST and url in self.connected:
             self.connected.discard(url)
             self.index.forget(url)              # whatever it stores until we are back, we would miss

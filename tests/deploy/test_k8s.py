@@ -9,6 +9,7 @@ the probes are exercised for real against a listening engine and transfer port.
 
 from __future__ import annotations
 
+import json
 import socket
 import stat
 import subprocess
@@ -21,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from kvrelay.core import config as kcfg
-from kvrelay.deploy import k8s, probe
+from kvrelay.deploy import k8s, launch, probe
 
 VERSIONS = k8s.K8S_VERSIONS
 
@@ -196,6 +197,31 @@ def test_two_routers_with_a_budget_and_pods_roll_when_the_config_changes(tmp_pat
     for name in ("kvrelay-prefill", "kvrelay-decode", "kvrelay-router"):
         assert _pod(one, name)["metadata"]["annotations"][key] == _pod(same, name)["metadata"]["annotations"][key]
         assert _pod(one, name)["metadata"]["annotations"][key] != _pod(other, name)["metadata"]["annotations"][key]
+
+
+def test_decode_first_engines_publish_kv_events_to_the_routers_alone(tmp_path: Path) -> None:
+    # Pods come and go, so the routers cannot bind an endpoint per engine: every engine pod binds
+    # one port for vLLM's KV events and each router subscribes to the pods it resolves; the
+    # events carry prompt token ids, so only router pods may reach that port.
+    objs = _render(tmp_path, "--router.decode_first", "true", "--engine.model", "meta-llama/Llama-3.1-8B-Instruct")
+    for obj in objs.values():
+        if obj["kind"] not in ("PodMonitor", "PrometheusRule"):      # CRDs: no schema in kubernetes-validate
+            _validate(obj)
+    cfg = kcfg.from_dict(yaml.safe_load(objs["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]))
+    assert cfg.router.decode_first and cfg.router.kv_events_port == k8s.KV_EVENTS_PORT and not cfg.router.kv_events
+    assert cfg.router.tokenizer == "meta-llama/Llama-3.1-8B-Instruct"
+    for spec in launch.node_specs(cfg):        # what `kvrelay serve` starts in each engine pod
+        cmd = launch.server_command(cfg, spec)
+        events = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+        assert events["endpoint"] == f"tcp://*:{k8s.KV_EVENTS_PORT}" and events["publisher"] == "zmq"
+    routers = [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvrelay",
+                                                "app.kubernetes.io/component": "router"}}}]
+    for role in ("prefill", "decode"):
+        by_port = {p["port"]: rule["from"] for rule in objs[f"NetworkPolicy/kvrelay-{role}"]["spec"]["ingress"]
+                   for p in rule["ports"]}
+        assert by_port[k8s.KV_EVENTS_PORT] == routers, role
+    off = kcfg.from_dict(yaml.safe_load(_render(tmp_path / "off")["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]))
+    assert not off.router.decode_first and off.router.kv_events_port == 0
 
 
 def test_network_policies_keep_the_data_plane_inside_the_stack(tmp_path: Path) -> None:

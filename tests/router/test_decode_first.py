@@ -175,3 +175,39 @@ def test_an_idle_decode_node_takes_longer_prompts_than_a_busy_one(tiny_model):
             assert r.decide.place(PROMPT).path is RoutePath.DISAGGREGATED
             assert r.decide.place(PROMPT[:90]).path is RoutePath.DECODE_ONLY
     run(go())
+
+
+def test_with_an_events_port_the_router_subscribes_to_each_engine_and_follows_it_through_a_restart(tiny_model):
+    """``router.kv_events_port`` (Kubernetes): the engine binds, the router connects to the pool
+    member's host at that port; a publisher that goes away takes its claims along, and the
+    router picks up the one that comes back on its own (ZeroMQ reconnects)."""
+    async def go() -> None:
+        d, p = Fake(), Fake()
+        port = free_port()
+        async with fake_node(p), fake_node(d):
+            cfg = kcfg.from_dict({"router": {"decode_first": True, "tokenizer": str(tiny_model), "first_token": "decode",
+                                             "health_interval_s": 0.2, "kv_events_port": port}})
+            r = Router(cfg, Pool("prefill", [Node(p.url)], cfg.router.policy),
+                       Pool("decode", [Node(d.url, "tcp://127.0.0.1:9100")], cfg.router.policy), secret=b"k" * 32)
+            async with serve(r.app()):
+                assert r.kv_events.endpoint(d.url) == f"tcp://127.0.0.1:{port}"
+                for _ in range(2):                  # the engine, then the same engine restarted
+                    pub = BoundPublisher(f"tcp://*:{port}")
+                    try:
+                        await until(lambda: d.url in r.kv_events.connected)
+                        pub.store(PROMPT)
+                        await until(lambda: r.decide.index.held(PROMPT, [d.url]) == {d.url: 512})
+                    finally:
+                        pub.close()
+                    await until(lambda: not r.decide.index.held(PROMPT, [d.url]))
+    run(go())
+
+
+class BoundPublisher(Publisher):
+    """A publisher as vLLM runs one whose endpoint is a wildcard address: it binds."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.PUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.seq = 0
