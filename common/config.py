@@ -22,6 +22,7 @@ Positive = Annotated[int, msgspec.Meta(gt=0)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Seconds = Annotated[float, msgspec.Meta(gt=0)]
+Share = Annotated[float, msgspec.Meta(ge=0, le=1)]
 Size = int | str
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

@@ -10,7 +10,7 @@ import enum
 import re
 
 import msgspec
-from kvrelay.common.config import MiB, NonNeg, Port, Positive, Seconds, Section, Size
+from kvrelay.common.config import MiB, NonNeg, Port, Positive, Seconds, Section, Share, Size
 from kvrelay.common.errors import ConfigError
 
 __all__ = ["FIELD_HELP", "FirstToken", "RouterConfig", "RoutingPolicy"]
@@ -48,6 +48,7 @@ class RouterConfig(Section, frozen=True):
     decode_first: bool = False       # pick D first by the prompt its prefix cache holds (vLLM KV events) and load
     disagg_min_tokens: NonNeg = 128  # decode_first: D serves alone when at most this many prompt tokens are left
     disagg_min_tokens_idle: NonNeg = 2048   # ... and this many while D has no request in flight (nothing to stall)
+    disagg_idle_overlap: Share = 0.1  # ... unless more than this share of recent arrivals found D busy
     decode_request_tokens: NonNeg = 256   # decode_first: a request D already serves weighs this many prompt tokens
     kv_events: list[str] = msgspec.field(default_factory=list)  # "http://engine:port=tcp://router-host:port" per engine
     kv_events_port: Port = 0         # decode_first: engines bind tcp://*:PORT, the router subscribes to each pool member
@@ -168,6 +169,10 @@ FIELD_HELP: dict[str, str] = {
     'router.disagg_min_tokens_idle': ("decode_first: the same for a decode node with no request in flight, which "
                                       "stalls nobody: as long as D alone answers no slower than a prefill node plus "
                                       "the push (kvrelay calibrate)"),
+    'router.disagg_idle_overlap': ("decode_first: disagg_min_tokens_idle applies only while at most this share of the "
+                                   "decode node's recent requests (an average over about 16) arrived while it was busy: "
+                                   "where arrivals overlap, a long prompt D computes alone stalls the next request's "
+                                   "stream; a client that sends one request at a time never overlaps. 1: always"),
     'router.decode_request_tokens': ("decode_first: how much one request a decode node is already serving weighs "
                                       "against the prompt tokens its cache saves, in prompt tokens (times load_weight)"),
     'router.kv_events': ("where the router listens for each engine's KV-cache events, as 'http://engine:port=tcp://"

@@ -10,7 +10,9 @@
    (:attr:`RoutePath.DECODE_ONLY`): no prefill node, no push, no split. A decode node with
    no request in flight stalls nobody by computing a prompt, so for it the bound is
    ``router.disagg_min_tokens_idle``: as long as D alone answers no slower than a prefill
-   node plus the push (both measured by ``kvrelay calibrate``). Otherwise a prefill
+   node plus the push (both measured by ``kvrelay calibrate``) - unless requests often
+   arrive while D is busy (:class:`ArrivalOverlap`, ``router.disagg_idle_overlap``): then
+   the next one would likely arrive during that prefill and wait for it. Otherwise a prefill
    node is chosen by what its own cache and the store hold against its load
    (:attr:`RoutePath.DISAGGREGATED`), and it pushes only the chunks D lacks (D names the
    chunks it holds in its pull, :mod:`kvrelay.prefill.pusher`).
@@ -80,12 +82,39 @@ class Placement:
         return self.prompt_tokens - self.decode_held
 
 
+class ArrivalOverlap:
+    """Per decode node, the share of its recent requests that arrived while it was busy: an
+    exponential average over about ``1 / weight`` arrivals. Counted in arrivals, not time, so a
+    client that sends one request at a time (its next arrives after its answer) reads 0 at any
+    pace, and open traffic reads about the chance that the next request lands on a busy node."""
+
+    def __init__(self, weight: float = 1 / 16) -> None:
+        self.weight = weight
+        self._share: dict[str, float] = {}
+
+    def note(self, url: str, busy: bool) -> float:
+        """Count one arrival at ``url``; the share after it."""
+        old = self._share.get(url, 0.0)
+        self._share[url] = share = old + self.weight * (float(busy) - old)
+        return share
+
+    def __len__(self) -> int:
+        return len(self._share)
+
+    def keep(self, urls: set[str]) -> None:
+        """Forget nodes outside ``urls`` (they left the pool)."""
+        for url in [u for u in self._share if u not in urls]:
+            del self._share[url]
+
+
 class DecodeFirst:
     """Chooses D, then the path, from one index over both pools."""
 
     def __init__(self, cfg: RouterConfig, prefill: Pool, decode: Pool, index: KVIndex,
-                 tokenize: Callable[[dict[str, Any]], list[int] | None]) -> None:
+                 tokenize: Callable[[dict[str, Any]], list[int] | None],
+                 overlap: ArrivalOverlap | None = None) -> None:
         self.cfg, self.prefill, self.decode, self.index, self._tokenize = cfg, prefill, decode, index, tokenize
+        self.overlap = overlap or ArrivalOverlap()
 
     async def tokens(self, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids as vLLM computes them (None: not tokenisable). Short prompts are
@@ -107,10 +136,19 @@ class DecodeFirst:
         held = self.index.held(ids, (n.url for pool in (self.decode, self.prefill) for n in pool.nodes))
         node = self.decode.pick(hint=PrefixHint(len(ids), held), load_weight=self.cfg.load_weight,
                                 request_tokens=self.cfg.decode_request_tokens)
-        idle = node.outstanding == 0 and node.pending_tokens == 0
-        limit = self.cfg.disagg_min_tokens_idle if idle else self.cfg.disagg_min_tokens
+        limit = self._limit(node)
         path = RoutePath.DECODE_ONLY if len(ids) - held.get(node.url, 0) <= limit else RoutePath.DISAGGREGATED
         return Placement(node, path, len(ids), held, tuple(ids))
+
+    def _limit(self, node: Node) -> int:
+        """Prompt tokens ``node`` may compute alone for this arrival (counted in its overlap)."""
+        idle = node.outstanding == 0 and node.pending_tokens == 0
+        share = self.overlap.note(node.url, not idle)
+        if len(self.overlap) > 4 * len(self.decode.nodes):
+            self.overlap.keep({n.url for n in self.decode.nodes})
+        if idle and share <= self.cfg.disagg_idle_overlap:
+            return self.cfg.disagg_min_tokens_idle
+        return self.cfg.disagg_min_tokens
 
     def prefill_hint(self, placement: Placement, store: PrefixHint | None) -> PrefixHint | None:
         """Per prefill node: the leading tokens its own cache or the store (``store``) holds."""

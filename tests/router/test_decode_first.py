@@ -211,3 +211,35 @@ class BoundPublisher(Publisher):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self.seq = 0
+
+
+def test_an_idle_node_whose_requests_often_overlap_computes_only_short_prompts_alone(tiny_model):
+    """Open traffic: an idle decode node that was often busy when requests arrived would make
+    the next arrival wait behind a long prompt computed alone, so only the busy bound applies
+    until arrivals stop overlapping. A client sending one request at a time never overlaps."""
+    async def go() -> None:
+        async with decode_first(tiny_model, n_d=1, disagg_min_tokens=100, disagg_min_tokens_idle=600) as (
+                url, s, r, p, ds, pubs):
+            from kvrelay.router.decide import RoutePath
+
+            node = r.decode.nodes[0]
+            for _ in range(50):                                     # one at a time: always idle on arrival
+                assert r.decide.place(PROMPT).path is RoutePath.DECODE_ONLY
+            for busy in [1, 0] * 4:                                 # every other request arrives during another
+                node.outstanding = busy
+                placed = r.decide.place(PROMPT)
+            assert placed.path is RoutePath.DISAGGREGATED and node.outstanding == 0    # idle, but overlap is common
+            assert r.decide.place(PROMPT[:90]).path is RoutePath.DECODE_ONLY
+            paths = [r.decide.place(PROMPT).path for _ in range(40)]   # arrivals stop overlapping
+            assert paths[0] is RoutePath.DISAGGREGATED and paths[-1] is RoutePath.DECODE_ONLY
+    run(go())
+
+
+def test_arrival_overlap_is_an_average_over_arrivals():
+    from kvrelay.router.decide import ArrivalOverlap
+
+    o = ArrivalOverlap(weight=0.5)
+    assert o.note("a", True) == 0.5 and o.note("a", True) == 0.75 and o.note("a", False) == 0.375
+    assert o.note("b", False) == 0.0 and len(o) == 2
+    o.keep({"b"})
+    assert len(o) == 1 and o.note("a", False) == 0.0
