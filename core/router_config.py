@@ -48,7 +48,7 @@ class RouterConfig(Section, frozen=True):
     decode_first: bool = False       # pick D first by the prompt its prefix cache holds (vLLM KV events) and load
     disagg_min_tokens: NonNeg = 128  # decode_first: D serves alone when at most this many prompt tokens are left
     disagg_min_tokens_idle: NonNeg = 2048   # ... and this many while D has no request in flight (nothing to stall)
-    disagg_idle_overlap: Share = 0.1  # ... unless more than this share of recent arrivals found D busy
+    disagg_idle_overlap: Share = 1.0  # ... unless more than this share of recent arrivals found D busy (1: off)
     decode_request_tokens: NonNeg = 256   # decode_first: a request D already serves weighs this many prompt tokens
     kv_events: list[str] = msgspec.field(default_factory=list)  # "http://engine:port=tcp://router-host:port" per engine
     kv_events_port: Port = 0         # decode_first: engines bind tcp://*:PORT, the router subscribes to each pool member
@@ -172,7 +172,9 @@ FIELD_HELP: dict[str, str] = {
     'router.disagg_idle_overlap': ("decode_first: disagg_min_tokens_idle applies only while at most this share of the "
                                    "decode node's recent requests (an average over about 16) arrived while it was busy: "
                                    "where arrivals overlap, a long prompt D computes alone stalls the next request's "
-                                   "stream; a client that sends one request at a time never overlaps. 1: always"),
+                                   "stream; a client that sends one request at a time never overlaps. 1 (off): the "
+                                   "idle bound always applies. With token 1 from P, 0.1 cut the token 1->2 gap's p99 "
+                                   "but sent more prompts through P, whose gaps raised the ITL p99 (bench serve)"),
     'router.decode_request_tokens': ("decode_first: how much one request a decode node is already serving weighs "
                                       "against the prompt tokens its cache saves, in prompt tokens (times load_weight)"),
     'router.kv_events': ("where the router listens for each engine's KV-cache events, as 'http://engine:port=tcp://"

@@ -174,6 +174,9 @@ def test_an_idle_decode_node_takes_longer_prompts_than_a_busy_one(tiny_model):
                 node.outstanding = 1                                          # every D streams an answer
             assert r.decide.place(PROMPT).path is RoutePath.DISAGGREGATED
             assert r.decide.place(PROMPT[:90]).path is RoutePath.DECODE_ONLY
+            for node in r.decode.nodes:
+                node.outstanding = 0                                          # idle again: by default,
+            assert r.decide.place(PROMPT).path is RoutePath.DECODE_ONLY        # however often arrivals overlapped
     run(go())
 
 
@@ -218,7 +221,8 @@ def test_an_idle_node_whose_requests_often_overlap_computes_only_short_prompts_a
     the next arrival wait behind a long prompt computed alone, so only the busy bound applies
     until arrivals stop overlapping. A client sending one request at a time never overlaps."""
     async def go() -> None:
-        async with decode_first(tiny_model, n_d=1, disagg_min_tokens=100, disagg_min_tokens_idle=600) as (
+        async with decode_first(tiny_model, n_d=1, disagg_min_tokens=100, disagg_min_tokens_idle=600,
+                                disagg_idle_overlap=0.1) as (
                 url, s, r, p, ds, pubs):
             from kvrelay.router.decide import RoutePath
 
