@@ -37,7 +37,7 @@ def diff_requests() -> list[Request]:
 def diff_reference(diff_requests: list[Request], tiny_model: Path,
                    tmp_path_factory: pytest.TempPathFactory) -> list[Answer]:
     tmp = tmp_path_factory.mktemp("diff-reference")
-    return run.reference_answers(_cfg(tiny_model, tmp, REF_PORT), diff_requests, REF_PORT, tmp)
+    return run.reference_answers(_cfg(tiny_model, tmp, REF_PORT), diff_requests, REF_PORT, tmp, concurrency=4)
 
 
 def _assert_same(diffs: list[run.Difference]) -> None:
