@@ -133,6 +133,10 @@ KV_EVENTS_OFFSET = 400    # router.decode_first: node k (prefill nodes, then dec
 
 
 def kv_events_port(cfg: KVRelayConfig, spec: NodeSpec) -> int:
+    """Node ``spec``'s KV-events port: ``router.kv_events_port`` on every engine when set, else
+    one port per node from ``deploy.kv_base_port``."""
+    if cfg.router.kv_events_port:
+        return cfg.router.kv_events_port
     k = spec.index if spec.role is Role.PREFILL else cfg.deploy.prefill + spec.index
     return cfg.deploy.kv_base_port + KV_EVENTS_OFFSET + k
 
@@ -141,9 +145,8 @@ def kv_events_endpoint(cfg: KVRelayConfig, spec: NodeSpec) -> str:
     """Where node ``spec``'s vLLM publishes its KV events: with ``router.kv_events_port`` it binds
     that port on every interface (the routers subscribe to it); otherwise it connects to the
     endpoint the router binds for it (vLLM binds only wildcard addresses)."""
-    if cfg.router.kv_events_port:
-        return f"tcp://*:{cfg.router.kv_events_port}"
-    return f"tcp://{cfg.deploy.host}:{kv_events_port(cfg, spec)}"
+    host = "*" if cfg.router.kv_events_port else cfg.deploy.host
+    return f"tcp://{host}:{kv_events_port(cfg, spec)}"
 
 
 def split_cores(k: int, n: int) -> list[int]:

@@ -40,7 +40,7 @@ def stack_ports(cfg: KVRelayConfig) -> dict[str, int]:
             publish = cfg.store.publish_port or cfg.deploy.kv_base_port + PUBLISH_OFFSET
             ports[f"{spec.name} store events"] = publish + spec.index
         if cfg.router.decode_first:
-            ports[f"{spec.name} KV events"] = cfg.router.kv_events_port or kv_events_port(cfg, spec)
+            ports[f"{spec.name} KV events"] = kv_events_port(cfg, spec)
     return ports
 
 

@@ -34,6 +34,11 @@ log = logging.getLogger("kvrelay.router")
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 
+def url_host(addr: str) -> str:
+    """``addr`` as a URL's host: an IPv6 address in brackets."""
+    return f"[{addr}]" if ":" in addr else addr
+
+
 @dataclass(frozen=True)
 class DnsEntry:
     """One ``dns+http://name:port[=tcp://name:kvport]`` pool entry."""
@@ -45,7 +50,7 @@ class DnsEntry:
     side_port: int = 0
 
     def node(self, addr: str, decode: bool) -> Node:
-        host = f"[{addr}]" if ":" in addr else addr
+        host = url_host(addr)
         side = f"{self.side_scheme}://{host}:{self.side_port}" if self.side_port else ""
         url = f"{self.scheme}://{host}:{self.port}"
         return Node(url, kv_endpoint=side) if decode else Node(url, events_endpoint=side)

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import msgspec
 import zmq
 import zmq.asyncio
+from kvrelay.router.discovery import url_host
 from kvrelay.router.followers import Followers, subscriber
 from kvrelay.router.kv_index import KVIndex, decode_batch
 from kvrelay.router.pools import Node
@@ -35,10 +36,6 @@ from zmq.utils.monitor import parse_monitor_message
 log = logging.getLogger("kvrelay.router")
 
 _LOST = {zmq.EVENT_DISCONNECTED, zmq.EVENT_MONITOR_STOPPED}
-
-
-def _zmq_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host        # an IPv6 pod address
 
 
 def parse_entries(entries: Iterable[str]) -> dict[str, str]:
@@ -64,7 +61,7 @@ class KVEvents:
         if url in self.named:
             return self.named[url]
         host = urlsplit(url).hostname
-        return f"tcp://{_zmq_host(host)}:{self.port}" if self.port and host else None
+        return f"tcp://{url_host(host)}:{self.port}" if self.port and host else None
 
     def sync(self, nodes: Iterable[Node]) -> None:
         """Follow exactly ``nodes`` that publish (needs a running loop; non-blocking)."""

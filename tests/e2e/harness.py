@@ -30,6 +30,7 @@ from kvrelay.deploy.tiny_model import make_tiny_model  # noqa: E402
 
 MODEL = "kvrelay-tiny"
 MAX_TOKENS = 12
+BLOCK = 128               # the tiny model's KV block, in tokens
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,;:!?0123456789\n"
 
 

@@ -15,11 +15,10 @@ import pytest
 from kvrelay.deploy import launch
 from kvrelay.deploy.launch import Role
 
-from tests.e2e.harness import CASES, openai_client, run_case, start_stack
+from tests.e2e.harness import BLOCK, CASES, openai_client, run_case, start_stack
 
 pytestmark = pytest.mark.slow
 PORT0 = 22700
-BLOCK = 128                                   # the tiny model's KV block, in tokens
 COMPILED = [CASES[4], CASES[9], CASES[6]]     # c600 (completion), h500 (chat, streamed), c1100 (5 chunks)
 
 

@@ -19,6 +19,7 @@ import pytest
 from kvrelay.deploy.launch import Role
 
 from tests.e2e.harness import (
+    BLOCK,
     CASES,
     FORMAT_REQS,
     MODEL,
@@ -33,7 +34,6 @@ from tests.e2e.harness import (
 )
 
 pytestmark = pytest.mark.slow
-BLOCK = 128
 
 
 def _rid(stack, case) -> str:

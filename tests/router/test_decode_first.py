@@ -30,12 +30,13 @@ def free_port() -> int:
 
 
 class Publisher:
-    """One engine's publisher: connects to the router's endpoint, sends [topic, seq, batch]."""
+    """One engine's publisher: connects to the router's endpoint (or, as vLLM does with a
+    wildcard address, binds it) and sends [topic, seq, batch]."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, bind: bool = False) -> None:
         self.sock = zmq.Context.instance().socket(zmq.PUB)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
+        (self.sock.bind if bind else self.sock.connect)(endpoint)
         self.seq = 0
 
     def store(self, tokens: list[int]) -> None:
@@ -195,7 +196,7 @@ def test_with_an_events_port_the_router_subscribes_to_each_engine_and_follows_it
             async with serve(r.app()):
                 assert r.kv_events.endpoint(d.url) == f"tcp://127.0.0.1:{port}"
                 for _ in range(2):                  # the engine, then the same engine restarted
-                    pub = BoundPublisher(f"tcp://*:{port}")
+                    pub = Publisher(f"tcp://*:{port}", bind=True)
                     try:
                         await until(lambda: d.url in r.kv_events.connected)
                         pub.store(PROMPT)
@@ -204,16 +205,6 @@ def test_with_an_events_port_the_router_subscribes_to_each_engine_and_follows_it
                         pub.close()
                     await until(lambda: not r.decide.index.held(PROMPT, [d.url]))
     run(go())
-
-
-class BoundPublisher(Publisher):
-    """A publisher as vLLM runs one whose endpoint is a wildcard address: it binds."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.PUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(endpoint)
-        self.seq = 0
 
 
 def test_an_idle_node_whose_requests_often_overlap_computes_only_short_prompts_alone(tiny_model):
