@@ -132,7 +132,7 @@ class Servers:
     def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "w")   # noqa: SIM115 - owned by the child
-        p = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        p = launch.spawn_group(cmd, env, log)        # as kvrelay's own servers are started
         self.procs.append(p)
         return p
 
