@@ -239,7 +239,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log_pa
     raise TimeoutError(f"{url} not healthy after {timeout:.0f}s (log: {log_path})")
 
 
-def spawn_group(cmd: list[str], env: dict[str, str], log: IO[bytes]) -> subprocess.Popen:
+def spawn_group(cmd: list[str], env: dict[str, str], log: IO) -> subprocess.Popen:
     """Start a server as the leader of its own process group, in the caller's session.
 
     Its own group lets :func:`stop_group` signal everything it spawns. It stays in the

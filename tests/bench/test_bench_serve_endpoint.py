@@ -25,8 +25,7 @@ def plain_vllm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     cfg = _cfg(tiny_model, tmp, PORT)
     env = dict(launch.server_env(cfg, 0, 1), VLLM_API_KEY=KEY)       # vLLM's own key check, not on a command line
     with open(tmp / "vllm.log", "w") as log:
-        proc = subprocess.Popen(launch.server_command(cfg, launch.NodeSpec(launch.Role.SINGLE, 0, PORT)), env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = launch.spawn_group(launch.server_command(cfg, launch.NodeSpec(launch.Role.SINGLE, 0, PORT)), env, log)
     try:
         launch.wait_healthy(f"http://127.0.0.1:{PORT}", proc, 900, str(tmp / "vllm.log"))
         yield f"http://127.0.0.1:{PORT}"

@@ -88,8 +88,7 @@ def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, l
     spec = launch.NodeSpec(launch.Role.SINGLE, 0, port)
     log_dir.mkdir(parents=True, exist_ok=True)
     with open(log_dir / "reference.log", "w") as log:
-        proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 2),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 2), log)
     try:
         url = f"http://127.0.0.1:{port}"
         launch.wait_healthy(url, proc, cfg.deploy.startup_timeout_s, str(log_dir / "reference.log"))
@@ -119,8 +118,8 @@ def extra_router(stack: launch.Stack, port: int, first_token: str) -> tuple[subp
     path = stack.log_dir / f"router-{first_token}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     with open(stack.log_dir / f"router-{first_token}.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "router", "--config", str(path)],
-                                env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = launch.spawn_group([sys.executable, "-m", "kvrelay.cli", "router", "--config", str(path)],
+                                  dict(os.environ), log)
     url = f"http://127.0.0.1:{port}"
     launch.wait_healthy(url, proc, 60, str(stack.log_dir / f"router-{first_token}.log"))
     return proc, url

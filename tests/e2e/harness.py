@@ -11,7 +11,6 @@ import json
 import os
 import random
 import re
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -285,8 +284,7 @@ def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     log = open(tmp / "single.log", "w")  # noqa: SIM115
     # the same OpenMP binding as each engine of a PD stack (CPU numerics change with the thread
     # count): server 0 of 2 gets the share of cores each engine of a 1P1D stack gets
-    proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 2),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 2), log)
     try:
         url = "http://127.0.0.1:18700"
         launch.wait_healthy(url, proc, 900, str(tmp / "single.log"))
@@ -315,8 +313,7 @@ def reference_at_tp(tiny_model: Path, tmp: Path, tp: int, cases: list[Case]) -> 
     spec = launch.NodeSpec(launch.Role.SINGLE, 0, TP_REF_PORT, tp=tp)
     log = tmp / f"single-tp{tp}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 2, tp),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 2, tp), out)
     try:
         launch.wait_healthy(f"http://127.0.0.1:{TP_REF_PORT}", proc, 900, str(log))
         client = openai_client(f"http://127.0.0.1:{TP_REF_PORT}")

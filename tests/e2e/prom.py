@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
-import subprocess
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -37,9 +37,8 @@ def prometheus(tmp: Path, targets: list[str], port: int) -> Iterator[str]:
            "scrape_configs": [{"job_name": "kvrelay", "static_configs": [{"targets": targets}]}]}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     log = open(tmp / "prometheus.log", "w")  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen([exe, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = launch.spawn_group([exe, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+                               f"--web.listen-address=127.0.0.1:{port}"], dict(os.environ), log)
     url = f"http://127.0.0.1:{port}"
     try:
         launch.wait_healthy(url, proc, 60, str(tmp / "prometheus.log"), path="/-/ready")

@@ -82,7 +82,7 @@ class FollowedEngine:
                                                   "endpoint": self.endpoint})]
         env = {**launch.server_env(cfg, 0, 2), "VLLM_SERVER_DEV_MODE": "1"}      # for /reset_prefix_cache
         with open(self.tmp / "engine.log", "a") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = launch.spawn_group(cmd, env, log)
         launch.wait_healthy(self.url, self.proc, 900, str(self.tmp / "engine.log"))
         self.wait_connected()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -45,8 +44,7 @@ def want(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     cfg = _cfg(tiny_model, tmp, 18720)
     spec = launch.NodeSpec(launch.Role.SINGLE, 0, 18720)
     with open(tmp / "single.log", "w") as log:
-        proc = subprocess.Popen(launch.server_command(cfg, spec), env=launch.server_env(cfg, 0, 4),
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 4), log)
     try:
         url = "http://127.0.0.1:18720"
         launch.wait_healthy(url, proc, 900, str(tmp / "single.log"))

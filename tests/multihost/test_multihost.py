@@ -114,8 +114,7 @@ class Hosts:
         log = open(self.tmp / f"{role}.log", "w")  # noqa: SIM115 - owned by the child
         cmd = ["ip", "netns", "exec", f"kvr-{role}", sys.executable, "-m", "kvrelay.cli", *argv,
                "--config", str(self.config)]
-        self.procs[role] = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
+        self.procs[role] = launch.spawn_group(cmd, env, log)
 
     def start(self) -> None:
         self._spawn("prefill", ["serve", "--role", "prefill", "--index", "0", "--port", str(PORT["prefill"]),
