@@ -107,6 +107,7 @@ def test_the_node_holding_the_prompt_serves_it_alone_when_little_is_left(tiny_mo
             other = [7] * 600
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": other}) as resp:
                 assert resp.status == 200
+            await until(lambda: p.requests)   # P's prefill is a background task beside D's answer
             assert len(p.requests) == 1 and "kv_transfer_params" in p.requests[0]
             assert await metric(s, url, 'kvrelay_router_decisions_total{path="disaggregated"} 1.0')
     run(go())
@@ -128,6 +129,7 @@ def test_a_busy_holder_loses_the_turn_and_a_lost_publisher_leaves_load_only_rout
             await until(lambda: not r.decide.index.held(PROMPT, [ds[1].url]))
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": PROMPT}) as resp:
                 assert resp.status == 200
+            await until(lambda: p.requests)   # P's prefill is a background task beside D's answer
             assert len(p.requests) == 1   # 600 tokens to compute wherever it lands: disaggregated
     run(go())
 
