@@ -6,6 +6,7 @@ Backends translate their library's exceptions (``zmq.ZMQError``,
 
     KVRelayError
     ├── ConfigError              a config key or value is invalid (the message names the key)
+    │   └── EngineIncompatible   an engine configuration kvrelay cannot serve exactly (names the flag)
     ├── ParamsError              malformed kv_transfer_params (kvrelay.core.params)
     ├── NoHealthyNode            the router has no healthy node in a pool (kvrelay.router.pools)
     └── TransportError
@@ -31,6 +32,11 @@ class KVRelayError(Exception):
 
 class ConfigError(KVRelayError, ValueError):
     """A configuration value or key is invalid; the message names the key."""
+
+
+class EngineIncompatible(ConfigError):
+    """An engine configuration kvrelay cannot serve exactly; the message names the flag and the
+    reason (:mod:`kvrelay.core.engine_compat`). Raised when a node starts, never at a request."""
 
 
 class UnreachableError(KVRelayError):

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
+from kvrelay.common.errors import EngineIncompatible
 from kvrelay.core.config import KVRelayConfig, from_connector_extra
+from kvrelay.core.engine_compat import Refusal, facts_from_vllm, refusals
 from kvrelay.core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
 from kvrelay.core.fingerprint import engine_fingerprint
 from kvrelay.core.gauge_snapshots import SnapshotWriter, read_gauges, snapshot_path
@@ -47,13 +49,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 # settle (returning at once when one does): a few hundred steps per second instead of
 # thousands, CPU a co-located engine gets back.
 IDLE_WAIT_S = 0.003
-
-
-def is_multimodal(request: Any) -> bool:
-    """The prompt carries images, audio or video: its token ids (placeholders) do not name its
-    content, so chunk keys would collide across different inputs. Such a request is never
-    pushed, pulled, stored or loaded; its engine computes it."""
-    return bool(getattr(request, "mm_features", None))
 
 
 @dataclass
@@ -189,10 +184,25 @@ class WorkerBase:
         self.gauges.close()
 
 
+def refuse_incompatible(vllm_config: Any, kv_cache_config: Any = None) -> None:
+    """Raise :class:`EngineIncompatible` for an engine configuration kvrelay cannot serve exactly
+    (:mod:`kvrelay.core.engine_compat`): the engine fails at start, never at a request."""
+    found = refusals(facts_from_vllm(vllm_config))
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    if len(groups) > 1:
+        found.append(Refusal(f"{len(groups)} KV-cache groups (hybrid KV-cache manager)",
+                             "kvrelay moves one group's blocks; start vLLM with --disable-hybrid-kv-cache-manager"))
+    if found:
+        raise EngineIncompatible("kvrelay cannot serve this engine configuration exactly: "
+                                 + "; ".join(map(str, found)))
+
+
 class RelayConnector(KVConnectorBase_V1, Generic[W]):
-    """Routes vLLM's hooks to the scheduler half or the worker half of one connector."""
+    """Routes vLLM's hooks to the scheduler half or the worker half of one connector. An engine
+    configuration it cannot serve exactly is refused here, when vLLM builds it."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        refuse_incompatible(vllm_config, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self.cfg = from_connector_extra(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
         self._sched = self.make_scheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None

@@ -46,8 +46,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvrelay.core.adapters import kv_namespace, opaque_prompt
 from kvrelay.core.config import KVRelayConfig
-from kvrelay.core.connector_base import RelayConnector, is_multimodal
+from kvrelay.core.connector_base import RelayConnector
 from kvrelay.core.guard import count_refusal, verifier_for
 from kvrelay.core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams
 from kvrelay.core.tracing import traceparent_of
@@ -80,7 +81,7 @@ class DecodeScheduler:
         rid = request.request_id
         if rid in self._done or rid in self._loading:
             return 0, False
-        if is_multimodal(request):               # keys would not name its images: computed here
+        if opaque_prompt(request):               # keys would not name its images or embeddings: computed here
             self._done.add(rid)
             return 0, False
         try:
@@ -120,7 +121,8 @@ class DecodeScheduler:
         self._done.add(rid)
         transferred = list(request.prompt_token_ids)[:len(request.prompt_token_ids) - params.tail]
         self._loads.append(LoadSpec(rid, params.transfer_id, transferred, list(blocks.get_block_ids()[0]), local,
-                                    num_external, traceparent_of(request.kv_transfer_params), now))
+                                    num_external, traceparent_of(request.kv_transfer_params), now,
+                                    kv_namespace(request)))
 
     def build_meta(self, so: Any = None) -> DecodeMeta:
         idle = so is not None and so.total_num_scheduled_tokens == 0
@@ -138,8 +140,8 @@ class DecodeScheduler:
         if rid in self._loading:                  # aborted mid-load: the worker still writes its blocks
             self._cancelled.append(rid)
             return True, None
-        saving = self._save_decoded and not is_multimodal(request)
-        spec = save_spec(request, block_ids, self.cfg.chunk_tokens) if saving else None
+        saving = self._save_decoded and not opaque_prompt(request)
+        spec = save_spec(request, block_ids, self.cfg.chunk_tokens, kv_namespace(request)) if saving else None
         if spec is None:
             return False, None
         self._saves.append(spec)                  # blocks stay until the worker has saved them

@@ -195,7 +195,7 @@ class InstallWorker(WorkerBase):
     def _parts(self, spec: LoadSpec) -> list[_Part]:
         """The sub-transfers this rank receives for ``spec``: one per prefill rank that sends it heads."""
         assert self.ranks is not None
-        base = chunk_keys_from_digest(spec.token_ids, self.transfer_digest, self.cfg.chunk_tokens)
+        base = chunk_keys_from_digest(spec.token_ids, self.transfer_digest, self.cfg.chunk_tokens, spec.namespace)
         return [_Part(t.piece, t.transfer_id, t.keys, t.offset, t.width)
                 for t in (self.ranks.transfer(pc, spec.transfer_id, base) for pc in self.ranks.incoming())]
 

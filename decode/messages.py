@@ -28,6 +28,7 @@ class LoadSpec:
     num_tokens: int            # tokens to load = prompt_len - local_tokens
     traceparent: str = ""      # the router's trace (core/tracing.py): the install span's parent
     now: bool = False          # every chunk had landed: install before this step's forward (vLLM sync load)
+    namespace: bytes = b""     # the request's KV namespace (core/adapters.py): part of every transfer key
 
 
 @dataclass

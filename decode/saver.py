@@ -53,9 +53,10 @@ class SaveSpec:
     token_ids: list[int]       # the computed tokens of whole chunks: n_chunks * chunk_tokens
     block_ids: list[int]       # the request's blocks, covering token_ids
     first_chunk: int           # first chunk holding a generated token
+    namespace: bytes = b""     # the request's KV namespace (core/adapters.py): its store keys
 
 
-def save_spec(request: Any, block_ids: list[int], chunk_tokens: int) -> SaveSpec | None:
+def save_spec(request: Any, block_ids: list[int], chunk_tokens: int, namespace: bytes = b"") -> SaveSpec | None:
     """What a finished request on D should save, or None (no whole chunk with output in it)."""
     n_prompt = len(request.prompt_token_ids)
     computed = min(request.num_computed_tokens, len(request.all_token_ids))
@@ -64,7 +65,7 @@ def save_spec(request: Any, block_ids: list[int], chunk_tokens: int) -> SaveSpec
     if n_chunks <= first or not block_ids:
         return None
     return SaveSpec(request.request_id, list(request.all_token_ids[:n_chunks * chunk_tokens]),
-                    list(block_ids), first)
+                    list(block_ids), first, namespace)
 
 
 class DecodeSaver:
@@ -116,7 +117,7 @@ class DecodeSaver:
         """Write the chunks Redis lacks, in batches of ``store.deferred_bytes``; return how many."""
         assert self.layout is not None
         per = self.blocks_per_chunk
-        keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)[spec.first_chunk:]
+        keys = chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens, spec.namespace)[spec.first_chunk:]
         have = self.redis.contains(keys)
         batch: list[tuple[bytes, bytes | bytearray]] = []
         size = written = 0

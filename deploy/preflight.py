@@ -14,6 +14,7 @@ from pathlib import Path
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import SECRET_ENV
 from kvrelay.core.config import KVRelayConfig, RoutingPolicy
+from kvrelay.core.engine_compat import facts_from_args, pair_refusals, read_hf_config
 from kvrelay.core.ranks import Sharding
 from kvrelay.deploy.launch import PUBLISH_OFFSET, Role, kv_events_port, node_specs
 from kvrelay.router import preflight as router_preflight
@@ -79,11 +80,23 @@ def _tp_problems(cfg: KVRelayConfig) -> list[str]:
     return found
 
 
+def engine_problems(cfg: KVRelayConfig) -> list[str]:
+    """Engine configurations the PD pair cannot serve exactly (:mod:`kvrelay.core.engine_compat`),
+    read from ``engine.*`` and the model's ``config.json``."""
+    e = cfg.engine
+    hf = read_hf_config(e.model)
+    pair = pair_refusals(facts_from_args([*e.extra_args, *e.prefill_args], hf),
+                         facts_from_args([*e.extra_args, *e.decode_args], hf), cfg.chunk_tokens)
+    return [f"engine: {r} (kvrelay refuses configurations it cannot serve exactly: docs/guide/compatibility.md)"
+            for r in pair]
+
+
 def problems(cfg: KVRelayConfig) -> list[str]:
     """Every reason the router (or ``kvrelay up``) would refuse ``cfg``; empty when it would start."""
     if cfg.router.prefill or cfg.router.decode:
-        return router_preflight.problems(cfg)
+        return router_preflight.problems(cfg) + engine_problems(cfg)
     skip = {"nodes", "cache_aware"}                # kvrelay up lists the nodes and their event ports
     if not (os.environ.get(SECRET_ENV) or cfg.transport.secret_file):
         skip.add("secret")                         # kvrelay up writes one into deploy.log_dir
-    return router_preflight.problems(cfg, frozenset(skip)) + _collisions(cfg) + _tp_problems(cfg)
+    return (router_preflight.problems(cfg, frozenset(skip)) + _collisions(cfg) + _tp_problems(cfg)
+            + engine_problems(cfg))

@@ -22,6 +22,12 @@ from a fixed seed) that vLLM loads like any Hugging Face model:
 
 Writing the same directory twice gives byte-identical files.
 
+**Attention kinds.** ``attention="sliding"`` makes every layer attend to the last
+``WINDOW`` tokens only (Mistral-style sliding window); ``attention="alternating"``
+alternates sliding and full layers (Gemma-2/3-style: vLLM's hybrid KV-cache groups). Both
+are the same Llama checkpoint with ``layer_types`` and ``sliding_window`` in its config, so
+the compatibility tests change one thing at a time.
+
 **Variants.** ``width="wide"`` (``kvrelay make-tiny-model DIR --wide``) keeps the KV
 layout above (so chunks, keys and transfers are identical) but has a 1,024-wide
 residual stream, 16 query heads sharing the 4 KV heads (GQA 4:1) and a 4,096-wide
@@ -45,6 +51,8 @@ WIDTHS = {  # variant -> (hidden size, query heads, MLP width)
 }
 VOCAB_SIZE = 128            # 4 specials + 97 characters, padded
 MAX_POSITIONS = 8192
+WINDOW = 256                # the sliding window of the "sliding" and "alternating" attention kinds
+ATTENTION = ("full", "sliding", "alternating")
 SEED = 1234
 LOGIT_SCALE = 40.0
 ATTN_SCALE, QK_SCALE = 10.0, 3.0    # attention dominates the residual: output depends on far context
@@ -84,7 +92,16 @@ def _write_tokenizer(out: Path) -> None:
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=2) + "\n")
 
 
-def _write_model(out: Path, width: str) -> None:
+def _layer_types(attention: str) -> dict[str, object]:
+    """Config entries that make ``attention``'s layers slide (none for full attention)."""
+    if attention == "full":
+        return {}
+    kinds = ["sliding_attention" if attention == "sliding" or i % 2 == 0 else "full_attention"
+             for i in range(LAYERS)]
+    return {"layer_types": kinds, "sliding_window": WINDOW}
+
+
+def _write_model(out: Path, width: str, attention: str = "full") -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -93,7 +110,7 @@ def _write_model(out: Path, width: str) -> None:
                       num_hidden_layers=LAYERS, num_attention_heads=heads, num_key_value_heads=KV_HEADS,
                       head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
                       bos_token_id=0, eos_token_id=1, pad_token_id=3,
-                      tie_word_embeddings=False, dtype="float32")
+                      tie_word_embeddings=False, dtype="float32", **_layer_types(attention))
     torch.manual_seed(SEED)
     with torch.no_grad():
         model = LlamaForCausalLM(cfg)
@@ -112,28 +129,32 @@ def _write_model(out: Path, width: str) -> None:
         {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 3}, indent=2) + "\n")
 
 
-def _marker(width: str) -> str:
+def _marker(width: str, attention: str = "full") -> str:
     hidden, heads, intermediate = WIDTHS[width]
+    kind = "" if attention == "full" else f", {attention} attention (window {WINDOW})"
     return (f"kvrelay tiny Llama ({width}): {LAYERS} layers, {KV_HEADS} kv heads x {HEAD_DIM}, hidden {hidden}, "
-            f"{heads} query heads, mlp {intermediate}, float32, seed {SEED}\n")
+            f"{heads} query heads, mlp {intermediate}, float32, seed {SEED}{kind}\n")
 
 
-def make_tiny_model(out_dir: str | Path, width: str = "narrow") -> Path:
-    """Write the tiny model (``width``: a key of ``WIDTHS``) into ``out_dir``; return its path."""
+def make_tiny_model(out_dir: str | Path, width: str = "narrow", attention: str = "full") -> Path:
+    """Write the tiny model (``width``: a key of ``WIDTHS``; ``attention``: one of ``ATTENTION``)
+    into ``out_dir``; return its path."""
     if width not in WIDTHS:
         raise ValueError(f"unknown tiny-model width {width!r}; expected one of {sorted(WIDTHS)}")
+    if attention not in ATTENTION:
+        raise ValueError(f"unknown tiny-model attention {attention!r}; expected one of {list(ATTENTION)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(out)
-    _write_model(out, width)
-    (out / "KVRELAY_TINY_MODEL").write_text(_marker(width))
+    _write_model(out, width, attention)
+    (out / "KVRELAY_TINY_MODEL").write_text(_marker(width, attention))
     return out
 
 
-def ensure_tiny_model(out_dir: str | Path, width: str = "narrow") -> Path:
+def ensure_tiny_model(out_dir: str | Path, width: str = "narrow", attention: str = "full") -> Path:
     """Create the tiny model unless ``out_dir`` already holds this variant of it."""
     out = Path(out_dir)
     marker = out / "KVRELAY_TINY_MODEL"
-    if marker.exists() and marker.read_text() == _marker(width) and (out / "model.safetensors").exists():
+    if marker.exists() and marker.read_text() == _marker(width, attention) and (out / "model.safetensors").exists():
         return out
-    return make_tiny_model(out, width)
+    return make_tiny_model(out, width, attention)

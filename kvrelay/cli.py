@@ -42,7 +42,24 @@ def _cmd_bench_transfer(args: argparse.Namespace) -> int:
 def _cmd_make_tiny_model(args: argparse.Namespace) -> int:
     from kvrelay.deploy.tiny_model import make_tiny_model
 
-    print(make_tiny_model(args.dir, "wide" if args.wide else "narrow"))
+    print(make_tiny_model(args.dir, "wide" if args.wide else "narrow", args.attention))
+    return 0
+
+
+def _cmd_make_tiny_lora(args: argparse.Namespace) -> int:
+    from kvrelay.deploy.tiny_lora import make_tiny_lora
+
+    print(make_tiny_lora(args.dir, args.seed, args.rank, "wide" if args.wide else "narrow"))
+    return 0
+
+
+def _cmd_compat(args: argparse.Namespace) -> int:
+    from kvrelay.deploy import compat
+
+    if args.markdown:
+        print(f"kvrelay: wrote {compat.write_markdown(args.markdown)}", file=sys.stderr)
+        return 0
+    print(compat.markdown(), end="")
     return 0
 
 
@@ -72,6 +89,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     spec = launch.NodeSpec(role, args.index, port, kv_port if role is launch.Role.DECODE else 0, tp)
     if role is not launch.Role.SINGLE:
         load_secret(cfg.transport)            # refuse to start without one, saying how to set it
+        from kvrelay.deploy.preflight import engine_problems
+
+        if found := engine_problems(cfg):     # what `kvrelay config --check` reports, before vLLM starts
+            for p in found:
+                print(f"kvrelay: {p}", file=sys.stderr)
+            return 2
     cmd = launch.server_command(cfg, spec)
     env = launch.server_env(cfg, 0, 1, tp)
     if args.dry_run:
@@ -221,7 +244,16 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("dir")
     m.add_argument("--wide", action="store_true",
                    help="the compute-heavy variant: same KV layout, 1024-wide residual, 4096-wide MLP (benchmarks)")
+    m.add_argument("--attention", choices=("full", "sliding", "alternating"), default="full",
+                   help="full (default); sliding: every layer sees the last 256 tokens (Mistral-style); "
+                        "alternating: sliding and full layers in turn (Gemma-2/3-style hybrid KV groups)")
     m.set_defaults(func=_cmd_make_tiny_model)
+    lo = sub.add_parser("make-tiny-lora", help="write a deterministic LoRA adapter (PEFT format) for the tiny model to DIR")
+    lo.add_argument("dir")
+    lo.add_argument("--seed", type=int, default=1, help="which adapter (each seed gives other weights; default 1)")
+    lo.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8; serve with --max-lora-rank >= it)")
+    lo.add_argument("--wide", action="store_true", help="for the wide tiny model")
+    lo.set_defaults(func=_cmd_make_tiny_lora)
 
     _add_tool_commands(sub)
     _add_bench_commands(sub.add_parser("bench", help="benchmarks"))
@@ -258,6 +290,11 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     calibrate.add_args(cal)
     kcfg.add_config_args(cal)
     cal.set_defaults(func=calibrate.main)
+
+    c = sub.add_parser("compat", help="the compatibility matrix: engine configurations served exactly, left to the "
+                       "engine, or refused at start (with the tests behind each row)")
+    c.add_argument("--markdown", metavar="PATH", default="", help="write it as Markdown to PATH instead of printing it")
+    c.set_defaults(func=_cmd_compat)
 
     w = sub.add_parser("warmup", help="run hot prompts through prefill nodes so their chunks land in the store",
                        description=(warmup.__doc__ or "").split("\n\n")[1])

@@ -33,8 +33,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvrelay.core.adapters import kv_namespace, opaque_prompt
 from kvrelay.core.config import KVRelayConfig
-from kvrelay.core.connector_base import RelayConnector, is_multimodal
+from kvrelay.core.connector_base import RelayConnector
 from kvrelay.core.guard import count_refusal, verifier_for
 from kvrelay.core.params import ParamsError, ParamsVerifier, PushParams
 from kvrelay.core.tracing import traceparent_of
@@ -57,6 +58,7 @@ class PrefillScheduler:
         self._prompt_len: dict[str, int] = {}
         self._store_from: dict[str, int] = {}
         self._trace: dict[str, str] = {}            # request -> traceparent (tracing on)
+        self._ns: dict[str, bytes] = {}             # request -> its KV namespace (LoRA adapter)
         self._blocks: dict[str, list[int]] = {}
         self._hits: dict[str, tuple[int, int]] = {}
         self._loads: list[StoreLoad] = []
@@ -67,7 +69,7 @@ class PrefillScheduler:
         rid = request.request_id
         if rid in self._params:
             return
-        if is_multimodal(request):               # keys would not name its images: no push, no store
+        if opaque_prompt(request):               # keys would not name its images or embeddings: no push, no store
             return
         try:
             params = self.verifier.check(request.kv_transfer_params)
@@ -79,13 +81,14 @@ class PrefillScheduler:
             self._params[rid] = params if isinstance(params, PushParams) else None
             self._prompt_len[rid] = len(request.prompt_token_ids)
             self._trace[rid] = traceparent_of(request.kv_transfer_params)
+            self._ns[rid] = kv_namespace(request)
 
     def matched(self, request: Any, num_computed: int) -> tuple[int, bool]:
         self.on_request(request)
         rid = request.request_id
         if self.store is None or rid not in self._params:
             return 0, False
-        hit = min(self.store.lookup(list(request.prompt_token_ids)),
+        hit = min(self.store.lookup(list(request.prompt_token_ids), self._ns.get(rid, b"")),
                   hit_limit(len(request.prompt_token_ids), self.cfg.chunk_tokens))
         # Store every full chunk the store lacks - also those the engine's own prefix cache
         # supplied (wholly, or in part: its 128-token blocks need not end on a chunk boundary).
@@ -102,7 +105,8 @@ class PrefillScheduler:
         if hit is not None and num_external > 0:
             start, end = hit
             self._loads.append(StoreLoad(request.request_id, list(request.prompt_token_ids),
-                                         list(blocks.get_block_ids()[0]), start, start + num_external))
+                                         list(blocks.get_block_ids()[0]), start, start + num_external,
+                                         self._ns.get(request.request_id, b"")))
 
     def build_meta(self, so: Any) -> PrefillMeta:
         """This step's work for the worker. Preemption (vLLM 0.32): a request in
@@ -138,14 +142,15 @@ class PrefillScheduler:
         store_from = self._store_from.get(rid, 0) if self.store is not None else -1
         spec = PushSpec(rid, p.transfer_id if p else "", p.push_to if p else "", n, list(self._blocks[rid]),
                         min(ready, n), token_ids, store_from, bool(p and p.early),
-                        self._trace.get(rid, "") if token_ids is not None else "")
+                        self._trace.get(rid, "") if token_ids is not None else "",
+                        self._ns.get(rid, b"") if token_ids is not None else b"")
         if ready >= n:                            # prefill done: nothing more to tell the worker
             del self._params[rid]
         return spec
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        for d in (self._params, self._prompt_len, self._store_from, self._hits, self._trace):
+        for d in (self._params, self._prompt_len, self._store_from, self._hits, self._trace, self._ns):
             d.pop(rid, None)
         if self._blocks.pop(rid, None) is None:
             return False, None                    # never scheduled (or not tracked)

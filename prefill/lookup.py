@@ -21,6 +21,7 @@ log = logging.getLogger("vllm.kvrelay.prefill")
 class Lookup(msgspec.Struct, frozen=True):
     token_ids: list[int]
     v: int = 1
+    namespace: bytes = b""      # the request's KV namespace (core/adapters.py)
 
 
 class LookupReply(msgspec.Struct, frozen=True):
@@ -49,12 +50,12 @@ class StoreClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock: zmq.Socket[bytes] | None = None
 
-    def lookup(self, token_ids: list[int]) -> int:
+    def lookup(self, token_ids: list[int], namespace: bytes = b"") -> int:
         if self._sock is None:
             self._sock = self._ctx.socket(zmq.REQ)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.connect(self.endpoint)
-        self._sock.send(msgspec.msgpack.encode(Lookup(list(token_ids))))
+        self._sock.send(msgspec.msgpack.encode(Lookup(list(token_ids), namespace=namespace)))
         if not self._sock.poll(self.timeout_ms):
             log.warning("store lookup got no answer in %.1f s (%s); computing the prompt",
                         self.timeout_ms / 1000, self.endpoint)

@@ -26,6 +26,7 @@ class PushSpec:
     store_from: int = -1                         # store full chunks from this token on: the store's own hit (-1: none)
     early: bool = False                          # D registers after P answers: D grants without waiting
     traceparent: str = ""                        # the router's trace (core/tracing.py), with the first spec
+    namespace: bytes = b""                       # the request's KV namespace (core/adapters.py), with the first spec
 
 
 @dataclass
@@ -37,6 +38,7 @@ class StoreLoad:
     block_ids: list[int]
     start: int
     end: int
+    namespace: bytes = b""     # the request's KV namespace (core/adapters.py): its store keys
 
 
 @dataclass

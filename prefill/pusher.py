@@ -99,7 +99,7 @@ def plan_pushes(spec: PushSpec, keys: list[bytes], transfer_digest: bytes, ranks
     if not spec.push_to:
         return [_Push(spec, keys, n, deadline, lanes.lane_for(spec.push_to), span_bytes=(0, bpb),
                       bytes_per_block=bpb)]
-    base = chunk_keys_from_digest(spec.token_ids, transfer_digest, chunk_tokens)
+    base = chunk_keys_from_digest(spec.token_ids, transfer_digest, chunk_tokens, spec.namespace)
     out = []
     for pc in ranks.outgoing():
         t = ranks.transfer(pc, spec.transfer_id, base)
@@ -172,7 +172,7 @@ class PushWorker(WorkerBase):
 
     def _new_pushes(self, spec: PushSpec) -> list[_Push]:
         assert spec.token_ids is not None and self.ranks is not None
-        keys = (chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens)     # the store's keys
+        keys = (chunk_keys(spec.token_ids, self.fingerprint, self.cfg.chunk_tokens, spec.namespace)  # the store's
                 if self.store is not None else [])
         pushes = plan_pushes(spec, keys, self.transfer_digest, self.ranks, self.lanes,
                              time.monotonic() + self.cfg.connector.free_deadline_s, self.cfg.chunk_tokens)
@@ -187,7 +187,7 @@ class PushWorker(WorkerBase):
         """Synchronous: this step's forward reads the loaded blocks (model thread)."""
         assert self.store is not None
         for ld in loads:
-            failed = self.store.load_into(ld.req_id, ld.token_ids, ld.block_ids, ld.start, ld.end)
+            failed = self.store.load_into(ld.req_id, ld.token_ids, ld.block_ids, ld.start, ld.end, ld.namespace)
             if failed:
                 log.warning("request %s: %d blocks not loadable from the store; recomputing them",
                             ld.req_id, len(failed))

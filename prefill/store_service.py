@@ -91,8 +91,8 @@ class StoreService:
         if self.publisher is not None:
             self.publisher.bind_engine(fingerprint.digest(), self.cfg.chunk_tokens)
 
-    def keys(self, token_ids: list[int]) -> list[bytes]:
-        return chunk_keys(token_ids, self.fingerprint, self.cfg.chunk_tokens)
+    def keys(self, token_ids: list[int], namespace: bytes = b"") -> list[bytes]:
+        return chunk_keys(token_ids, self.fingerprint, self.cfg.chunk_tokens, namespace)
 
     def _serve(self) -> None:
         place_helper_thread(self.cfg.connector.helper_cpus)
@@ -109,7 +109,7 @@ class StoreService:
                 try:
                     req = msgspec.msgpack.decode(sock.recv(), type=Lookup)
                     t0 = time.monotonic()
-                    hit = self._lookup(req.token_ids)
+                    hit = self._lookup(req.token_ids, req.namespace)
                     if (took := time.monotonic() - t0) > SLOW_LOOKUP_S:
                         log.warning("store lookup of %d tokens took %.3f s", len(req.token_ids), took)
                 except msgspec.DecodeError as exc:
@@ -119,22 +119,23 @@ class StoreService:
         finally:
             sock.close(linger=0)
 
-    def _lookup(self, token_ids: list[int]) -> int:
+    def _lookup(self, token_ids: list[int], namespace: bytes = b"") -> int:
         if self.fingerprint is None:
             return 0
         T = self.cfg.chunk_tokens
         n_full = hit_limit(len(token_ids), T) // T
         if n_full == 0:
             return 0
-        return self.store.lookup_prefix(self.keys(token_ids[: n_full * T])) * T
+        return self.store.lookup_prefix(self.keys(token_ids[: n_full * T], namespace)) * T
 
     # ---------------------------------------------------------------- load (model thread)
-    def load_into(self, req_id: str, token_ids: list[int], block_ids: list[int], start: int, end: int) -> set[int]:
+    def load_into(self, req_id: str, token_ids: list[int], block_ids: list[int], start: int, end: int,
+                  namespace: bytes = b"") -> set[int]:
         """Install store chunks covering tokens [start, end) into ``block_ids``; return failed blocks."""
         assert self.layout is not None
         T, bs = self.cfg.chunk_tokens, self.block_size
         first, last = start // T, end // T
-        keys = self.keys(token_ids[: last * T])[first:]
+        keys = self.keys(token_ids[: last * T], namespace)[first:]
         t0, loaded = time.monotonic(), 0
         for i, (_key, view) in enumerate(self.store.load(keys)):
             if view is None:

@@ -319,7 +319,7 @@ class Router:
         """Decode node and path: decode-first for a request that may be split, else D by load."""
         if self.decide is None or body is None:
             return Placement(self.decode.pick(), RoutePath.DISAGGREGATED, 0)
-        return self.decide.place(await self.decide.tokens(body))
+        return self.decide.place(await self.decide.tokens(body), body.get("model"))
 
     async def _disaggregated(self, job: Job, place: Placement) -> web.StreamResponse:
         hint = await self._prefix_hint(job.body, list(place.token_ids) or None)
@@ -366,8 +366,12 @@ class Router:
         return resp
 
     async def _prefix_hint(self, body: dict[str, Any], ids: list[int] | None = None) -> PrefixHint | None:
-        """What the store holds per prefill node (cache_aware with store events), else None."""
+        """What the store holds per prefill node (cache_aware with store events), else None. The
+        store's keys of a LoRA adapter's prompt carry a digest of its weights, which only the
+        engines know: an adapter's request gets no store hint (a choice by load, never a wrong one)."""
         if self.index is None or self.tokenizer is None or not self.index.fingerprint:
+            return None
+        if self.decide is not None and self.decide.index.adapter_of(body.get("model")):
             return None
         if ids is None:
             try:

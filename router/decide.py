@@ -127,13 +127,15 @@ class DecodeFirst:
             log.info("decode_first: cannot tokenise the request (%s); routing by load", exc)
             return None
 
-    def place(self, ids: list[int] | None) -> Placement:
-        """D and the path for a prompt of ``ids`` (None: unknown; raises NoHealthyNode)."""
+    def place(self, ids: list[int] | None, model: object = None) -> Placement:
+        """D and the path for a prompt of ``ids`` (None: unknown; raises NoHealthyNode) asked of
+        ``model`` (a LoRA adapter's name keys its blocks apart from the base model's)."""
         if not ids:
             node = self.decode.pick(load_weight=self.cfg.load_weight)
             return Placement(node, RoutePath.DISAGGREGATED, 0)
         # one pass over the prompt's block keys for every engine; the prefill pick reuses it
-        held = self.index.held(ids, (n.url for pool in (self.decode, self.prefill) for n in pool.nodes))
+        held = self.index.held(ids, (n.url for pool in (self.decode, self.prefill) for n in pool.nodes),
+                               self.index.adapter_of(model))
         node = self.decode.pick(hint=PrefixHint(len(ids), held), load_weight=self.cfg.load_weight,
                                 request_tokens=self.cfg.decode_request_tokens)
         limit = self._limit(node)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 BlockHash = int | bytes          # vLLM's ExternalBlockHash
+MAX_ADAPTERS = 4096              # LoRA names remembered (names come from engines, not clients)
 _ROOT = b"kvrelay-kv-index-v1"
 
 
@@ -89,11 +90,17 @@ def chain_key(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes
     return h.digest()
 
 
-def prompt_keys(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Keys of the prompt's full blocks, in order (no extras: a plain text prompt)."""
-    keys, parent = [], _ROOT
+def adapter_extra(adapter: str | None) -> bytes:
+    """The extras of every block of a plain text prompt under LoRA adapter ``adapter``, as
+    :func:`_extra` reads them from vLLM's events (``extra_keys`` per block: the adapter's name)."""
+    return msgspec.msgpack.encode([[adapter], adapter]) if adapter else b""
+
+
+def prompt_keys(token_ids: Sequence[int], block_size: int, adapter: str | None = None) -> list[bytes]:
+    """Keys of the prompt's full blocks, in order (a plain text prompt, under ``adapter`` if any)."""
+    keys, parent, extra = [], _ROOT, adapter_extra(adapter)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_key(parent, token_ids[start:start + block_size])
+        parent = chain_key(parent, token_ids[start:start + block_size], extra)
         keys.append(parent)
     return keys
 
@@ -123,6 +130,7 @@ class KVIndex:
         self.max_blocks = max_blocks
         self.engines: dict[str, EngineBlocks] = {}
         self.holders: dict[bytes, set[str]] = {}
+        self.adapters: set[str] = set()      # LoRA names seen in events: a request's model names one or the base
         self.stats = IndexStats()
 
     # ------------------------------------------------------------------ events
@@ -157,6 +165,8 @@ class KVIndex:
             self.stats.broken_chains += 1
             return
         eng.block_size = ev.block_size
+        if ev.lora_name and len(self.adapters) < MAX_ADAPTERS:
+            self.adapters.add(ev.lora_name)
         for i, h in enumerate(ev.block_hashes):
             tokens = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
             if len(tokens) < ev.block_size:
@@ -189,8 +199,15 @@ class KVIndex:
             self._clear(url, eng)
 
     # ------------------------------------------------------------------ queries
-    def held(self, token_ids: Sequence[int], urls: Iterable[str]) -> dict[str, int]:
-        """Per engine of ``urls`` that holds any: the leading tokens of ``token_ids`` in its cache."""
+    def adapter_of(self, model: object) -> str | None:
+        """The LoRA adapter a request for ``model`` runs under: ``model`` itself when engines have
+        cached blocks under that name, else None (the base model; an adapter no engine has cached
+        yet is held nowhere under either reading)."""
+        return model if isinstance(model, str) and model in self.adapters else None
+
+    def held(self, token_ids: Sequence[int], urls: Iterable[str], adapter: str | None = None) -> dict[str, int]:
+        """Per engine of ``urls`` that holds any: the leading tokens of ``token_ids`` (computed
+        under LoRA ``adapter``, None for the base model) in its cache."""
         out: dict[str, int] = {}
         by_size: dict[int, list[str]] = {}
         for url in urls:
@@ -199,7 +216,7 @@ class KVIndex:
                 by_size.setdefault(eng.block_size, []).append(url)
         for size, group in by_size.items():
             alive = set(group)
-            for depth, key in enumerate(prompt_keys(token_ids, size), 1):
+            for depth, key in enumerate(prompt_keys(token_ids, size, adapter), 1):
                 alive &= self.holders.get(key, set())
                 if not alive:
                     break

@@ -85,12 +85,14 @@ def test_prefill_tracks_blocks_over_chunked_steps_and_delays_free():
 
 
 class FixedStore:
-    """Stand-in for the worker's store: it holds the first ``hit`` tokens of every prompt."""
+    """Stand-in for the worker's store: it holds the first ``hit`` tokens of every prompt, and
+    records what each lookup asked (prompt length, namespace)."""
 
     def __init__(self, hit: int) -> None:
-        self.hit = hit
+        self.hit, self.asked = hit, list[tuple[int, bytes]]()
 
-    def lookup(self, token_ids: list[int]) -> int:
+    def lookup(self, token_ids: list[int], namespace: bytes = b"") -> int:
+        self.asked.append((len(token_ids), namespace))
         return self.hit
 
 
@@ -273,3 +275,34 @@ def test_decode_rank_reports_a_transfer_landed_only_when_every_piece_it_receives
     rank = SimpleNamespace(pieces=tuple(pieces), incoming=lambda: receives(pieces, 0))
     worker = SimpleNamespace(receiver=SimpleNamespace(landed=lambda: set(parts)), ranks=rank)
     assert InstallWorker.landed(worker) == landed
+
+
+@dataclass
+class LoraReq(Req):
+    lora_request: object = None
+
+
+def test_an_adapters_requests_carry_its_namespace_into_every_key_the_workers_compute(tmp_path):
+    """Lookups, store loads, pushes, pulls and decode-side saves all name the adapter (core/adapters.py)."""
+    from kvrelay.core.adapters import kv_namespace
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"w" * 32)
+    lora = SimpleNamespace(lora_name="sql", lora_path=str(tmp_path))
+    ns = kv_namespace(SimpleNamespace(lora_request=lora))
+    assert ns.startswith(b"lora:sql:")
+    store = FixedStore(hit=512)
+    p = PrefillScheduler(kcfg.from_dict({"store": {"enabled": True}}), store)
+    r = LoraReq("a1", list(range(600)), push(), lora)
+    assert p.matched(r, 0) == (512, False) and store.asked == [(600, ns)]
+    p.after_alloc(r, Blocks([1, 2, 3, 4, 5]), 512)
+    new = SimpleNamespace(req_id="a1", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=512,
+                          prompt_token_ids=r.prompt_token_ids)
+    meta = p.build_meta(sched_out(new=[new], scheduled={"a1": 88}))
+    assert [ld.namespace for ld in meta.loads] == [ns] and [s.namespace for s in meta.pushes] == [ns]
+    base = Req("b1", list(range(600)), push())
+    p.matched(base, 0)
+    assert store.asked[-1] == (600, b""), "the base model's lookup names no adapter"
+    d = DecodeScheduler(kcfg.from_dict({}))
+    q = LoraReq("a2", list(range(600)), pull("t2"), lora)
+    assert d.matched(q, 0) == (600, True)
+    d.after_alloc(q, Blocks([1, 2, 3, 4, 5]), 600)
+    assert [ld.namespace for ld in d.build_meta().loads] == [ns]

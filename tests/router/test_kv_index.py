@@ -128,3 +128,20 @@ def test_prompt_keys_chain_over_whole_blocks():
     assert len(keys) == 2 and keys[0] != keys[1]
     assert prompt_keys(list(range(8)), 4) == keys
     assert prompt_keys([1] + list(range(1, 10)), 4)[1] != keys[1]    # a block's key depends on its parent
+
+
+def test_an_adapters_blocks_are_held_for_that_adapter_only():
+    """vLLM keys a LoRA request's blocks by the adapter (``lora_name`` and ``extra_keys``): the
+    index answers an adapter's prompt from the adapter's blocks, and the base model's from its own."""
+    index = KVIndex()
+    a = Engine(index, "http://a")
+    prompt = list(range(8))
+    a.send(ev.BlockStored(block_hashes=[11, 12], parent_block_hash=None, token_ids=prompt, block_size=BS,
+                          lora_id=1, medium="GPU", lora_name="sql", extra_keys=[("sql",), ("sql",)]))
+    assert index.adapter_of("sql") == "sql" and index.adapter_of("kvrelay-tiny") is None
+    assert index.held(prompt, ["http://a"]) == {}                       # the base model holds nothing
+    assert index.held(prompt, ["http://a"], "sql") == {"http://a": 8}
+    assert index.held(prompt, ["http://a"], "other") == {}
+    a.cache(prompt)                                                     # now the base model's blocks too
+    assert index.held(prompt, ["http://a"]) == {"http://a": 8}
+    assert prompt_keys(prompt, BS, "sql") != prompt_keys(prompt, BS)

@@ -1,0 +1,169 @@
+"""Engine configurations kvrelay serves exactly, and the ones it refuses when a node starts.
+
+A PD pair answers exactly as one vLLM only if the KV it moves means the same on both sides
+and nothing the decode node needs stays behind. This module states, for one engine (and for
+a prefill/decode pair), what breaks that, as a list of :class:`Refusal` naming the flag and
+the reason. It reads the same facts from two places:
+
+* before anything starts (``kvrelay up``, ``kvrelay serve``, ``kvrelay config --check``):
+  the engine's argument list and the model's ``config.json`` (:func:`facts_from_args`);
+* inside vLLM, when a connector is built (:func:`facts_from_vllm`), so an engine started
+  by hand with ``--kv-transfer-config`` is refused the same way, before its first request.
+
+What is refused and why (docs/guide/compatibility.md is generated from
+:mod:`kvrelay.deploy.compat`, which cites the tests behind every row):
+
+* speculative decoding with a draft model (EAGLE, MTP, Medusa, a draft model): the drafter
+  keeps KV of its own that no connector moves; n-gram drafting has none and is exact;
+* KV-cache dtypes that quantize with scales computed at run time (``--calculate-kv-scales``)
+  or with formats kvrelay has not proven (``fp8_inc``, the MLA and TurboQuant formats);
+* attention that is not a uniform per-token KV cache: MLA latent caches, mamba / linear
+  attention state, chunked local attention;
+* a prefill and a decode node with different block sizes, or a chunk that is not a whole
+  number of blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SPEC_EXACT = frozenset({"ngram"})                  # drafters without KV of their own
+KV_DTYPES_EXACT = frozenset({"auto", "float32", "float16", "bfloat16", "half", "float"})
+KV_DTYPES_STATIC_SCALE = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2"})   # exact with the checkpoint's scales
+SSM_MARKERS = ("mamba", "jamba", "bamba", "zamba", "nemotron_h", "falcon_h1", "granitemoehybrid",
+               "qwen3_next", "plamo2", "lfm2", "minimax", "kimi_linear")
+SSM_LAYER_KINDS = ("mamba", "linear_attention", "conv", "ssm")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why an engine configuration cannot be served exactly: the flag (or model field) and the reason."""
+
+    flag: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.flag}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What decides exactness, for one engine."""
+
+    block_size: int | None = None                  # None: the platform's default
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    speculative_method: str | None = None
+    hf: Mapping[str, Any] = field(default_factory=dict)   # the model's config.json (text part)
+
+
+def _spec_method(spec: Any) -> str | None:
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except ValueError:
+            return "unparsable"
+    if isinstance(spec, Mapping):
+        method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+        return str(method) if method else "unknown"
+    return str(getattr(spec, "method", None) or "unknown")
+
+
+def _flags() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--block-size", "--block_size", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", default="auto")
+    p.add_argument("--calculate-kv-scales", "--calculate_kv_scales", action="store_true")
+    p.add_argument("--speculative-config", "--speculative_config", "-sc", default=None)
+    return p
+
+
+def read_hf_config(model: str) -> dict[str, Any]:
+    """A local model directory's ``config.json`` (its ``text_config`` merged in); {} otherwise."""
+    path = Path(model).expanduser() / "config.json" if model else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {**hf, **hf.get("text_config", {})} if isinstance(hf, dict) else {}
+
+
+def facts_from_args(args: Sequence[str], hf: Mapping[str, Any] | None = None) -> EngineFacts:
+    """Facts from a vLLM argument list (unknown flags are vLLM's business) and a model config."""
+    ns, _ = _flags().parse_known_args(list(args))
+    return EngineFacts(ns.block_size, ns.kv_cache_dtype, ns.calculate_kv_scales,
+                       _spec_method(ns.speculative_config), dict(hf or {}))
+
+
+def facts_from_vllm(vllm_config: Any) -> EngineFacts:
+    """Facts from a running engine's ``VllmConfig``."""
+    cc, mc = vllm_config.cache_config, vllm_config.model_config
+    hf_obj = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    hf = hf_obj.to_dict() if hasattr(hf_obj, "to_dict") else {}
+    return EngineFacts(getattr(cc, "block_size", None), str(getattr(cc, "cache_dtype", "auto")),
+                       bool(getattr(cc, "calculate_kv_scales", False)),
+                       _spec_method(getattr(vllm_config, "speculative_config", None)), hf)
+
+
+def _attention_refusals(hf: Mapping[str, Any]) -> list[Refusal]:
+    found = []
+    model_type = str(hf.get("model_type", "")).lower()
+    kinds = [str(k).lower() for k in (hf.get("layer_types") or hf.get("layers_block_type") or [])]
+    if hf.get("kv_lora_rank"):
+        found.append(Refusal(f"model {model_type or '?'} (kv_lora_rank)",
+                             "MLA keeps one latent KV per token; kvrelay has not proven it exact "
+                             "(vLLM's NixlConnector supports it only partly)"))
+    if any(m in model_type for m in SSM_MARKERS) or any(k.startswith(SSM_LAYER_KINDS) for k in kinds):
+        found.append(Refusal(f"model {model_type or '?'} (mamba / linear-attention layers)",
+                             "recurrent state is not a per-token KV cache; kvrelay moves KV blocks only"))
+    if hf.get("attention_chunk_size"):
+        found.append(Refusal(f"model {model_type or '?'} (attention_chunk_size)",
+                             "chunked local attention has not been proven exact through kvrelay"))
+    return found
+
+
+def refusals(facts: EngineFacts) -> list[Refusal]:
+    """Why one engine configured as ``facts`` cannot be served exactly (empty: it can)."""
+    found = _attention_refusals(facts.hf)
+    method = facts.speculative_method
+    if method is not None and method not in SPEC_EXACT:
+        found.append(Refusal(f"--speculative-config method {method!r}",
+                             "the drafter keeps KV of its own, which no connector transfers; use "
+                             f"{', '.join(sorted(SPEC_EXACT))} drafting, or no speculation, with kvrelay"))
+    dtype = facts.kv_cache_dtype
+    if dtype not in KV_DTYPES_EXACT | KV_DTYPES_STATIC_SCALE:
+        found.append(Refusal(f"--kv-cache-dtype {dtype}", "this KV-cache format has not been proven exact "
+                             "through kvrelay"))
+    elif dtype in KV_DTYPES_STATIC_SCALE and facts.calculate_kv_scales:
+        found.append(Refusal("--calculate-kv-scales", "each engine computes its own FP8 scales at run time, so "
+                             "the decode node would read the prefill node's bytes with other scales; use the "
+                             "checkpoint's static scales"))
+    return found
+
+
+def pair_refusals(prefill: EngineFacts, decode: EngineFacts, chunk_tokens: int,
+                  default_block: int | None = None) -> list[Refusal]:
+    """Why a prefill and a decode engine cannot exchange chunks (both engines' own refusals too)."""
+    found = [*refusals(prefill), *(r for r in refusals(decode) if r not in refusals(prefill))]
+    p_block, d_block = prefill.block_size or default_block, decode.block_size or default_block
+    if p_block != d_block:
+        found.append(Refusal(f"--block-size {p_block or 'default'} (prefill) vs {d_block or 'default'} (decode)",
+                             "a chunk is a run of whole engine blocks, and blocks of another size are other "
+                             "bytes: give both roles the same --block-size"))
+    for role, block in (("prefill", p_block), ("decode", d_block)):
+        if block and chunk_tokens % block:
+            found.append(Refusal(f"--block-size {block} ({role})", f"chunk_tokens {chunk_tokens} is not a "
+                                 "multiple of it: a chunk must be a whole number of blocks"))
+    if prefill.kv_cache_dtype != decode.kv_cache_dtype:
+        found.append(Refusal(f"--kv-cache-dtype {prefill.kv_cache_dtype} (prefill) vs {decode.kv_cache_dtype} "
+                             "(decode)", "the two roles would store the same KV in other bytes"))
+    return list(dict.fromkeys(found))
