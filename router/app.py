@@ -55,6 +55,7 @@ from kvrelay.core.logs import set_ids
 from kvrelay.core.params import ParamsSigner
 from kvrelay.core.tracing import annotate, request_span, tracer
 from kvrelay.router import split, validate
+from kvrelay.router.adapters import ADAPTER_PATHS, fan_out
 from kvrelay.router.breaker import Breaker
 from kvrelay.router.cache_index import ChunkIndex, PromptTokenizer
 from kvrelay.router.decide import DecodeFirst, Placement, RoutePath
@@ -186,6 +187,8 @@ class Router:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        for path in ADAPTER_PATHS:                 # runtime LoRA adapters, on every node (router/adapters.py)
+            app.router.add_post(path, self.adapters)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         app.on_startup.append(self._start)
@@ -259,6 +262,11 @@ class Router:
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
         except (NoHealthyNode, aiohttp.ClientError) as exc:
             return error_response(503, f"no decode node available: {exc}", "service_unavailable")
+
+    async def adapters(self, request: web.Request) -> web.Response:
+        assert self.client.session is not None
+        return await fan_out(self.client.session, [*self.prefill.nodes, *self.decode.nodes], request.path,
+                             await request.read())
 
     # ---------------------------------------------------------------- completions
     async def completions(self, request: web.Request) -> web.StreamResponse:

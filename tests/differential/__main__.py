@@ -4,7 +4,10 @@ Starts one plain vLLM (the reference), asks it N generated requests, then for ea
 a 1P1D kvrelay stack with both ``router.first_token`` modes, asks each the same requests,
 and prints every difference with the request that caused it. ``--busy`` adds a stack whose
 prefill node has a small KV cache and token budget, asked with bursts of concurrent
-requests, and reports vLLM's own preemption count on it. Exit status 1 if any difference.
+requests, and reports vLLM's own preemption count on it. ``--config NAME[,NAME]`` (or ``all``)
+runs the engine-configuration axis instead (:mod:`tests.differential.configs`): per
+configuration, a reference and a 1P2D stack with its flags, every path, one line of JSON.
+Exit status 1 if any difference.
 """
 
 from __future__ import annotations
@@ -37,8 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy", action="store_true", help="also a busy prefill node (preempting), reported")
     ap.add_argument("--workdir", default="", help="where logs go (default: a new temporary directory)")
     ap.add_argument("--json", default="", help="write the summary and every difference here")
+    ap.add_argument("--config", default="", help="engine configurations to sweep instead (comma-separated "
+                    "names from tests/differential/configs.py, or 'all')")
     args = ap.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvrelay-diff-"))
+    if args.config:
+        return sweep_configs(args.config, args.n, args.seed, work, args.json)
     model = ensure_tiny_model(work / "model")
     reqs = Surface(args.seed).draw(args.n)
     t0 = time.monotonic()
@@ -76,6 +83,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"seed": args.seed, "n": args.n, "wall_s": round(total, 1),
                                                "targets": rows, "differences": [str(d) for d in diffs]}, indent=2))
+    return 1 if diffs else 0
+
+
+def sweep_configs(names: str, n: int, seed: int, work: Path, json_path: str) -> int:
+    """The engine-configuration axis: one JSON line per configuration, then the differences."""
+    from tests.differential.configs import BY_NAME, CASES, run_case, runnable
+
+    cases = list(CASES) if names == "all" else [BY_NAME[name] for name in names.split(",")]
+    rows, diffs = [], []
+    for case in cases:
+        if why := runnable(case):
+            rows.append({"config": case.name, "skipped": why})
+        else:
+            out = run_case(case, n, seed, work / case.name)
+            diffs += out.differences
+            rows.append({"config": case.name, "requests": out.requests, "differences": len(out.differences),
+                         "store_loads": out.store_hits, "migrated": out.migrated, "wall_s": out.wall_s,
+                         "targets": out.rows})
+        print(json.dumps(rows[-1]), flush=True)
+    for d in diffs:
+        print(d)
+    print(f"\n{len(diffs)} differences over {len(cases)} configurations; seed {seed}; logs in {work}")
+    if json_path:
+        Path(json_path).write_text(json.dumps({"seed": seed, "n": n, "configs": rows,
+                                               "differences": [str(d) for d in diffs]}, indent=2))
     return 1 if diffs else 0
 
 
