@@ -108,7 +108,8 @@ def facts_from_vllm(vllm_config: Any) -> EngineFacts:
     """Facts from a running engine's ``VllmConfig``."""
     cc, mc = vllm_config.cache_config, vllm_config.model_config
     hf_obj = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
-    hf = hf_obj.to_dict() if hasattr(hf_obj, "to_dict") else {}
+    to_dict = getattr(hf_obj, "to_dict", None)
+    hf = to_dict() if callable(to_dict) else {}
     return EngineFacts(getattr(cc, "block_size", None), str(getattr(cc, "cache_dtype", "auto")),
                        bool(getattr(cc, "calculate_kv_scales", False)),
                        _spec_method(getattr(vllm_config, "speculative_config", None)), hf)

@@ -13,7 +13,8 @@ same seeded requests. The stack is asked through every path a request can take:
   the uninterrupted one.
 
 With LoRA adapters every drawn request is asked of the base model and of each adapter, one
-after another, so the same prompt meets the store under every model. They are asked one at a
+after another (the last adapter loaded at run time through the router's
+``/v1/load_lora_adapter``, the reference given it at start), so the same prompt meets the store under every model. They are asked one at a
 time, of the reference and of kvrelay alike: vLLM 0.32's CPU build answers a base-model request
 wrongly when it shares a batch with an adapter's (measured: the base model's greedy answer
 became an adapter's), so concurrent LoRA traffic has no right answer to compare against there.
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +48,7 @@ STACK_PORT = 24100
 LORA_ARGS = ("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8")   # fewer slots than adapters in use
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2})
 MIGRATION_STREAMS, MIGRATION_TOKENS = 6, 120
+RUNTIME_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass(frozen=True)
@@ -58,17 +61,19 @@ class EngineCase:
     decode_args: tuple[str, ...] = ()
     attention: str = "full"                     # the tiny model's attention kind (deploy/tiny_model.py)
     adapters: int = 0                           # LoRA adapters: each request is asked of the base and each
+    runtime_adapters: int = 0                   # ... and of these, loaded through the router after start
     eager: bool = True
     max_model_len: int = 4096
     ci: bool = False                            # in the everyday CI run (the rest run with --matrix)
     needs: str = ""                             # "avx512": vLLM's CPU build runs it only there
     concurrency: int = 4                        # requests in flight per router (1: one at a time, in turn)
+    embeds: int = 0                             # requests sent as prompt embeddings (--enable-prompt-embeds)
     doc: str = ""
 
 
 CASES = (
-    EngineCase("lora", LORA_ARGS, adapters=2, ci=True, concurrency=1,
-               doc="two LoRA adapters and the base model, interleaved, --max-loras 1"),
+    EngineCase("lora", LORA_ARGS, adapters=2, runtime_adapters=1, ci=True, concurrency=1,
+               doc="three LoRA adapters (one loaded at run time) and the base model, interleaved, --max-loras 1"),
     EngineCase("kv-bfloat16", ("--kv-cache-dtype", "bfloat16"), ci=True,
                doc="a bfloat16 KV cache under a float32 model"),
     EngineCase("ngram", ("--speculative-config", NGRAM), ci=True, doc="n-gram speculative decoding, 3 tokens"),
@@ -83,6 +88,8 @@ CASES = (
     EngineCase("budget1536", ("--max-num-batched-tokens", "1536"), doc="a 1,536-token chunked-prefill budget"),
     EngineCase("max-num-seqs-1", ("--max-num-seqs", "1"), doc="one request at a time per engine"),
     EngineCase("compiled", eager=False, doc="torch.compile (not --enforce-eager)"),
+    EngineCase("prompt-embeds", ("--enable-prompt-embeds",), embeds=8,
+               doc="prompt embeddings among the drawn requests (a per-request fallback)"),
     EngineCase("max-len-1024", ("--max-model-len", "1024"), max_model_len=1024,
                doc="--max-model-len 1024, prompts at the limit"),
 )
@@ -111,25 +118,54 @@ class Outcome:
 
 
 def models_of(case: EngineCase) -> list[str]:
-    return [MODEL, *(f"adapter{i}" for i in range(1, case.adapters + 1))]
+    return [MODEL, *(f"adapter{i}" for i in range(1, case.adapters + case.runtime_adapters + 1))]
 
 
-def engine_args(case: EngineCase, work: Path) -> list[str]:
-    """The flags every engine of ``case`` gets (adapters written into ``work``)."""
+def adapter_dir(work: Path, i: int) -> Path:
+    return make_tiny_lora(work / f"adapter{i}", seed=i)
+
+
+def engine_args(case: EngineCase, work: Path, with_runtime: bool = False) -> list[str]:
+    """The flags every engine of ``case`` gets (adapters written into ``work``; ``with_runtime``:
+    the ones the stack loads at run time too, as the reference is given them)."""
     args = [*(EAGER if case.eager else ()), *case.args]
-    if case.adapters:
-        mods = [f"adapter{i}={make_tiny_lora(work / f'adapter{i}', seed=i)}" for i in range(1, case.adapters + 1)]
-        args += ["--lora-modules", *mods]
+    last = case.adapters + (case.runtime_adapters if with_runtime else 0)
+    if last:
+        args += ["--lora-modules", *(f"adapter{i}={adapter_dir(work, i)}" for i in range(1, last + 1))]
     return args
 
 
-def requests_for(case: EngineCase, n: int, seed: int) -> list[Request]:
-    """``n`` drawn requests, each asked of every model of ``case`` in turn."""
+def requests_for(case: EngineCase, n: int, seed: int, model_dir: Path) -> list[Request]:
+    """``n`` drawn requests, each asked of every model of ``case`` in turn, and its prompt-embedding ones."""
     drawn = Surface(seed, case.max_model_len).draw(n)
     out = []
     for req in drawn:
         for model in models_of(case):
             out.append(Request(len(out), req.path, {**req.body, "model": model}, req.headers))
+    return out + embeds_requests(case, model_dir, len(out))
+
+
+def embeds_requests(case: EngineCase, model_dir: Path, first_index: int) -> list[Request]:
+    """Completions whose prompts are the tiny model's own token embeddings ([tokens, hidden], float32)."""
+    if not case.embeds:
+        return []
+    import base64
+    import io
+    import random
+
+    import torch
+    from safetensors.torch import load_file
+
+    table = load_file(str(model_dir / "model.safetensors"))["model.embed_tokens.weight"]   # [vocab, hidden]
+    out = []
+    for i in range(case.embeds):
+        rng = random.Random(9000 + i)
+        ids = torch.tensor([rng.randint(4, 100) for _ in range(40 + 47 * i)])
+        buf = io.BytesIO()
+        torch.save(table[ids].clone(), buf)
+        body = {"model": MODEL, "prompt_embeds": base64.b64encode(buf.getvalue()).decode(), "max_tokens": 8,
+                "temperature": 0, **({"stream": True} if i % 2 else {})}
+        out.append(Request(first_index + i, "/v1/completions", body))
     return out
 
 
@@ -142,7 +178,7 @@ def migration_requests(case: EngineCase, first_index: int) -> list[Request]:
 
 
 def cfg_for(case: EngineCase, model: Path, work: Path, port: int, **over: Any):
-    return _cfg(model, work, port, engine__extra_args=engine_args(case, work),
+    return _cfg(model, work, port, engine__extra_args=engine_args(case, work, with_runtime=True),
                 engine__max_model_len=case.max_model_len, **over)
 
 
@@ -150,19 +186,29 @@ def run_case(case: EngineCase, n: int, seed: int, work: Path, log: Callable[[str
     """The whole differential run of one engine configuration (see the module docstring)."""
     t0 = time.monotonic()
     model = ensure_tiny_model(work / f"model-{case.attention}", attention=case.attention)
-    reqs = requests_for(case, n, seed)
+    reqs = requests_for(case, n, seed, model)
     moving = migration_requests(case, len(reqs))
     ref_cfg = cfg_for(case, model, work / "ref", REF_PORT)
     want = run.reference_answers(ref_cfg, reqs + moving, REF_PORT, work / "ref", concurrency=case.concurrency)
     log(f"[{case.name}] reference: {len(reqs) + len(moving)} requests in {time.monotonic() - t0:.0f} s")
     out = Outcome(case.name, len(reqs))
-    handle = start_stack(model, work / "stack", STACK_PORT, transport__backend="tcp", deploy__decode=2,
-                         store__enabled=True, store__cpu_bytes="256MiB",
-                         engine__extra_args=engine_args(case, work / "stack"),
-                         engine__max_model_len=case.max_model_len,
-                         engine__prefill_args=["--no-enable-prefix-caching", *case.prefill_args],
-                         engine__decode_args=list(case.decode_args), **DECODE_FIRST)
+    before = os.environ.get(RUNTIME_LORA)
+    if case.runtime_adapters:                  # vLLM serves /v1/load_lora_adapter only with this set
+        os.environ[RUNTIME_LORA] = "True"
     try:
+        handle = start_stack(model, work / "stack", STACK_PORT, transport__backend="tcp", deploy__decode=2,
+                             store__enabled=True, store__cpu_bytes="256MiB",
+                             engine__extra_args=engine_args(case, work / "stack"),
+                             engine__max_model_len=case.max_model_len,
+                             engine__prefill_args=["--no-enable-prefix-caching", *case.prefill_args],
+                             engine__decode_args=list(case.decode_args), **DECODE_FIRST)
+    finally:
+        if before is None:
+            os.environ.pop(RUNTIME_LORA, None)
+        else:
+            os.environ[RUNTIME_LORA] = before
+    try:
+        _load_runtime_adapters(case, handle, work / "stack", log)
         _ask_paths(handle, reqs, want[:len(reqs)], out, log, case.concurrency)
         out.store_hits = sum(1 for e in read_events(handle.events_path)
                              if e["event"] == "store_load" and e.get("loaded_tokens", 0) > 0)
@@ -171,6 +217,20 @@ def run_case(case: EngineCase, n: int, seed: int, work: Path, log: Callable[[str
         stop_active()
     out.wall_s = round(time.monotonic() - t0, 1)
     return out
+
+
+def _load_runtime_adapters(case: EngineCase, handle: Any, work: Path, log: Callable[[str], None]) -> None:
+    """Load the case's run-time adapters through the router: every node must take each one."""
+    import urllib.request
+
+    for i in range(case.adapters + 1, case.adapters + case.runtime_adapters + 1):
+        body = json.dumps({"lora_name": f"adapter{i}", "lora_path": str(adapter_dir(work, i))}).encode()
+        req = urllib.request.Request(f"{handle.router_url}/v1/load_lora_adapter", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:       # an error answer raises HTTPError
+            nodes = json.loads(r.read())["nodes"]
+        assert len(nodes) == len(handle.stack.specs), f"adapter{i} loaded on {nodes} only"
+        log(f"[{case.name}] adapter{i} loaded at run time on {len(nodes)} nodes through the router")
 
 
 def _ask_paths(handle: Any, reqs: list[Request], want: list[Answer], out: Outcome, log: Callable[[str], None],
