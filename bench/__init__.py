@@ -7,6 +7,3 @@ and a PNG and states its figures as ratios within one run.
 
 May import: every package below it - not the CLI.
 """
-
-if __name__ != "kvrelay.bench":   # the folder imported under its old top-level name (from the repository root)
-    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.bench, not {__name__}")

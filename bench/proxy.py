@@ -322,8 +322,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from kvrelay.common.secrets import SECRET_ENV, generate_secret
     from tqdm import tqdm
+
+    from kvrelay.common.secrets import SECRET_ENV, generate_secret
 
     os.environ.setdefault(SECRET_ENV, generate_secret())      # the router signs params: a throwaway secret
     out = Path(args.out)

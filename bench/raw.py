@@ -28,6 +28,7 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
+
 from kvrelay.common.polling import Backoff
 
 SOURCE_BYTES = 256 << 20

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kvrelay.bench import e2e, report
 from kvrelay.common.errors import ConfigError, UnreachableError
 from kvrelay.core import config as kcfg
@@ -146,7 +147,7 @@ class System:
             return e2e.start_single(e2e.base_cfg(self.args, self.out), self.servers, self.args.base_port)
         if self.name.startswith("kvrelay-"):
             parts = self.name.split("-")
-            over = {"transport__backend": parts[1], "router__max_inflight": 1024, "router__decode_first": "df" in parts,
+            over: dict[str, Any] = {"transport__backend": parts[1], "router__max_inflight": 1024, "router__decode_first": "df" in parts,
                     "router__first_token": "decode" if "d" in parts else "prefill"}
             cfg = e2e.base_cfg(self.args, self.out, **over | overrides(self.args.overrides))
             self.stack = launch.Stack(cfg)

@@ -33,8 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kvrelay.bench import raw
-from kvrelay.common.config import parse_size
+from kvrelay.common.config_fields import parse_size
 from kvrelay.common.secrets import SECRET_ENV, generate_secret
 from kvrelay.common.wire import HEADER_SIZE, check_payload, copy_checked, make_header
 from kvrelay.core import config as kcfg

@@ -7,6 +7,3 @@ header and its checksum (``wire``), the deployment secret and the keys derived f
 
 May import: nothing of kvrelay's, and no engine (no vLLM, no torch).
 """
-
-if __name__ != "kvrelay.common":   # the folder imported under its old top-level name (from the repository root)
-    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.common, not {__name__}")

@@ -56,7 +56,7 @@ def scoped_digest(fingerprint_digest: bytes, namespace: bytes = b"") -> bytes:
     (``namespace`` empty), else one bound to the request's KV namespace.
 
     A namespace names what changes a request's KV on the same engine: a LoRA adapter (its
-    name and a digest of its weights, :func:`kvrelay.core.adapters.kv_namespace`). Two
+    name and a digest of its weights, :func:`kvrelay.core.kv_namespace.kv_namespace`). Two
     requests share chunks only when their engines' fingerprints and their namespaces agree,
     so the store never serves one adapter's KV to another, or to the base model."""
     if not namespace:

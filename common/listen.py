@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import zmq
+
 from kvrelay.common.errors import TransportError
 
 

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
+
 from kvrelay.common.errors import ChecksumError, ChunkError, MisroutedChunk
 from kvrelay.common.keys import KEY_BYTES
 

@@ -8,10 +8,7 @@ and the connectors' metrics (``telemetry``) and their path onto the engine's ``/
 fingerprint (``fingerprint``); helper-thread placement (``placement``); store records
 gathered straight from the KV cache (``chunk_records``); the vLLM connector plumbing both
 roles share (``connector_base``: needs torch and vLLM, the router never imports it); the
-vLLM plugins (``vllm_plugin``, ``moved``).
+vLLM plugin (``vllm_plugin``).
 
 May import: ``kvrelay.kernels``, ``kvrelay.store``, ``kvrelay.transport``, ``kvrelay.common``.
 """
-
-if __name__ != "kvrelay.core":   # the folder imported under its old top-level name (from the repository root)
-    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.core, not {__name__}")

@@ -8,6 +8,7 @@ copy per saved chunk (:func:`kvrelay.store.records.build_record`).
 from __future__ import annotations
 
 import torch
+
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.kernels.blocks import gather_into_host
 from kvrelay.kernels.layout import KVLayout

@@ -1,5 +1,7 @@
 """One typed configuration tree, loaded from YAML and overridden by CLI flags.
 
+Same role as ``transport/config.py`` and ``store/config.py``: a room's own config sections (this one also composes the tree).
+
 Each section is owned by the package that reads it: ``transport`` and ``timeouts``
 by :mod:`kvrelay.transport.config`, ``store`` by :mod:`kvrelay.store.config`; this module
 owns the engine-side sections (``connector``, ``engine``) and the local launcher's, the
@@ -29,7 +31,8 @@ from typing import Any
 import msgspec
 import msgspec.inspect
 import yaml
-from kvrelay.common.config import Port, Positive, Seconds, Section
+
+from kvrelay.common.config_fields import Port, Positive, Seconds, Section
 from kvrelay.common.errors import ConfigError
 from kvrelay.core import router_config as rcfg
 from kvrelay.core.engine_args import TP_FLAGS, parallel_flag
@@ -310,7 +313,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         shown = default.value if isinstance(default, enum.Enum) else default
         kebab = key.replace("_", "-")               # vLLM's own flags are kebab-case: both spellings work
         names = [f"--{key}"] + ([f"--{kebab}"] if kebab != key else [])
-        more = {"action": "append"} if isinstance(default, list) else {}
+        more: dict[str, Any] = {"action": "append"} if isinstance(default, list) else {}
         group.add_argument(*names, dest=f"cfg:{key}", metavar="V", default=None, **more,
                            help=f"{FIELD_HELP.get(key, '')} (default: {shown})".strip())
 

@@ -25,6 +25,13 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
 from kvrelay.common.errors import EngineIncompatible
 from kvrelay.core.config import KVRelayConfig, from_connector_extra
 from kvrelay.core.engine_compat import Refusal, facts_from_vllm, refusals
@@ -37,12 +44,6 @@ from kvrelay.core.rank_view import RankView
 from kvrelay.core.telemetry import EventLog, metrics
 from kvrelay.core.tracing import TransferSpans
 from kvrelay.kernels.layout import KVLayout
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 # While every request only waits on transfers, vLLM steps the engine back to back with
 # empty steps. In such a step ``get_finished`` waits up to this long for a transfer to

@@ -1,6 +1,6 @@
 """A node's drain state, shared by its supervisor and its engine's front door.
 
-``kvrelay serve`` (:mod:`kvrelay.deploy.drain`) supervises a prefill or decode vLLM server. On
+``kvrelay serve`` (:mod:`kvrelay.deploy.supervisor`) supervises a prefill or decode vLLM server. On
 SIGTERM it writes the node's *drain file* (``connector.drain_file``) and the engine's
 middleware (:mod:`kvrelay.core.guard`) reads it on every request, so both sides of one node
 agree on its phase without any other channel:

@@ -29,9 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
 from kvrelay.core.gauge_snapshots import WorkerGauges
 from kvrelay.core.telemetry import Metrics, has_metrics, labelled_metrics, metrics
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 
 @dataclass

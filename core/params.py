@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
+
 from kvrelay.common.errors import KVRelayError
 from kvrelay.common.secrets import KeyUse, derive_key, mac, same
 
@@ -90,7 +91,8 @@ def parse_params(kv_transfer_params: dict[str, Any] | None) -> Params | None:
                           f"{PARAMS_VERSION}")
     if not params.transfer_id:
         raise ParamsError(f"kv_transfer_params.{PARAMS_KEY}.transfer_id is empty")
-    return params
+    result: PushParams | PullParams | None = params
+    return result
 
 
 def params_dict(params: Params) -> dict[str, Any]:

@@ -10,7 +10,8 @@ import enum
 import re
 
 import msgspec
-from kvrelay.common.config import MiB, NonNeg, Port, Positive, Seconds, Section, Share, Size
+
+from kvrelay.common.config_fields import MiB, NonNeg, Port, Positive, Seconds, Section, Share, Size
 from kvrelay.common.errors import ConfigError
 
 __all__ = ["FIELD_HELP", "FirstToken", "RouterConfig", "RoutingPolicy"]

@@ -222,7 +222,7 @@ def labelled_metrics(labels: tuple[str, ...]) -> Metrics:
 def _exporter(port: int, host: str) -> None:
     from prometheus_client import disable_created_metrics, start_http_server
 
-    disable_created_metrics()          # as vLLM does: no ``*_created`` gauge beside every counter
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # as vLLM does: no ``*_created`` gauge beside every counter
     start_http_server(port, addr=host)
 
 

@@ -1,5 +1,7 @@
 """DecodeConnector: vLLM v1 KV connector, consumer role. Installs pushed chunks as they land.
 
+Same role as ``prefill/connector.py``: one role's vLLM KV connector.
+
 Request lifecycle on a decode node (D)
 --------------------------------------
 1. The router sends D the original request with
@@ -46,10 +48,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvrelay.core.adapters import kv_namespace, opaque_prompt
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.connector_base import RelayConnector
 from kvrelay.core.guard import count_refusal, verifier_for
+from kvrelay.core.kv_namespace import kv_namespace, opaque_prompt
 from kvrelay.core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams
 from kvrelay.core.tracing import traceparent_of
 from kvrelay.decode.installer import InstallWorker

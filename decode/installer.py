@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 import torch
+
 from kvrelay.common.errors import ChecksumError, ConfigError, KVRelayError, TransferTimeout
 from kvrelay.common.keys import chunk_keys_from_digest
 from kvrelay.common.wire import HEADER_SIZE, check_regions, copy_checked

@@ -1,5 +1,7 @@
 """The decode connector's per-step metadata, both ways.
 
+Same role as ``prefill/messages.py``: one role's per-step connector metadata.
+
 :class:`DecodeMeta` (scheduler -> workers, vLLM's ``KVConnectorMetadata``): loads to start,
 transfers to cancel, saves. Built by the scheduler half in the EngineCore process and read by
 the install thread in the worker process.
@@ -13,9 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
 from kvrelay.core.connector_base import RelayMeta
 from kvrelay.decode.saver import SaveSpec
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -28,7 +31,7 @@ class LoadSpec:
     num_tokens: int            # tokens to load = prompt_len - local_tokens
     traceparent: str = ""      # the router's trace (core/tracing.py): the install span's parent
     now: bool = False          # every chunk had landed: install before this step's forward (vLLM sync load)
-    namespace: bytes = b""     # the request's KV namespace (core/adapters.py): part of every transfer key
+    namespace: bytes = b""     # the request's KV namespace (core/kv_namespace.py): part of every transfer key
 
 
 @dataclass

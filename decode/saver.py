@@ -53,7 +53,7 @@ class SaveSpec:
     token_ids: list[int]       # the computed tokens of whole chunks: n_chunks * chunk_tokens
     block_ids: list[int]       # the request's blocks, covering token_ids
     first_chunk: int           # first chunk holding a generated token
-    namespace: bytes = b""     # the request's KV namespace (core/adapters.py): its store keys
+    namespace: bytes = b""     # the request's KV namespace (core/kv_namespace.py): its store keys
 
 
 def save_spec(request: Any, block_ids: list[int], chunk_tokens: int, namespace: bytes = b"") -> SaveSpec | None:

@@ -8,6 +8,3 @@ dashboard renderer (``dashboard``), the tiny model (``tiny_model``) and warmup
 May import: everything below it (``router``, ``core``, ``store``, ``transport``,
 ``common``) - not ``bench`` or the CLI.
 """
-
-if __name__ != "kvrelay.deploy":   # the folder imported under its old top-level name (from the repository root)
-    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.deploy, not {__name__}")

@@ -46,7 +46,7 @@ ROWS = (
     Row("LoRA adapters", "--enable-lora --lora-modules A=.. B=.. --max-loras 1", Support.EXACT, Proof.CI,
         "every key names the adapter (its name and a digest of its files): chunk, store and transfer keys, "
         "and the router's KV index; a store never serves one adapter's KV to another or to the base model",
-        (f"{CFG}[lora]", "tests/core/test_adapters.py", "tests/router/test_kv_index.py::"
+        (f"{CFG}[lora]", "tests/core/test_kv_namespace.py", "tests/router/test_kv_index.py::"
          "test_an_adapters_blocks_are_held_for_that_adapter_only", "tests/core/test_connector_state.py::"
          "test_an_adapters_requests_carry_its_namespace_into_every_key_the_workers_compute")),
     Row("KV-cache dtype", "--kv-cache-dtype bfloat16 (a float32 model)", Support.EXACT, Proof.CI,
@@ -103,10 +103,10 @@ ROWS = (
     Row("Images, audio, video", "multimodal prompts", Support.FALLBACK, Proof.UNIT,
         "placeholder token ids do not name the content: the engine computes the prompt",
         ("tests/core/test_connector_state.py::test_multimodal_requests_bypass_the_push_the_pull_and_the_store",
-         "tests/core/test_adapters.py::test_images_and_prompt_embeddings_make_a_prompt_opaque")),
+         "tests/core/test_kv_namespace.py::test_images_and_prompt_embeddings_make_a_prompt_opaque")),
     Row("Prompt embeddings", "--enable-prompt-embeds, prompt_embeds", Support.FALLBACK, Proof.MATRIX,
         "embeddings are not token ids: the engine computes the prompt",
-        (f"{CFG}[prompt-embeds]", "tests/core/test_adapters.py::test_images_and_prompt_embeddings_make_a_prompt_opaque")),
+        (f"{CFG}[prompt-embeds]", "tests/core/test_kv_namespace.py::test_images_and_prompt_embeddings_make_a_prompt_opaque")),
     Row("Structured outputs, tools, logprobs, n > 1", "response_format, tools, logprobs, n", Support.FALLBACK,
         Proof.CI, "the router does not split them: D computes token 1 itself, from pushed KV",
         ("tests/differential/test_differential.py",)),

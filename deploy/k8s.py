@@ -37,14 +37,14 @@ from typing import Any
 
 import msgspec
 import yaml
-from kvrelay.common.config import parse_size
+
+from kvrelay import __version__
+from kvrelay.common.config_fields import parse_size
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import generate_secret
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import k8s_pods as pods
 from kvrelay.deploy.k8s_pods import HTTP_PORT, KV_PORT, SECRET_DIR, K8sOptions, labels, meta
-
-from kvrelay import __version__
 
 EVENTS_PORT = 9400        # prefill pods (store on, cache_aware): store events for the router
 KV_EVENTS_PORT = 9401     # every engine pod (router.decode_first): vLLM's KV events for the routers

@@ -10,10 +10,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay import __version__
 from kvrelay.common.errors import ConfigError
 from kvrelay.core import config as kcfg
-
-from kvrelay import __version__
 
 PART_OF = "kvrelay"
 CONFIG_DIR, SECRET_DIR, MODEL_DIR = "/etc/kvrelay/config", "/etc/kvrelay/secret", "/models"
@@ -74,7 +73,7 @@ class EnginePod:
 
 def _probe(role: str, kind: str) -> dict[str, Any]:
     cmd = ["kvrelay", "probe", "--port", str(HTTP_PORT)] + (["--kv-port", str(KV_PORT)] if role == "decode" else [])
-    cmd += ["--liveness"] if kind == "liveness" else []     # a draining node is alive (deploy/drain.py)
+    cmd += ["--liveness"] if kind == "liveness" else []     # a draining node is alive (deploy/supervisor.py)
     timing = {"startup": {"periodSeconds": 10, "failureThreshold": 90},      # model load: up to 15 min
               "readiness": {"periodSeconds": 5, "failureThreshold": 2},
               "liveness": {"periodSeconds": 15, "failureThreshold": 4}}[kind]
@@ -218,7 +217,8 @@ def network_policies(cfg: kcfg.KVRelayConfig, opts: K8sOptions, events_port: int
     ranks = cfg.engine.decode_tp                 # decode rank r: KV_PORT + r and KV_DATA_PORT + r
     decode = {"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": base + r} for base in (KV_PORT, KV_DATA_PORT)
                                                  for r in range(ranks)]}
-    prefill, decode_rules = [http], [http, decode]
+    prefill: list[dict[str, Any]] = [http]
+    decode_rules: list[dict[str, Any]] = [http, decode]
     if cfg.store.publish_port:
         prefill.append({"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": events_port}]})
     if cfg.router.kv_events_port:               # the KV events carry prompt token ids: the routers alone

@@ -25,6 +25,7 @@ from typing import IO
 
 import msgspec
 import yaml
+
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import API_KEY_ENV, SECRET_ENV, write_private, write_secret_file
 from kvrelay.core import config as kcfg

@@ -14,6 +14,7 @@ any layout the fast path does not take.
 from __future__ import annotations
 
 import torch
+
 from kvrelay.kernels.layout import KVLayout
 
 

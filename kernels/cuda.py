@@ -15,6 +15,7 @@ import functools
 from typing import Any
 
 import torch
+
 from kvrelay.kernels.layout import KVLayout
 
 

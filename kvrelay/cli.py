@@ -22,7 +22,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(f"kvrelay: wrote {write_markdown(args.markdown)}", file=sys.stderr)
         return 0
     if args.check:
-        from kvrelay.deploy.preflight import problems
+        from kvrelay.deploy.config_check import problems
 
         found = problems(cfg)
         for p in found:
@@ -89,7 +89,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     spec = launch.NodeSpec(role, args.index, port, kv_port if role is launch.Role.DECODE else 0, tp)
     if role is not launch.Role.SINGLE:
         load_secret(cfg.transport)            # refuse to start without one, saying how to set it
-        from kvrelay.deploy.preflight import engine_problems
+        from kvrelay.deploy.config_check import engine_problems
 
         if found := engine_problems(cfg):     # what `kvrelay config --check` reports, before vLLM starts
             for p in found:
@@ -106,7 +106,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         env["VLLM_LOGGING_CONFIG_PATH"] = vllm_logging_config(launch.drain_path(cfg, spec) + ".logging.json")
     if role is launch.Role.SINGLE:
         os.execvpe(cmd[0], cmd, env)
-    from kvrelay.deploy.drain import DrainPlan, supervise
+    from kvrelay.deploy.supervisor import DrainPlan, supervise
 
     setup(cfg.log_format)
     host = "127.0.0.1" if cfg.deploy.host in ("0.0.0.0", "::") else cfg.deploy.host
@@ -129,7 +129,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
     import time
 
     from kvrelay.deploy import launch
-    from kvrelay.deploy.preflight import problems
+    from kvrelay.deploy.config_check import problems
 
     cfg = kcfg.config_from_args(args)
     if found := problems(cfg):                # what `kvrelay config --check` reports, before anything starts
@@ -181,7 +181,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
     """Every flag of ``parser`` and of its subcommands."""
-    out = []
+    out: list[str] = []
     for action in parser._actions:
         out += action.option_strings
         if isinstance(action, argparse._SubParsersAction):
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every check the router and kvrelay up run before they start, print each problem, "
                    "exit 2 if any")
     c.add_argument("--markdown", metavar="FILE", help="write every key's reference (type, default, meaning) "
-                   "as Markdown to FILE (docs/config.md) and exit")
+                   "as Markdown to FILE (docs/guide/configuration.md) and exit")
     kcfg.add_config_args(c)
     c.set_defaults(func=_cmd_config)
 
@@ -240,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("file")
     sec.set_defaults(func=_cmd_secret)
 
+    _add_model_commands(sub)
+    _add_tool_commands(sub)
+    _add_bench_commands(sub.add_parser("bench", help="benchmarks"))
+    return p
+
+
+def _add_model_commands(sub: argparse._SubParsersAction) -> None:
+    """make-tiny-model, make-tiny-lora: the built-in checkpoints the stack and its tests run on."""
     m = sub.add_parser("make-tiny-model", help="write the built-in tiny Llama checkpoint + tokenizer to DIR")
     m.add_argument("dir")
     m.add_argument("--wide", action="store_true",
@@ -254,10 +262,6 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8; serve with --max-lora-rank >= it)")
     lo.add_argument("--wide", action="store_true", help="for the wide tiny model")
     lo.set_defaults(func=_cmd_make_tiny_lora)
-
-    _add_tool_commands(sub)
-    _add_bench_commands(sub.add_parser("bench", help="benchmarks"))
-    return p
 
 
 def _add_ops_commands(sub: argparse._SubParsersAction) -> None:

@@ -8,6 +8,3 @@ lookup client and service (``lookup``, ``store_service``).
 May import: ``kvrelay.core``, ``kvrelay.kernels``, ``kvrelay.store``, ``kvrelay.transport``,
 ``kvrelay.common`` - never ``kvrelay.decode``.
 """
-
-if __name__ != "kvrelay.prefill":   # the folder imported under its old top-level name (from the repository root)
-    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.prefill, not {__name__}")

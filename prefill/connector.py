@@ -1,5 +1,7 @@
 """PrefillConnector: vLLM v1 KV connector, producer role. Pushes chunks as they are computed.
 
+Same role as ``decode/connector.py``: one role's vLLM KV connector.
+
 Request lifecycle on a prefill node (P)
 ---------------------------------------
 1. The router sends P the request with ``max_tokens=1`` and
@@ -33,10 +35,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvrelay.core.adapters import kv_namespace, opaque_prompt
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.connector_base import RelayConnector
 from kvrelay.core.guard import count_refusal, verifier_for
+from kvrelay.core.kv_namespace import kv_namespace, opaque_prompt
 from kvrelay.core.params import ParamsError, ParamsVerifier, PushParams
 from kvrelay.core.tracing import traceparent_of
 from kvrelay.prefill.lookup import StoreClient, hit_limit, lookup_endpoint

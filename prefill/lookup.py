@@ -21,7 +21,7 @@ log = logging.getLogger("vllm.kvrelay.prefill")
 class Lookup(msgspec.Struct, frozen=True):
     token_ids: list[int]
     v: int = 1
-    namespace: bytes = b""      # the request's KV namespace (core/adapters.py)
+    namespace: bytes = b""      # the request's KV namespace (core/kv_namespace.py)
 
 
 class LookupReply(msgspec.Struct, frozen=True):

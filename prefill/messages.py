@@ -1,5 +1,7 @@
 """What the prefill node's scheduler half tells its worker half each step.
 
+Same role as ``decode/messages.py``: one role's per-step connector metadata.
+
 vLLM runs the two halves of a connector in different processes (the EngineCore and the
 worker); these dataclasses travel between them in :class:`PrefillMeta`, vLLM's
 ``KVConnectorMetadata`` for this connector.
@@ -26,7 +28,7 @@ class PushSpec:
     store_from: int = -1                         # store full chunks from this token on: the store's own hit (-1: none)
     early: bool = False                          # D registers after P answers: D grants without waiting
     traceparent: str = ""                        # the router's trace (core/tracing.py), with the first spec
-    namespace: bytes = b""                       # the request's KV namespace (core/adapters.py), with the first spec
+    namespace: bytes = b""                       # the request's KV namespace (core/kv_namespace.py), with the first spec
 
 
 @dataclass
@@ -38,7 +40,7 @@ class StoreLoad:
     block_ids: list[int]
     start: int
     end: int
-    namespace: bytes = b""     # the request's KV namespace (core/adapters.py): its store keys
+    namespace: bytes = b""     # the request's KV namespace (core/kv_namespace.py): its store keys
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from kvrelay.common.wire import DType, make_header
 from kvrelay.core.hooks import load_function
 from kvrelay.kernels.blocks import gather_into_host

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from kvrelay.common.errors import KVRelayError, TransferAborted, TransferTimeout, TransportError
 from kvrelay.common.keys import chunk_keys, chunk_keys_from_digest
 from kvrelay.common.wire import HEADER_SIZE

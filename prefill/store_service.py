@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import torch
 import zmq
+
 from kvrelay.common.errors import KVRelayError
 from kvrelay.common.keys import chunk_keys
 from kvrelay.common.secrets import KeyUse, derive_key, load_secret
@@ -36,7 +37,7 @@ from kvrelay.kernels.blocks import scatter
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.prefill.lookup import SLOW_LOOKUP_S, Lookup, LookupReply, hit_limit, lookup_endpoint
 from kvrelay.prefill.payloads import SavedChunk
-from kvrelay.store.events import Publisher
+from kvrelay.store.publisher import Publisher
 from kvrelay.store.records import read_record, seal_for
 from kvrelay.store.store import MultiTierStore
 

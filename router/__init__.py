@@ -11,6 +11,3 @@ bodies it builds (``responses``) and its metrics (``metrics``).
 May import: ``kvrelay.core`` (config, params, logs - not the connector base),
 ``kvrelay.store`` (events), ``kvrelay.common``. No torch, no vLLM, no engine packages.
 """
-
-if __name__ != "kvrelay.router":   # the folder imported under its old top-level name (from the repository root)
-    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.router, not {__name__}")

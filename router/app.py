@@ -47,6 +47,8 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+from prometheus_client import generate_latest
+
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import KeyUse, derive_key, load_secret
 from kvrelay.common.tasks import cancel_all
@@ -55,7 +57,6 @@ from kvrelay.core.logs import set_ids
 from kvrelay.core.params import ParamsSigner
 from kvrelay.core.tracing import annotate, request_span, tracer
 from kvrelay.router import split, validate
-from kvrelay.router.adapters import ADAPTER_PATHS, fan_out
 from kvrelay.router.breaker import Breaker
 from kvrelay.router.cache_index import ChunkIndex, PromptTokenizer
 from kvrelay.router.decide import DecodeFirst, Placement, RoutePath
@@ -65,6 +66,7 @@ from kvrelay.router.job import Job, RequestIds
 from kvrelay.router.kv_events import KVEvents, parse_entries
 from kvrelay.router.kv_index import KVIndex
 from kvrelay.router.limits import Admission, ApiKeys, Overloaded, RateLimits
+from kvrelay.router.lora_admin import ADAPTER_PATHS, lora_handler
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.pools import (
     NoHealthyNode,
@@ -79,7 +81,6 @@ from kvrelay.router.preflight import tls_context
 from kvrelay.router.responses import error_response, too_many
 from kvrelay.router.split_path import SplitPath
 from kvrelay.router.upstream import EngineClient
-from prometheus_client import generate_latest
 
 log = logging.getLogger("kvrelay.router")
 
@@ -187,8 +188,9 @@ class Router:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
-        for path in ADAPTER_PATHS:                 # runtime LoRA adapters, on every node (router/adapters.py)
-            app.router.add_post(path, self.adapters)
+        lora = lora_handler(lambda: [*self.prefill.nodes, *self.decode.nodes], lambda: self.client.session)
+        for path in ADAPTER_PATHS:                 # runtime LoRA adapters, on every node (router/lora_admin.py)
+            app.router.add_post(path, lora)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics_handler)
         app.on_startup.append(self._start)
@@ -262,11 +264,6 @@ class Router:
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
         except (NoHealthyNode, aiohttp.ClientError) as exc:
             return error_response(503, f"no decode node available: {exc}", "service_unavailable")
-
-    async def adapters(self, request: web.Request) -> web.Response:
-        assert self.client.session is not None
-        return await fan_out(self.client.session, [*self.prefill.nodes, *self.decode.nodes], request.path,
-                             await request.read())
 
     # ---------------------------------------------------------------- completions
     async def completions(self, request: web.Request) -> web.StreamResponse:

@@ -20,11 +20,12 @@ from collections import defaultdict
 from typing import Any
 
 import msgspec
+
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import chunk_keys_from_digest
 from kvrelay.router.followers import Followers, subscriber
 from kvrelay.router.pools import Pool, PrefixHint
-from kvrelay.store.events import StoreEvent, decode_event, published_key
+from kvrelay.store.publisher import StoreEvent, decode_event, published_key
 
 log = logging.getLogger("kvrelay.router")
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
 from kvrelay.core.params import PARAMS_REFUSED_HEADER, PullParams, PushParams
 from kvrelay.router import responses, split
 from kvrelay.router.job import Job

@@ -15,6 +15,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+
 from kvrelay.common.tasks import cancel_all
 
 

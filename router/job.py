@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+
 from kvrelay.router.pools import Node
 
 _PLAIN = re.compile(r"[A-Za-z0-9._:@+=-]{1,64}")

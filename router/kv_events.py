@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
 from kvrelay.router.discovery import url_host
 from kvrelay.router.followers import Followers, subscriber
 from kvrelay.router.kv_index import KVIndex, decode_batch
 from kvrelay.router.pools import Node
-from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("kvrelay.router")
 
@@ -100,7 +102,7 @@ class KVEvents:
             monitor.close(linger=0)
             sock.close(linger=0)
 
-    def _on_monitor(self, url: str, endpoint: str, event: dict) -> None:
+    def _on_monitor(self, url: str, endpoint: str, event: Mapping[str, Any]) -> None:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.connected.add(url)
             log.info("KV events of %s: following its publisher (%s)", url, endpoint)

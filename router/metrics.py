@@ -5,11 +5,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 
-from kvrelay.router.decide import RoutePath
-from kvrelay.router.pools import Pool
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kvrelay.router.decide import RoutePath
+from kvrelay.router.pools import Pool
 
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
+
 from kvrelay.common.errors import KVRelayError
 from kvrelay.core.config import RouterConfig, RoutingPolicy
 from kvrelay.router.breaker import Breaker, BreakerState

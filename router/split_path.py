@@ -25,6 +25,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
 from kvrelay.core.params import PullParams, PushParams
 from kvrelay.router import responses, split
 from kvrelay.router.decode_path import DecodePath

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import aiohttp
 import orjson
+
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.drain import DRAINING_HEADER
 from kvrelay.core.params import PARAMS_REFUSED_HEADER, ParamsSigner, PullParams, PushParams, params_dict

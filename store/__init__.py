@@ -6,6 +6,3 @@ store-event schema and publisher (``events``) and its config section (``config``
 
 May import: ``kvrelay.common`` only (it sits beside ``kvrelay.transport``, not on it).
 """
-
-if __name__ != "kvrelay.store":   # the folder imported under its old top-level name (from the repository root)
-    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.store, not {__name__}")

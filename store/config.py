@@ -1,10 +1,13 @@
-"""The multi-tier store's settings (``store:`` in the tree), owned by the store."""
+"""The multi-tier store's settings (``store:`` in the tree), owned by the store.
+
+Same role as ``transport/config.py`` and ``core/config.py``: a room's own config sections.
+"""
 
 from __future__ import annotations
 
 import enum
 
-from kvrelay.common.config import MiB, NonNeg, Port, Seconds, Section, Size
+from kvrelay.common.config_fields import MiB, NonNeg, Port, Seconds, Section, Size
 from kvrelay.common.errors import ConfigError
 
 

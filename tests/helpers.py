@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from kvrelay.common.errors import TransferTimeout
 from kvrelay.common.wire import Buffer, make_header
 from kvrelay.kernels.blocks import gather_into_host

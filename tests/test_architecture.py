@@ -1,9 +1,8 @@
 """The rooms hold: one namespace, import rules, no cycles, size limits.
 
-* The import-linter contracts in pyproject.toml are checked on a staged tree in which
-  ``kvrelay/<room>`` holds each root folder (what ``pip install`` lays out), and each rule
-  is shown to bite on a copy with one forbidden import added - so a contract that silently
-  stopped matching would fail here too.
+* The import-linter contracts in pyproject.toml hold on the tree (``kvrelay/<room>`` is a
+  link to each root folder), and each rule is shown to bite on a copy with one forbidden
+  import added - so a contract that silently stopped matching would fail here too.
 * An ``ast`` walk over every module counts every import - ``TYPE_CHECKING`` blocks and
   imports inside functions included - and finds no module cycle; on a copy with one circle
   added back, it finds that circle.
@@ -30,26 +29,25 @@ pytest.importorskip("importlinter")
 
 
 def stage(src: Path, dst: Path) -> Path:
-    """``dst/kvrelay/`` laid out as installed: kvrelay/*.py plus one subpackage per room."""
-    pkg = dst / "kvrelay"
+    """A copy of the package tree to plant a forbidden import in: the root folders, ``kvrelay/``
+    with its links to them (kept as links), and pyproject.toml."""
     ignore = shutil.ignore_patterns("__pycache__", "*.sh", "*.yaml", "*.json")
-    shutil.copytree(src / "kvrelay", pkg, ignore=ignore)
-    for room in ROOMS:
-        shutil.copytree(src / room, pkg / room, ignore=ignore)
+    for d in ["kvrelay", *ROOMS]:
+        shutil.copytree(src / d, dst / d, symlinks=True, ignore=ignore)
     shutil.copy(src / "pyproject.toml", dst)
     return dst
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
-    """Run import-linter on a staged ``root`` (its pyproject.toml, its kvrelay first on sys.path)."""
+    """Run import-linter on the tree at ``root`` (its pyproject.toml, its kvrelay first on sys.path)."""
     code = ("import sys; sys.path.insert(0, sys.argv[1]); "
             "from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))")
     return subprocess.run([sys.executable, "-c", code, str(root)], cwd=root, capture_output=True, text=True,
                           timeout=120)
 
 
-def test_import_contracts_hold(tmp_path: Path):
-    res = lint_imports(stage(ROOT, tmp_path))
+def test_import_contracts_hold():
+    res = lint_imports(ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "0 broken" in res.stdout
 
@@ -66,7 +64,7 @@ def test_import_contracts_hold(tmp_path: Path):
 ])
 def test_each_rule_bites(tmp_path: Path, module: str, line: str, contract: str):
     copy = stage(ROOT, tmp_path)
-    target = copy / "kvrelay" / module
+    target = copy / module
     target.write_text(target.read_text() + f"\n{line}  # injected by test_architecture\n")
     res = lint_imports(copy)
     assert res.returncode != 0, f"{line!r} in {module} broke no contract:\n{res.stdout}"
@@ -195,17 +193,32 @@ def test_no_function_is_over_the_limit():
 
 
 # ------------------------------------------------------------------ one namespace
-def test_old_top_level_names_say_where_they_went():
-    """Imported from the repository root under its old name, a room refuses with the new name;
-    outside it, vLLM's plugin (kvrelay.core.moved) turns "No module named" into the same advice."""
-    res = subprocess.run([sys.executable, "-c", "import prefill.connector"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
-    assert res.returncode != 0 and "import kvrelay.prefill" in res.stderr, res.stderr
-    code = ("import kvrelay.core.moved as m; m.register()\n"
-            "try:\n    import decode.connector\nexcept ModuleNotFoundError as e:\n    print(e)")
-    res = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=60)
-    assert "use 'kvrelay.decode'" in res.stdout and "'kvrelay.decode.connector'" in res.stdout, res.stdout
-    from kvrelay.core.moved import new_name
-    assert new_name("transport.wire") == "kvrelay.common.wire"
-    assert new_name("transport.store.tiers") == "kvrelay.store.tiers"
-    assert new_name("transport.sender") == "kvrelay.transport.sender"
+def test_the_package_is_the_root_folders_linked_and_imports_without_an_install(tmp_path: Path):
+    """``kvrelay/<room>`` is a link to the root folder ``<room>``, so a fresh clone imports
+    ``kvrelay.*`` from its root as plain files: no install, no import hook, no name guard."""
+    for room in ROOMS:
+        link = ROOT / "kvrelay" / room
+        assert link.is_symlink() and link.resolve() == (ROOT / room).resolve(), f"kvrelay/{room}"
+        assert "__name__ !=" not in (ROOT / room / "__init__.py").read_text(), f"{room}/__init__.py has a guard"
+    clone = stage(ROOT, tmp_path / "clone")
+    code = "import kvrelay.transport, kvrelay.router; print(kvrelay.transport.__file__)"
+    res = subprocess.run([sys.executable, "-c", code], cwd=clone, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert Path(res.stdout.strip()).is_relative_to(clone), res.stdout
+
+
+def test_a_module_name_is_used_once_unless_its_twins_say_they_share_a_role():
+    """Two modules of one name in two rooms must serve the same role, and each docstring says so,
+    naming the others; any other repeated name is a module whose name does not say what it holds."""
+    by_name: dict[str, list[Path]] = {}
+    for p in _sources():
+        if p.name != "__init__.py":
+            by_name.setdefault(p.name, []).append(p.relative_to(ROOT))
+    for paths in by_name.values():
+        if len(paths) < 2:
+            continue
+        for p in paths:
+            doc = ast.get_docstring(ast.parse((ROOT / p).read_text())) or ""
+            others = [str(o) for o in paths if o != p]
+            assert "Same role as" in doc and all(f"``{o}``" in doc for o in others), \
+                f"{p} shares its name with {others}: rename it, or state the shared role in both docstrings"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kvrelay.common.secrets import SECRET_ENV
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
@@ -31,7 +32,7 @@ ROOMS = {"common", "transport", "store", "kernels", "core", "prefill", "decode",
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("pkg")
     src, wheels = tmp / "src", tmp / "wheels"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "build", "*.egg-info",
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__", "build", "*.egg-info",
                                                              "kvrelay-logs", "bench_results"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(src)],
@@ -64,8 +65,7 @@ def test_every_room_is_a_subpackage_and_vllm_gets_the_new_paths(installed: Path)
     assert (installed / "kvrelay" / "deploy" / "monitoring" / "alerts.yaml").exists()
     (dist,) = [d for d in md.distributions(path=[str(installed)]) if d.metadata["Name"] == "kvrelay"]
     plugins = {e.name: e.value for e in dist.entry_points if e.group == "vllm.general_plugins"}
-    assert plugins == {"kvrelay_mq_busy_loop": "kvrelay.core.vllm_plugin:register",
-                       "kvrelay_moved_modules": "kvrelay.core.moved:register"}, plugins
+    assert plugins == {"kvrelay_mq_busy_loop": "kvrelay.core.vllm_plugin:register"}, plugins
     code = "import kvrelay.prefill.connector, kvrelay.decode.connector, kvrelay.router.app, kvrelay.cli"
     res = subprocess.run([sys.executable, "-c", code], cwd=installed, capture_output=True, text=True, timeout=120,
                          env={"PYTHONPATH": str(installed), "PATH": "/usr/bin:/bin"})

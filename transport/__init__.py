@@ -8,6 +8,3 @@ capabilities (``backends/``), and its own config sections (``config``).
 
 May import: ``kvrelay.common`` only. The store sits beside it, not inside it.
 """
-
-if __name__ != "kvrelay.transport":   # the folder imported under its old top-level name (from the repository root)
-    raise ImportError(f"kvrelay's modules live under the kvrelay namespace: import kvrelay.transport, not {__name__}")

@@ -1,7 +1,9 @@
 """The transport's own settings: the data plane, the receive pool and every deadline.
 
+Same role as ``store/config.py`` and ``core/config.py``: a room's own config sections.
+
 The transport owns these sections; they are built from the ground floor's config types
-(:mod:`kvrelay.common.config`) and the shared engine core composes them into the one
+(:mod:`kvrelay.common.config_fields`) and the shared engine core composes them into the one
 tree (:mod:`kvrelay.core.config`). ``Receiver``, ``Sender`` and the backends take only
 :class:`TransportConfig` and :class:`TimeoutConfig`, never the whole tree.
 """
@@ -11,7 +13,8 @@ from __future__ import annotations
 import enum
 
 import msgspec
-from kvrelay.common.config import MiB, Port, Positive, Seconds, Section, Size
+
+from kvrelay.common.config_fields import MiB, Port, Positive, Seconds, Section, Size
 from kvrelay.common.errors import ConfigError
 
 

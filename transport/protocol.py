@@ -35,6 +35,7 @@ Authentication (the secret never travels; keys come from :mod:`kvrelay.common.se
 from __future__ import annotations
 
 import msgspec
+
 from kvrelay.common.errors import ErrorCode, ProtocolError
 from kvrelay.common.keys import KEY_BYTES
 from kvrelay.common.secrets import mac, same

@@ -45,6 +45,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 import zmq
+
 from kvrelay.common.errors import ProtocolError, TransportError
 from kvrelay.common.listen import ListeningSocket
 from kvrelay.common.secrets import load_secret

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import zmq
+
 from kvrelay.common.errors import (
     HandshakeError,
     PeerDeadError,
@@ -87,7 +88,7 @@ class Sender:
         self._hello_key, self._session_root = derive_key(secret, KeyUse.HELLO), derive_key(secret, KeyUse.SESSION)
         self._session, self._key, self._seq = b"", b"", 0
         self.layout: SourceLayout | None = None
-        self._ctx: zmq.Context = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._socket(self.sender_id)
         self._hb_stop = threading.Event()
         self._hb_thread: threading.Thread | None = None
@@ -96,8 +97,8 @@ class Sender:
         self._abandoned: set[str] = set()             # transfer ids whose push gave up on its Alloc
         self._failure: ProtocolError | None = None    # D rejected this session (an Error reply)
 
-    def _socket(self, identity: str) -> zmq.Socket:
-        s = self._ctx.socket(zmq.DEALER)
+    def _socket(self, identity: str) -> zmq.Socket[bytes]:
+        s: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.IDENTITY, identity.encode())
         s.setsockopt(zmq.LINGER, 0)
         s.connect(self.endpoint)

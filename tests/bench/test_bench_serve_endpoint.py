@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvrelay.deploy import launch
 
+from kvrelay.deploy import launch
 from tests.e2e.harness import MODEL, _cfg
 
 pytestmark = pytest.mark.slow          # one vLLM server (~45 s) and two short load runs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+
 from kvrelay.bench import serve
 from kvrelay.bench.serve import capacities, capacity_table, ladder, served
 from kvrelay.common.errors import ConfigError

@@ -1,5 +1,6 @@
 import pytest
-from kvrelay.common.config import parse_size
+
+from kvrelay.common.config_fields import parse_size
 from kvrelay.common.errors import ConfigError, KVRelayError
 from kvrelay.core import config
 from kvrelay.store.config import EvictionPolicy
@@ -75,6 +76,7 @@ def test_every_config_key_has_help_and_appears_in_up_help():
 
 def test_a_decode_node_binding_every_address_must_say_which_one_to_announce():
     import msgspec
+
     from kvrelay.transport.backends import make_receiver_backend
     from kvrelay.transport.backends.sockets import SocketInfo
     from kvrelay.transport.config import TransportConfig

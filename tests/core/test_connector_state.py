@@ -283,8 +283,8 @@ class LoraReq(Req):
 
 
 def test_an_adapters_requests_carry_its_namespace_into_every_key_the_workers_compute(tmp_path):
-    """Lookups, store loads, pushes, pulls and decode-side saves all name the adapter (core/adapters.py)."""
-    from kvrelay.core.adapters import kv_namespace
+    """Lookups, store loads, pushes, pulls and decode-side saves all name the adapter (core/kv_namespace.py)."""
+    from kvrelay.core.kv_namespace import kv_namespace
     (tmp_path / "adapter_model.safetensors").write_bytes(b"w" * 32)
     lora = SimpleNamespace(lora_name="sql", lora_path=str(tmp_path))
     ns = kv_namespace(SimpleNamespace(lora_request=lora))

@@ -1,4 +1,4 @@
-"""The drain state machine (deploy/drain.py, core/drain.py, the front door in core/guard.py).
+"""The drain state machine (deploy/supervisor.py, core/drain.py, the front door in core/guard.py).
 
 The supervisor runs a real child process and real signals to it; only the engine's
 "busy?" answer is scripted. tests/e2e/test_drain.py drains real vLLM nodes under load.
@@ -14,10 +14,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
+
 from kvrelay.core.drain import DRAINING_HEADER, DrainPhase, read_phase, write_phase
 from kvrelay.core.guard import _drain_refusal, _Node
 from kvrelay.deploy import probe
-from kvrelay.deploy.drain import DrainPlan, Supervisor
+from kvrelay.deploy.supervisor import DrainPlan, Supervisor
 
 # A stand-in for vLLM: exits 0 on SIGTERM (as vLLM does once drained), prints which signal.
 CHILD = [sys.executable, "-c", "import signal, sys, time\n"

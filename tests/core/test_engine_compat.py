@@ -9,10 +9,11 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+
 from kvrelay.common.errors import EngineIncompatible
 from kvrelay.core import config as kcfg
 from kvrelay.core.engine_compat import facts_from_args, facts_from_vllm, pair_refusals, refusals
-from kvrelay.deploy.preflight import engine_problems
+from kvrelay.deploy.config_check import engine_problems
 
 
 def flags(facts) -> list[str]:

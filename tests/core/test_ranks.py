@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import ROOT_KEY
 from kvrelay.core.ranks import (

@@ -7,8 +7,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from kvrelay.core.telemetry import EventLog, read_events
 
+from kvrelay.core.telemetry import EventLog, read_events
 from tests.conftest import mount_small_fs
 
 

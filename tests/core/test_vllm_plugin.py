@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvrelay.core import config as kcfg
 from kvrelay.core.vllm_plugin import BUSY_LOOP_ENV, apply, busy_loop_s
 from kvrelay.deploy import launch

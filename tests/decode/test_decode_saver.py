@@ -21,7 +21,6 @@ from kvrelay.decode.saver import DecodeSaver, SaveSpec  # noqa: E402
 from kvrelay.kernels.layout import KVLayout  # noqa: E402
 from kvrelay.store.records import seal_for  # noqa: E402
 from kvrelay.store.tiers import RedisTier  # noqa: E402
-
 from tests.kernels.test_kernels import BS, expected_chunk, vllm_like_caches  # noqa: E402
 
 FP = Fingerprint("tiny", "bf16", "cpu", BS, 4, 65536)

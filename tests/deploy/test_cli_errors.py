@@ -84,8 +84,8 @@ def test_list_flags_repeat_like_vllms(capsys):
 
 
 def test_docs_config_md_is_current():
-    """``docs/config.md`` is ``kvrelay config --markdown``'s output: regenerate it when a key changes."""
+    """``docs/guide/configuration.md`` is ``kvrelay config --markdown``'s output: regenerate it when a key changes."""
     from kvrelay.deploy.config_doc import render
 
     path = Path(__file__).resolve().parents[2] / "docs" / "config.md"
-    assert path.read_text() == render(), "docs/config.md is stale: run kvrelay config --markdown docs/config.md"
+    assert path.read_text() == render(), "docs/guide/configuration.md is stale: run kvrelay config --markdown docs/guide/configuration.md"

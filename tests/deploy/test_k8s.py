@@ -21,6 +21,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import k8s, launch, probe
 

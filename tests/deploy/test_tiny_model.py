@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from kvrelay.deploy.tiny_model import ensure_tiny_model, make_tiny_model
 
 

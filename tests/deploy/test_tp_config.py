@@ -9,12 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from kvrelay.common.errors import ConfigError
 from kvrelay.core import config as kcfg
 from kvrelay.core.rank_view import RankView
 from kvrelay.core.ranks import Heads
 from kvrelay.deploy import launch
-from kvrelay.deploy.preflight import stack_ports
+from kvrelay.deploy.config_check import stack_ports
 from kvrelay.deploy.tiny_model import make_tiny_model
 from kvrelay.kernels.layout import KVLayout
 

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 from kvrelay.deploy.tiny_model import ensure_tiny_model
-
 from tests.differential import run
 from tests.differential.surface import Surface
 from tests.e2e.harness import DECODE_FIRST, _cfg, start_stack, stop_active

@@ -20,9 +20,9 @@ from typing import Any
 import aiohttp
 import msgspec
 import yaml
+
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
-
 from tests.differential.compare import Answer, differences
 from tests.differential.surface import Request
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kvrelay.deploy import launch
 
 RULES = Path(__file__).resolve().parents[2] / "deploy" / "monitoring" / "alerts.yaml"

@@ -12,9 +12,9 @@ from __future__ import annotations
 import uuid
 
 import pytest
+
 from kvrelay.deploy import launch
 from kvrelay.deploy.launch import Role
-
 from tests.e2e.harness import BLOCK, CASES, openai_client, run_case, start_stack
 
 pytestmark = pytest.mark.slow

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from kvrelay.deploy import launch
 from kvrelay.router.kv_events import KVEvents
 from kvrelay.router.kv_index import KVIndex
 from kvrelay.router.pools import Node
-
 from tests.e2e.harness import CASES, TURN1, _cfg, run_case, run_turn2, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]

@@ -2,7 +2,7 @@
 (And, on the same stack, tracing: one trace per request, router -> prefill -> decode.)
 
 A 1P2D stack over nixl, every node started the way an operator starts it (``kvrelay serve``,
-so vLLM runs under the drain supervisor, deploy/drain.py). While 16 clients keep sending the
+so vLLM runs under the drain supervisor, deploy/supervisor.py). While 16 clients keep sending the
 e2e cases, each decode node in turn gets SIGTERM on its ``kvrelay serve`` process only (what
 Kubernetes sends a pod), must drain and exit 0, and is started again; the next one goes only
 once the router has the restarted node back in rotation. Then:
@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from kvrelay.deploy.launch import Role
 
+from kvrelay.deploy.launch import Role
 from tests.e2e.harness import (
     CASES,
     MAX_TOKENS,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from kvrelay.deploy.launch import Role
 
+from kvrelay.deploy.launch import Role
 from tests.e2e.harness import (
     CASES,
     MODEL,

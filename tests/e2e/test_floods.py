@@ -21,8 +21,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 import zmq
-from kvrelay.transport import protocol as P
 
+from kvrelay.transport import protocol as P
 from tests.e2e.harness import CASES, MAX_TOKENS, MODEL, Case, start_stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]   # the reference and a stack start first

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from kvrelay.deploy import launch
 
+from kvrelay.deploy import launch
 from tests.e2e.harness import MODEL, Case, _cfg, scrape, start_stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]   # stacks of 4 engines start in minutes on 2 cores

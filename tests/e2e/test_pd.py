@@ -16,8 +16,8 @@ import urllib.request
 import uuid
 
 import pytest
-from kvrelay.deploy.launch import Role
 
+from kvrelay.deploy.launch import Role
 from tests.e2e.harness import (
     BLOCK,
     CASES,
@@ -257,7 +257,6 @@ def test_prometheus_scrapes_the_stack_and_the_recompute_alert_fires(corrupt_stac
     fire, no other alert does, every series the dashboard uses exists, and the dashboard
     renders from the scrape."""
     from kvrelay.deploy import dashboard
-
     from tests.e2e.prom import api, firing, prometheus
 
     cfg = corrupt_stack.cfg

@@ -15,9 +15,9 @@ import time
 import uuid
 
 import pytest
+
 from kvrelay.bench.local_redis import REDIS, redis_server
 from kvrelay.deploy.launch import Role
-
 from tests.e2e.harness import (
     DSAVE_ANSWER,
     TURN1,
@@ -227,7 +227,6 @@ def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_sta
 
     from kvrelay.core import config as kcfg
     from kvrelay.deploy.launch import wait_healthy
-
     from tests.e2e.harness import Case
 
     stack = two_prefill_stack

@@ -15,8 +15,8 @@ import uuid
 
 import pytest
 import requests
-from kvrelay.deploy.launch import Role
 
+from kvrelay.deploy.launch import Role
 from tests.e2e.harness import CASES, MODEL, openai_client, run_case, start_stack
 
 pytestmark = pytest.mark.slow

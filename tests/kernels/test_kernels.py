@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kvrelay.core.chunk_records import gather_record, record_payload
 from kvrelay.kernels import cuda
 from kvrelay.kernels.blocks import gather, gather_into_host, gather_ref, scatter, scatter_ref
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.store.records import check_record, read_record
-
 from tests.helpers import gather_to_host
 
 L, NB, H, BS, D2 = 4, 12, 4, 128, 128        # layers, blocks, kv heads, block size, 2*head_size

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvrelay.deploy import launch
 
+from kvrelay.deploy import launch
 from tests.e2e.harness import CASES, MODEL, openai_client, read_events, reference_at_tp, run_case, stop_active
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

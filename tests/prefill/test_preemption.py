@@ -36,7 +36,6 @@ from kvrelay.store.records import read_record  # noqa: E402
 from kvrelay.transport.backends import make_receiver_backend  # noqa: E402
 from kvrelay.transport.events import TransferDone, TransferFailed  # noqa: E402
 from kvrelay.transport.receiver import Receiver  # noqa: E402
-
 from tests.core.test_connector_state import SIGNER  # noqa: E402
 from tests.helpers import consume_transfer  # noqa: E402
 

@@ -35,7 +35,6 @@ from kvrelay.transport.backends.base import WriteHandle, WriteState  # noqa: E40
 from kvrelay.transport.backends.sockets import SocketSender  # noqa: E402
 from kvrelay.transport.events import TransferDone  # noqa: E402
 from kvrelay.transport.receiver import Receiver  # noqa: E402
-
 from tests.helpers import consume_transfer, gather_to_host  # noqa: E402
 
 L, NB, H, BS, D2 = 2, 64, 2, 16, 32          # layers, blocks, kv heads, block size, 2*head

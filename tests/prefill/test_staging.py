@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+
 from kvrelay.prefill.staging import MIN_SLOTS, STAGING_BYTES, StagingPool, staging_slots
 
 SHAPE = (2, 4, 128)          # [L, n, bytes_per_block]: 1 KiB

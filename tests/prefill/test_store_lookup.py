@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import msgspec
 import zmq
+
 from kvrelay.common.keys import Fingerprint, chunk_keys
 from kvrelay.core import config as kcfg
 from kvrelay.core.telemetry import EventLog
 from kvrelay.prefill.lookup import Lookup, LookupReply, StoreClient, lookup_endpoint
 from kvrelay.prefill.store_service import StoreService
-
 from tests.helpers import make_record
 
 FP = Fingerprint("tiny", "float32", "cpu", 16, 4, 8192)

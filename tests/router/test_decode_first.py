@@ -13,10 +13,10 @@ import aiohttp
 import msgspec
 import pytest
 import zmq
+
 from kvrelay.core import config as kcfg
 from kvrelay.router.app import Router
 from kvrelay.router.pools import Node, Pool
-
 from tests.router.test_router import Fake, fake_node, run, serve
 
 ev = pytest.importorskip("vllm.distributed.kv_events")
@@ -148,8 +148,8 @@ def test_requests_that_cannot_be_tokenised_or_must_go_alone_are_counted(tiny_mod
 
 
 def test_kvrelay_up_gives_every_engine_an_events_endpoint_the_router_binds():
+    from kvrelay.deploy.config_check import stack_ports
     from kvrelay.deploy.launch import KV_EVENTS_OFFSET, Stack, server_command
-    from kvrelay.deploy.preflight import stack_ports
 
     data = {"deploy": {"prefill": 2, "decode": 2, "kv_base_port": 9100}, "router": {"decode_first": True},
             "engine": {"model": "/nonexistent"}}

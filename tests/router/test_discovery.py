@@ -11,12 +11,12 @@ import asyncio
 
 import aiohttp
 import pytest
+
 from kvrelay.core import config as kcfg
 from kvrelay.core.params import PushAllowlist
 from kvrelay.router.app import Router
 from kvrelay.router.discovery import Discovery, parse_dns
 from kvrelay.router.pools import Node, Pool
-
 from tests.router.test_router import Fake, fake_node, run, serve
 
 
@@ -101,7 +101,7 @@ def test_cache_aware_routing_follows_dns_discovered_prefill_pods_and_their_store
     from kvrelay.bench.local_redis import free_port
     from kvrelay.common.keys import chunk_keys_from_digest
     from kvrelay.common.secrets import KeyUse, derive_key
-    from kvrelay.store.events import Publisher, published_key
+    from kvrelay.store.publisher import Publisher, published_key
 
     answers = {"kv-prefill": ["127.0.0.1", "127.0.0.2"], "kv-decode": ["127.0.0.1"]}
 

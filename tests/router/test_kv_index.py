@@ -7,6 +7,7 @@ import random
 
 import msgspec
 import pytest
+
 from kvrelay.router.kv_index import KVIndex, decode_batch, prompt_keys
 
 ev = pytest.importorskip("vllm.distributed.kv_events")

@@ -11,10 +11,10 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
 from kvrelay.core.params import PARAMS_REFUSED_HEADER
 from kvrelay.router.breaker import Breaker, BreakerState
 from kvrelay.router.migration import Cause, Progress, resume_body
-
 from tests.router.test_router import router_for, run, serve
 from tests.router.test_split import PROMPT_IDS, Scripted, events
 

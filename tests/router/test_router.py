@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+
 from kvrelay.core import config as kcfg
 from kvrelay.core.drain import DRAINING_HEADER
 from kvrelay.router.app import Router
@@ -367,7 +368,7 @@ def test_a_stream_longer_than_the_timeout_is_fine_while_it_keeps_talking():
 def test_cache_index_drops_keys_no_node_holds():
     from kvrelay.core.config import RoutingPolicy
     from kvrelay.router.cache_index import ChunkIndex
-    from kvrelay.store.events import StoreEvent, StoreEventKind
+    from kvrelay.store.publisher import StoreEvent, StoreEventKind
 
     index = ChunkIndex(Pool("prefill", [Node("http://a"), Node("http://b")], RoutingPolicy.CACHE_AWARE), b"salt")
     keys = [bytes([i]) * 32 for i in range(3)]
@@ -441,6 +442,7 @@ def test_cache_aware_without_store_events_is_refused_and_kvrelay_up_assigns_them
     # Without the prefill nodes' store events the chunk index stays empty and cache_aware
     # silently routes by load only: refuse it with the fix in the message.
     import pytest
+
     from kvrelay.deploy.launch import PUBLISH_OFFSET, Role, Stack
 
     cfg = kcfg.from_dict({"router": {"policy": "cache_aware", "tokenizer": "unused"}})

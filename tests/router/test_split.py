@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from kvrelay.router.split import fallback_reason
 
+from kvrelay.router.split import fallback_reason
 from tests.router.test_router import router_for, run
 
 PROMPT_IDS = [5, 6, 7]

@@ -14,12 +14,12 @@ import threading
 import time
 
 import msgspec
+
 from kvrelay.bench.peer import SenderPeer
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.transport.backends import gate as gate_mod
 from kvrelay.transport.backends import sockets
 from kvrelay.transport.backends.sockets import SocketInfo
-
 from tests.security.test_transport_attacks import CHUNK, drain_ok, keys_for
 from tests.transport.conftest import FP, assert_no_leases, make_cfg, make_receiver
 

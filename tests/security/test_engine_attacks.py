@@ -17,9 +17,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
 from kvrelay.deploy import launch
-
 from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case, scrape, start_stack
 
 SECRET = os.environ["KVRELAY_SECRET"].encode()

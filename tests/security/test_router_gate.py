@@ -14,12 +14,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+
 from kvrelay.core import config as kcfg
 from kvrelay.core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams, PushParams
 from kvrelay.router.app import Router, tls_context
 from kvrelay.router.limits import ApiKeys
 from kvrelay.router.pools import Node, Pool
-
 from tests.router.test_router import Fake, fake_node, one_pair, run
 
 SECRET = os.environ["KVRELAY_SECRET"].encode()

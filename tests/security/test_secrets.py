@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import SECRET_ENV, load_secret, write_secret_file
 from kvrelay.core import config as kcfg
@@ -124,7 +125,6 @@ def test_a_running_stack_shows_no_secret_on_a_command_line_or_in_a_log(tiny_mode
     import urllib.request
 
     from kvrelay.bench.local_redis import REDIS, redis_server
-
     from tests.e2e.harness import start_stack
     if REDIS is None:
         pytest.skip("redis-server not installed (deploy/setup.sh installs it)")

@@ -7,12 +7,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from kvrelay.bench.local_redis import REDIS, redis_server
 from kvrelay.core import config as kcfg
 from kvrelay.store.records import seal_for
 from kvrelay.store.store import MultiTierStore
 from kvrelay.store.tiers import DiskTier, RedisTier
-
 from tests.store.test_store import record
 
 pytestmark = pytest.mark.skipif(REDIS is None, reason="redis-server not installed (deploy/setup.sh installs it)")

@@ -15,6 +15,7 @@ import time
 import msgspec
 import pytest
 import zmq
+
 from kvrelay.bench.peer import SenderPeer
 from kvrelay.common.secrets import KeyUse, derive_key
 from kvrelay.common.wire import HEADER_SIZE, make_header, transfer_tag
@@ -28,7 +29,6 @@ from kvrelay.transport.backends.sockets import (
     SocketInfo,
 )
 from kvrelay.transport.events import ChunkArrival, TransferDone
-
 from tests.transport.conftest import FP, assert_no_leases, keys_for, make_cfg, make_receiver
 
 SECRET = os.environ["KVRELAY_SECRET"].encode()

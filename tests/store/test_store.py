@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from kvrelay.bench.local_redis import REDIS, free_port, redis_server
 from kvrelay.common.keys import KEY_BYTES
 from kvrelay.common.wire import make_header

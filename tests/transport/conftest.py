@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
 from kvrelay.bench.peer import SenderPeer
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.core import config

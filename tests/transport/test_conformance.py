@@ -12,11 +12,11 @@ import threading
 import time
 
 import pytest
+
 from kvrelay.bench.peer import RemoteError
 from kvrelay.common.errors import TransferTimeout
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.transport.events import ChunkArrival, ChunkRejected, FailReason, TransferDone, TransferFailed
-
 from tests.transport.conftest import SLOT, assert_no_leases, keys_for, make_cfg, open_pair
 
 

@@ -10,8 +10,8 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kvrelay.transport import protocol as P
 
+from kvrelay.transport import protocol as P
 from tests.transport.conftest import FP, make_cfg, make_receiver
 
 VALID = [

@@ -8,11 +8,11 @@ lane failed at once - each later request waited out ``first_chunk_s`` and recomp
 from __future__ import annotations
 
 import pytest
+
 from kvrelay.common.errors import ErrorCode, PoolFullError, ProtocolError
 from kvrelay.prefill.lanes import session_lost
 from kvrelay.transport.backends import make_sender_backend
 from kvrelay.transport.sender import Sender
-
 from tests.transport.conftest import FP, assert_no_leases, keys_for, make_cfg, make_receiver
 
 

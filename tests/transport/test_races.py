@@ -17,12 +17,12 @@ import queue
 import threading
 import time
 
-import kvrelay.transport.landing as rx
 import pytest
+
+import kvrelay.transport.landing as rx
 from kvrelay.common.errors import TransferTimeout
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.transport.events import Refusal, TransferDone
-
 from tests.transport.conftest import assert_no_leases, keys_for, make_cfg, open_pair
 from tests.transport.test_conformance import drain
 
@@ -139,7 +139,6 @@ def test_a_second_sender_takes_over_a_live_transfer(backend):
     chunk 0 and died, P2 allocates the same transfer. It is granted what is still missing,
     what P1 delivered counts as held, and the consumer sees one transfer end to end."""
     from kvrelay.bench.peer import SenderPeer
-
     from tests.transport.conftest import FP
 
     keys = keys_for("retry", 3)
@@ -180,11 +179,11 @@ def _lanes_child(backend: str, endpoints: list[str], out) -> None:
     """The prefill side as the pusher runs it: one process, one Sender per decode node, each
     driven from its own lane thread at the same time (one shared NIXL agent underneath)."""
     import numpy as np
+
     from kvrelay.common.wire import make_header
     from kvrelay.transport.backends import make_sender_backend
     from kvrelay.transport.backends.base import BlockPayload, MemRegion, SourceLayout
     from kvrelay.transport.sender import Sender
-
     from tests.transport.conftest import FP
 
     cfg = make_cfg(backend)
@@ -261,7 +260,6 @@ def test_senders_on_parallel_lane_threads_of_one_process_all_deliver(backend):
     import multiprocessing as mp
 
     from kvrelay.transport.events import ChunkArrival, TransferFailed
-
     from tests.transport.conftest import make_receiver
 
     cfg = make_cfg(backend)

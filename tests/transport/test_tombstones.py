@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from kvrelay.common.errors import PoolFullError
 from kvrelay.transport.backends import make_sender_backend
 from kvrelay.transport.events import FailReason, TransferDone, TransferFailed
 from kvrelay.transport.ledger import Tombstones
 from kvrelay.transport.sender import Sender
-
 from tests.transport.conftest import FP, assert_no_leases, keys_for, make_cfg, make_receiver
 
 

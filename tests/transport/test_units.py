@@ -6,6 +6,7 @@ import hashlib
 import os
 
 import pytest
+
 from kvrelay.common.errors import ChecksumError, ChunkError, PoolFullError, TransportError
 from kvrelay.common.keys import Fingerprint, chunk_keys
 from kvrelay.common.wire import (
@@ -293,7 +294,8 @@ def test_the_store_event_publishers_port_binds_again_at_once_after_close():
     import socket
 
     import zmq
-    from kvrelay.store.events import Publisher
+
+    from kvrelay.store.publisher import Publisher
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -47,6 +47,7 @@ from typing import Any
 
 import msgspec
 import numpy as np
+
 from kvrelay.common.errors import HandshakeError, PeerDeadError, TransportError
 from kvrelay.common.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff, progress_loop
 from kvrelay.common.wire import HEADER_SIZE

@@ -37,6 +37,7 @@ from collections.abc import Callable
 
 import msgspec
 import xxhash
+
 from kvrelay.common.errors import PeerDeadError, ProtocolError, TransportError
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.transport.backends.base import (
@@ -102,6 +103,7 @@ def _preamble_need(buf: bytes) -> int:
     if len(buf) < FRAME.size:
         return FRAME.size
     magic, ver, kind, _, _, _, _, _, _, n = FRAME.unpack(buf[:FRAME.size])
+    n = int(n)
     if magic != FRAME_MAGIC or ver != FRAME_VERSION or kind != KIND_HELLO or n > MAX_SENDER_ID:
         raise ValueError("data connection without a valid preamble")
     return FRAME.size + n + TOKEN_BYTES

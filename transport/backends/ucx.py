@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from kvrelay.common.errors import HandshakeError, TransportError
 from kvrelay.common.polling import IDLE_AFTER_S, IDLE_SLEEP_S, Backoff, progress_loop
 from kvrelay.common.wire import HEADER_SIZE, transfer_tag

@@ -1,4 +1,4 @@
-"""Runtime LoRA adapter loads go to every node through the router (router/adapters.py), against
+"""Runtime LoRA adapter loads go to every node through the router (router/lora_admin.py), against
 real HTTP servers that answer as vLLM does with and without runtime updates allowed."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import json
 
 import aiohttp
 from aiohttp import web
-from kvrelay.router.adapters import fan_out
+
+from kvrelay.router.lora_admin import fan_out
 from kvrelay.router.pools import Node
 
 

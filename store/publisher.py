@@ -20,6 +20,7 @@ import threading
 
 import msgspec
 import zmq
+
 from kvrelay.common.listen import ListeningSocket
 
 STORE_EVENT_VERSION = 2        # 2: keys salted (published_key)

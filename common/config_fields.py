@@ -13,6 +13,7 @@ import re
 from typing import Annotated
 
 import msgspec
+
 from kvrelay.common.errors import ConfigError
 
 MiB = 1 << 20

@@ -9,17 +9,18 @@ what it said. vLLM serves these endpoints only when its engines run with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
 
 The adapter's files must be at ``lora_path`` on every node. Each node keys the adapter's KV by
-its name and a digest of those files (:mod:`kvrelay.core.adapters`), so nodes that were given
+its name and a digest of those files (:mod:`kvrelay.core.kv_namespace`), so nodes that were given
 different files under one name never exchange its KV: they recompute instead.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import aiohttp
 from aiohttp import web
+
 from kvrelay.router.pools import Node
 from kvrelay.router.responses import error_response
 
@@ -49,3 +50,14 @@ async def fan_out(session: aiohttp.ClientSession, nodes: Iterable[Node], path: s
         return web.json_response({"nodes": urls, "status": "ok"})
     return error_response(502, f"{path} failed on {len(failed)} of {len(urls)} nodes (vLLM serves it only with "
                           f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): " + "; ".join(failed), code="adapter_update_failed")
+
+
+def lora_handler(nodes: Callable[[], list[Node]],
+                 session: Callable[[], aiohttp.ClientSession | None]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """The router's handler for :data:`ADAPTER_PATHS`: the request's body to every node of ``nodes()``."""
+    async def handle(request: web.Request) -> web.Response:
+        s = session()
+        if s is None:
+            return error_response(503, "the router is starting", "service_unavailable")
+        return await fan_out(s, nodes(), request.path, await request.read())
+    return handle

@@ -1,4 +1,4 @@
-"""A request's KV namespace (core/adapters.py) and the keys it scopes (common/keys.py)."""
+"""A request's KV namespace (core/kv_namespace.py) and the keys it scopes (common/keys.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from kvrelay.common.keys import Fingerprint, chunk_keys, scoped_digest
-from kvrelay.core.adapters import adapter_digest, kv_namespace, opaque_prompt
+from kvrelay.core.kv_namespace import adapter_digest, kv_namespace, opaque_prompt
 
 FP = Fingerprint("m", "float32", "cpu:[4,128,128]", 128, 4, 65536)
 TOKENS = list(range(600))
