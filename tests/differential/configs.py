@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+
 from kvrelay.deploy import launch
 from kvrelay.deploy.tiny_lora import make_tiny_lora
 from kvrelay.deploy.tiny_model import ensure_tiny_model
-
 from tests.differential import run
 from tests.differential.compare import Answer
 from tests.differential.surface import MODEL, Request, Surface
