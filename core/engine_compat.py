@@ -15,8 +15,10 @@ What is refused and why (docs/guide/compatibility.md is generated from
 
 * speculative decoding with a draft model (EAGLE, MTP, Medusa, a draft model): the drafter
   keeps KV of its own that no connector moves; n-gram drafting has none and is exact;
-* KV-cache dtypes that quantize with scales computed at run time (``--calculate-kv-scales``)
-  or with formats kvrelay has not proven (``fp8_inc``, the MLA and TurboQuant formats);
+* a KV cache in another dtype than the model's (``--kv-cache-dtype bfloat16`` under a float32
+  model, FP8): measured on vLLM's CPU build, a bfloat16 KV cache under a float32 model changed
+  14 of 16 answers although the KV the decode node installed equalled the prefill node's
+  byte for byte; refused until a configuration of this kind is proven exact;
 * attention that is not a uniform per-token KV cache: MLA latent caches, mamba / linear
   attention state, chunked local attention;
 * a prefill and a decode node with different block sizes, or a chunk that is not a whole
@@ -33,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 SPEC_EXACT = frozenset({"ngram"})                  # drafters without KV of their own
-KV_DTYPES_EXACT = frozenset({"auto", "float32", "float16", "bfloat16", "half", "float"})
-KV_DTYPES_STATIC_SCALE = frozenset({"fp8", "fp8_e4m3", "fp8_e5m2"})   # exact with the checkpoint's scales
+_DTYPE_NAMES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32",
+                "torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
 SSM_MARKERS = ("mamba", "jamba", "bamba", "zamba", "nemotron_h", "falcon_h1", "granitemoehybrid",
                "qwen3_next", "plamo2", "lfm2", "minimax", "kimi_linear")
 SSM_LAYER_KINDS = ("mamba", "linear_attention", "conv", "ssm")
@@ -57,6 +59,7 @@ class EngineFacts:
 
     block_size: int | None = None                  # None: the platform's default
     kv_cache_dtype: str = "auto"
+    model_dtype: str = "auto"                      # the dtype the model runs in ("auto": the checkpoint's)
     calculate_kv_scales: bool = False
     speculative_method: str | None = None
     hf: Mapping[str, Any] = field(default_factory=dict)   # the model's config.json (text part)
@@ -80,6 +83,7 @@ def _flags() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--block-size", "--block_size", type=int, default=None)
     p.add_argument("--kv-cache-dtype", "--kv_cache_dtype", default="auto")
+    p.add_argument("--dtype", default="auto")
     p.add_argument("--calculate-kv-scales", "--calculate_kv_scales", action="store_true")
     p.add_argument("--speculative-config", "--speculative_config", "-sc", default=None)
     return p
@@ -100,8 +104,10 @@ def read_hf_config(model: str) -> dict[str, Any]:
 def facts_from_args(args: Sequence[str], hf: Mapping[str, Any] | None = None) -> EngineFacts:
     """Facts from a vLLM argument list (unknown flags are vLLM's business) and a model config."""
     ns, _ = _flags().parse_known_args(list(args))
-    return EngineFacts(ns.block_size, ns.kv_cache_dtype, ns.calculate_kv_scales,
-                       _spec_method(ns.speculative_config), dict(hf or {}))
+    hf = dict(hf or {})
+    model = ns.dtype if ns.dtype != "auto" else str(hf.get("torch_dtype") or hf.get("dtype") or "auto")
+    return EngineFacts(ns.block_size, ns.kv_cache_dtype, model, ns.calculate_kv_scales,
+                       _spec_method(ns.speculative_config), hf)
 
 
 def facts_from_vllm(vllm_config: Any) -> EngineFacts:
@@ -111,7 +117,7 @@ def facts_from_vllm(vllm_config: Any) -> EngineFacts:
     to_dict = getattr(hf_obj, "to_dict", None)
     hf = to_dict() if callable(to_dict) else {}
     return EngineFacts(getattr(cc, "block_size", None), str(getattr(cc, "cache_dtype", "auto")),
-                       bool(getattr(cc, "calculate_kv_scales", False)),
+                       str(getattr(mc, "dtype", "auto")), bool(getattr(cc, "calculate_kv_scales", False)),
                        _spec_method(getattr(vllm_config, "speculative_config", None)), hf)
 
 
@@ -140,14 +146,15 @@ def refusals(facts: EngineFacts) -> list[Refusal]:
         found.append(Refusal(f"--speculative-config method {method!r}",
                              "the drafter keeps KV of its own, which no connector transfers; use "
                              f"{', '.join(sorted(SPEC_EXACT))} drafting, or no speculation, with kvrelay"))
-    dtype = facts.kv_cache_dtype
-    if dtype not in KV_DTYPES_EXACT | KV_DTYPES_STATIC_SCALE:
-        found.append(Refusal(f"--kv-cache-dtype {dtype}", "this KV-cache format has not been proven exact "
-                             "through kvrelay"))
-    elif dtype in KV_DTYPES_STATIC_SCALE and facts.calculate_kv_scales:
+    if facts.calculate_kv_scales:
         found.append(Refusal("--calculate-kv-scales", "each engine computes its own FP8 scales at run time, so "
-                             "the decode node would read the prefill node's bytes with other scales; use the "
-                             "checkpoint's static scales"))
+                             "the decode node would read the prefill node's bytes with other scales"))
+    kv, model = _DTYPE_NAMES.get(facts.kv_cache_dtype, facts.kv_cache_dtype), _DTYPE_NAMES.get(
+        facts.model_dtype, facts.model_dtype)
+    if kv != "auto" and kv != model:
+        found.append(Refusal(f"--kv-cache-dtype {facts.kv_cache_dtype}", f"a KV cache in another dtype than the "
+                             f"model's ({facts.model_dtype}) has not been proven exact through kvrelay: leave "
+                             "--kv-cache-dtype at auto"))
     return found
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 class Support(str, enum.Enum):
     EXACT = "exact"          # every path (split, decode-first, store, migration) answers as one vLLM
     FALLBACK = "fallback"    # such a request is computed by its engine; the answer is exact
+    NEAR = "served, not bitwise"   # answers may differ from one vLLM's at near-ties (measured)
     REFUSED = "refused"      # refused when a node starts, naming the flag (config --check too)
 
 
@@ -24,10 +25,10 @@ class Proof(str, enum.Enum):
     CI = "CI"                # runs in every CI run
     MATRIX = "--matrix"      # runs with pytest --matrix (the rest of a matrix)
     UNIT = "unit"            # unit-tested here (vLLM's CPU build cannot run it)
-    AVX512 = "--matrix, AVX-512/AMX hosts"   # vLLM's CPU build runs it only there
 
 
-CFG = "tests/differential/test_engine_configs.py::test_an_engine_configuration_answers_as_one_vllm_with_its_flags"
+ENGINE = "tests/differential/test_engine_configs.py"
+CFG = f"{ENGINE}::test_an_engine_configuration_answers_as_one_vllm_with_its_flags"
 REFUSE = "tests/core/test_engine_compat.py"
 
 
@@ -49,18 +50,16 @@ ROWS = (
         (f"{CFG}[lora]", "tests/core/test_kv_namespace.py", "tests/router/test_kv_index.py::"
          "test_an_adapters_blocks_are_held_for_that_adapter_only", "tests/core/test_connector_state.py::"
          "test_an_adapters_requests_carry_its_namespace_into_every_key_the_workers_compute")),
-    Row("KV-cache dtype", "--kv-cache-dtype bfloat16 (a float32 model)", Support.EXACT, Proof.CI,
-        "the dtype is part of the fingerprint; the bytes move as they are", (f"{CFG}[kv-bfloat16]",)),
-    Row("KV-cache dtype, FP8", "--kv-cache-dtype fp8 | fp8_e4m3 | fp8_e5m2, static scales", Support.EXACT,
-        Proof.AVX512, "both roles read the checkpoint's scales, so the bytes mean the same on both sides",
-        (f"{CFG}[kv-fp8]", f"{CFG}[kv-fp8-e5m2]", "tests/core/test_fingerprint.py::"
-         "test_everything_that_changes_kv_changes_the_keys"), "FP8 with static scales only"),
-    Row("KV-cache dtype, FP8 with run-time scales", "--calculate-kv-scales", Support.REFUSED, Proof.UNIT,
+    Row("KV-cache dtype other than the model's", "--kv-cache-dtype bfloat16 under float32, fp8, fp8_e5m2, ...",
+        Support.REFUSED, Proof.CI, "measured on vLLM's CPU build: a bfloat16 KV cache under a float32 model changed "
+        "14 of 16 answers although D installed P's KV byte for byte; refused until proven (the GPU check is where "
+        "FP8 can be)", (REFUSE, f"{ENGINE}::test_a_refused_configuration_fails_when_vllm_starts_not_at_a_request"),
+        "FP8 with static scales only"),
+    Row("FP8 scales computed at run time", "--calculate-kv-scales", Support.REFUSED, Proof.UNIT,
         "each engine computes its own scales, so D would read P's bytes with other scales", (REFUSE,)),
-    Row("Other KV-cache formats", "--kv-cache-dtype fp8_inc | fp8_ds_mla | nvfp4_ds_mla | turboquant_*",
-        Support.REFUSED, Proof.UNIT, "not proven exact through kvrelay", (REFUSE,)),
-    Row("Model dtype", "--dtype bfloat16 | float16", Support.EXACT, Proof.MATRIX,
-        "the dtype is part of the fingerprint", (f"{CFG}[bf16]", f"{CFG}[fp16]")),
+    Row("Model dtype", "--dtype bfloat16 | float16 (KV cache auto)", Support.NEAR, Proof.MATRIX,
+        "every chunk arrives intact, but on vLLM's CPU build 1-3 of 16 greedy answers differ from one vLLM's at a "
+        "near-tie (measured; the test is an expected failure until they do not)", (f"{CFG}[bf16]", f"{CFG}[fp16]")),
     Row("Speculative decoding, n-gram", "--speculative-config '{\"method\": \"ngram\", ...}'", Support.EXACT,
         Proof.CI, "n-gram drafts have no KV of their own; only the prompt's KV travels", (f"{CFG}[ngram]",)),
     Row("Speculative decoding with a drafter", "method eagle | eagle3 | mtp | medusa | draft_model",

@@ -30,12 +30,18 @@ def test_a_drafter_with_kv_of_its_own_is_refused_and_ngram_is_not(method: str):
         "--speculative-config method 'draft_model'"]
 
 
-def test_kv_cache_formats_with_run_time_or_unproven_scales_are_refused():
-    assert refusals(facts_from_args(["--kv-cache-dtype", "bfloat16"])) == []
-    assert refusals(facts_from_args(["--kv-cache-dtype", "fp8_e5m2"])) == []            # static scales
-    assert flags(facts_from_args(["--kv-cache-dtype", "fp8", "--calculate-kv-scales"])) == ["--calculate-kv-scales"]
-    for dtype in ("fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla", "turboquant_k8v4"):
-        assert flags(facts_from_args(["--kv-cache-dtype", dtype])) == [f"--kv-cache-dtype {dtype}"]
+def test_a_kv_cache_in_another_dtype_than_the_models_is_refused():
+    """Measured: a bfloat16 KV cache under a float32 model changed most answers (tests/differential/configs.py)."""
+    assert refusals(facts_from_args(["--kv-cache-dtype", "bfloat16", "--dtype", "bfloat16"])) == []
+    assert refusals(facts_from_args(["--kv-cache-dtype", "bfloat16"], {"torch_dtype": "bfloat16"})) == []
+    assert refusals(facts_from_args(["--kv-cache-dtype", "half", "--dtype", "float16"])) == []
+    assert flags(facts_from_args(["--kv-cache-dtype", "bfloat16"], {"dtype": "float32"})) == [
+        "--kv-cache-dtype bfloat16"]
+    assert flags(facts_from_args(["--kv-cache-dtype", "fp8", "--calculate-kv-scales"])) == [
+        "--calculate-kv-scales", "--kv-cache-dtype fp8"]
+    for dtype in ("fp8", "fp8_e5m2", "fp8_inc", "fp8_ds_mla", "nvfp4_ds_mla", "turboquant_k8v4"):
+        assert flags(facts_from_args(["--kv-cache-dtype", dtype, "--dtype", "bfloat16"])) == [
+            f"--kv-cache-dtype {dtype}"]
 
 
 @pytest.mark.parametrize(("hf", "flag"), [
@@ -61,7 +67,7 @@ def test_prefill_and_decode_must_agree_on_blocks_and_kv_dtype():
     assert [r.flag for r in pair_refusals(facts_from_args(["--block-size", "96"]),
                                           facts_from_args(["--block-size", "96"]), 256)] == [
         "--block-size 96 (prefill)", "--block-size 96 (decode)"]
-    kv = pair_refusals(facts_from_args(["--kv-cache-dtype", "bfloat16"]), d, 256)
+    kv = pair_refusals(facts_from_args(["--kv-cache-dtype", "bfloat16", "--dtype", "bfloat16"]), d, 256)
     assert [r.flag for r in kv] == ["--kv-cache-dtype bfloat16 (prefill) vs auto (decode)"]
 
 
@@ -83,10 +89,10 @@ def test_an_engine_started_by_hand_is_refused_when_vllm_builds_the_connector():
     pytest.importorskip("vllm")
     from kvrelay.core.connector_base import refuse_incompatible
 
-    def vllm_config(**cache: object) -> SimpleNamespace:
+    def vllm_config() -> SimpleNamespace:
         hf = SimpleNamespace(to_dict=lambda: {"model_type": "llama"})
-        return SimpleNamespace(cache_config=SimpleNamespace(block_size=128, cache_dtype="auto", **cache),
-                               model_config=SimpleNamespace(hf_text_config=hf),
+        return SimpleNamespace(cache_config=SimpleNamespace(block_size=128, cache_dtype="auto"),
+                               model_config=SimpleNamespace(hf_text_config=hf, dtype="torch.float32"),
                                speculative_config=SimpleNamespace(method="eagle3"))
     with pytest.raises(EngineIncompatible, match="method 'eagle3'"):
         refuse_incompatible(vllm_config())
@@ -94,6 +100,10 @@ def test_an_engine_started_by_hand_is_refused_when_vllm_builds_the_connector():
     ok.speculative_config = None
     refuse_incompatible(ok)
     assert facts_from_vllm(ok).speculative_method is None
+    with pytest.raises(EngineIncompatible, match="--kv-cache-dtype bfloat16"):
+        refuse_incompatible(SimpleNamespace(cache_config=SimpleNamespace(block_size=128, cache_dtype="bfloat16"),
+                                            speculative_config=None,
+                                            model_config=SimpleNamespace(hf_text_config=None, dtype="torch.float32")))
     groups = SimpleNamespace(kv_cache_groups=[object(), object()])
     with pytest.raises(EngineIncompatible, match="2 KV-cache groups"):
         refuse_incompatible(ok, groups)

@@ -87,5 +87,5 @@ def test_docs_config_md_is_current():
     """``docs/guide/configuration.md`` is ``kvrelay config --markdown``'s output: regenerate it when a key changes."""
     from kvrelay.deploy.config_doc import render
 
-    path = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    path = Path(__file__).resolve().parents[2] / "docs" / "guide" / "configuration.md"
     assert path.read_text() == render(), "docs/guide/configuration.md is stale: run kvrelay config --markdown docs/guide/configuration.md"
