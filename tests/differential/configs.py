@@ -18,10 +18,7 @@ after another (the last adapter loaded at run time through the router's
 time, of the reference and of kvrelay alike: vLLM 0.32's CPU build answers a base-model request
 wrongly when it shares a batch with an adapter's (measured: the base model's greedy answer
 became an adapter's), so concurrent LoRA traffic has no right answer to compare against there.
-The migration's streams all run under one adapter for the same reason. With n-gram speculative
-decoding the CPU build's rejection sampler fails (an index out of bounds in its top-k/top-p
-path) when a seeded top-k/top-p request shares a batch with others, killing the engine, so
-that case is asked one at a time too. Any difference is one
+The migration's streams all run under one adapter for the same reason. Any difference is one
 :class:`~tests.differential.run.Difference`.
 """
 
@@ -44,7 +41,16 @@ from kvrelay.deploy.tiny_model import ensure_tiny_model
 from tests.differential import run
 from tests.differential.compare import Answer
 from tests.differential.surface import MODEL, Request, Surface
-from tests.e2e.harness import DECODE_FIRST, EAGER, _cfg, read_events, scrape, start_stack, stop_active
+from tests.e2e.harness import (
+    DECODE_FIRST,
+    EAGER,
+    _cfg,
+    busiest_decode,
+    read_events,
+    scrape,
+    start_stack,
+    stop_active,
+)
 
 REF_PORT = 18795
 STACK_PORT = 24100
@@ -77,8 +83,6 @@ class EngineCase:
 CASES = (
     EngineCase("lora", LORA_ARGS, adapters=2, runtime_adapters=1, ci=True, concurrency=1,
                doc="three LoRA adapters (one loaded at run time) and the base model, interleaved, --max-loras 1"),
-    EngineCase("ngram", ("--speculative-config", NGRAM), ci=True, concurrency=1,
-               doc="n-gram speculative decoding, 3 tokens"),
     EngineCase("sliding", attention="sliding", ci=True, doc="every layer a 256-token sliding window"),
     EngineCase("alternating", attention="alternating", doc="sliding and full layers in turn"),
     EngineCase("bf16", ("--dtype", "bfloat16"), near=True, doc="a bfloat16 model"),
@@ -187,7 +191,7 @@ def run_case(case: EngineCase, n: int, seed: int, work: Path, log: Callable[[str
         os.environ[RUNTIME_LORA] = "True"
     try:
         handle = start_stack(model, work / "stack", STACK_PORT, transport__backend="tcp", deploy__decode=2,
-                             store__enabled=True, store__cpu_bytes="256MiB",
+                             store__enabled=True, store__cpu_bytes="1GiB",
                              engine__extra_args=engine_args(case, work / "stack"),
                              engine__max_model_len=case.max_model_len,
                              engine__prefill_args=["--no-enable-prefix-caching", *case.prefill_args],
@@ -254,7 +258,7 @@ def _migrate(handle: Any, reqs: list[Request], want: list[Answer], out: Outcome)
     """Greedy streams; once each has text, SIGKILL the decode node running the most. Returns the
     router's migration count; every stream's text must equal the reference's."""
     stack, url = handle.stack, handle.router_url
-    texts = asyncio.run(_streams(url, reqs, lambda: stack.kill(_busiest_decode(stack))))
+    texts = asyncio.run(_streams(url, reqs, lambda: stack.kill(busiest_decode(stack))))
     for req, ref, got in zip(reqs, want, texts, strict=True):
         ref_text = ref.json()["choices"][0]["text"] if ref.status == 200 else f"HTTP {ref.status}"
         if got != ref_text:
@@ -290,11 +294,3 @@ async def _streams(url: str, reqs: list[Request], kill: Callable[[], None]) -> l
         await asyncio.gather(*tasks)
     return texts
 
-
-def _busiest_decode(stack: launch.Stack) -> str:
-    """The live decode node with the most requests running (vLLM's own gauge)."""
-    def running(spec: launch.NodeSpec) -> float:
-        return sum(v for k, v in scrape(f"{stack.url(spec)}/metrics").items()
-                   if k.startswith("vllm:num_requests_running"))
-    live = [s for s in stack.specs if s.role is launch.Role.DECODE and s.name in stack.procs]
-    return max(live, key=running).name

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.differential.configs import CASES, EngineCase, run_case  # noqa: E402
+from tests.differential.configs import CASES, NGRAM, EngineCase, run_case  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 SEED, N = 20261206, int(os.environ.get("KVRELAY_CONFIG_N", "16"))
@@ -41,13 +41,19 @@ def test_an_engine_configuration_answers_as_one_vllm_with_its_flags(case: Engine
     assert out.migrated >= 1, "the kill moved no stream: the migration was not tested"
 
 
-def test_a_refused_configuration_fails_when_vllm_starts_not_at_a_request(tiny_model, tmp_path):
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--kv-cache-dtype", "bfloat16"], "--kv-cache-dtype bfloat16"),
+    (["--speculative-config", NGRAM], "--speculative-config method 'ngram'"),
+], ids=["kv-bfloat16", "ngram"])
+def test_a_refused_configuration_fails_when_vllm_starts_not_at_a_request(tiny_model, tmp_path, args, flag):
     """An engine started by hand (no kvrelay up/serve preflight) with a configuration kvrelay
-    refuses: vLLM exits when it builds the connector, naming the flag."""
+    refuses: vLLM exits when it builds the connector, naming the flag. (Measured before they were
+    refused, through every path: a bfloat16 KV cache under a float32 model changed 14 of 16
+    answers; n-gram speculation killed the decode engine's sampler.)"""
     from kvrelay.deploy import launch
     from tests.e2e.harness import EAGER, _cfg
 
-    cfg = _cfg(tiny_model, tmp_path, 18880, engine__extra_args=[*EAGER, "--kv-cache-dtype", "bfloat16"])
+    cfg = _cfg(tiny_model, tmp_path, 18880, engine__extra_args=[*EAGER, *args])
     spec = launch.NodeSpec(launch.Role.DECODE, 0, 18880, 18881)
     log = tmp_path / "refused.log"
     with open(log, "w") as out:
@@ -58,4 +64,4 @@ def test_a_refused_configuration_fails_when_vllm_starts_not_at_a_request(tiny_mo
     finally:
         launch.stop_group(proc)
     text = log.read_text()
-    assert "kvrelay cannot serve this engine configuration exactly" in text and "--kv-cache-dtype bfloat16" in text
+    assert "kvrelay cannot serve this engine configuration exactly" in text and flag in text

@@ -242,6 +242,15 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def busiest_decode(stack: launch.Stack) -> str:
+    """The live decode node with the most requests running (vLLM's own gauge)."""
+    def running(spec: launch.NodeSpec) -> float:
+        return sum(v for k, v in scrape(f"{stack.url(spec)}/metrics").items()
+                   if k.startswith("vllm:num_requests_running"))
+    live = [s for s in stack.specs if s.role is launch.Role.DECODE and s.name in stack.procs]
+    return max(live, key=running).name
+
+
 def read_events(path: Path) -> list[dict]:
     return telemetry.read_events(path)
 

@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 
 from kvrelay.deploy import launch
-from tests.e2e.harness import MODEL, Case, _cfg, scrape, start_stack
+from tests.e2e.harness import MODEL, Case, _cfg, busiest_decode, scrape, start_stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]   # stacks of 4 engines start in minutes on 2 cores
 N, ANSWER = 16, 240
@@ -113,14 +113,6 @@ def _check(streams: list[Stream], want: dict[str, str]) -> None:
     assert not wrong, f"answers that differ from one vLLM's: {wrong}"
 
 
-def _busiest_decode(stack: launch.Stack) -> str:
-    """The live decode node with the most requests running (vLLM's own gauge)."""
-    def running(spec: launch.NodeSpec) -> float:
-        return sum(v for k, v in scrape(f"{stack.url(spec)}/metrics").items()
-                   if k.startswith("vllm:num_requests_running"))
-    live = [s for s in stack.specs if s.role is launch.Role.DECODE and s.name in stack.procs]
-    return max(live, key=running).name
-
 
 def _until(predicate, what: str, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
@@ -149,7 +141,7 @@ def test_a_killed_decode_node_loses_no_stream_and_no_token(loss_stack, want):
     # the node with the most streams still running: one prefill node staggers the streams' starts,
     # so the first decode node to get work may have finished it by the time every stream has tokens
     streams = asyncio.run(_load(url, LOSS, lambda ss: all(len(s.text) >= 5 for s in ss),
-                                lambda: stack.kill(_busiest_decode(stack))))
+                                lambda: stack.kill(busiest_decode(stack))))
     moved = _router_count(url, "kvrelay_router_migrations_total")
     print(f"decode loss: {N} streams in {time.monotonic() - t0:.0f} s, {moved:.0f} migrated")
     _check(streams, want)
