@@ -56,9 +56,15 @@ def test_attention_that_is_not_a_per_token_kv_cache_is_refused(hf: dict, flag: s
     assert flags(facts_from_args([], hf)) == [flag]
 
 
-def test_sliding_and_alternating_windows_are_served():
+def test_alternating_windows_are_served_and_a_window_on_every_layer_is_refused():
     hf = {"model_type": "llama", "sliding_window": 256, "layer_types": ["sliding_attention", "full_attention"]}
     assert refusals(facts_from_args([], hf)) == []
+    assert refusals(facts_from_args([], {"model_type": "qwen2", "sliding_window": 4096,
+                                         "use_sliding_window": False})) == []
+    every = {"model_type": "mistral", "sliding_window": 4096}
+    assert flags(facts_from_args([], every)) == ["model mistral (sliding_window on every layer)"]
+    assert flags(facts_from_args([], {**hf, "layer_types": ["sliding_attention"] * 2})) == [
+        "model llama (sliding_window on every layer)"]
 
 
 def test_prefill_and_decode_must_agree_on_blocks_and_kv_dtype():

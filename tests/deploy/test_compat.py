@@ -43,4 +43,4 @@ def test_every_engine_case_has_a_row_and_refusals_have_unit_tests():
     refused = [r for r in compat.ROWS if r.support is compat.Support.REFUSED]
     assert refused and all(r.proof in (compat.Proof.UNIT, compat.Proof.CI) for r in refused)
     ci = {c.name for c in CASES if c.ci}
-    assert {"lora", "sliding"} <= ci, "CI runs LoRA and a sliding window (speculation and KV dtypes: refusals)"
+    assert {"lora", "alternating"} <= ci, "CI runs LoRA and sliding windows (speculation, KV dtypes: refusals)"

@@ -83,8 +83,7 @@ class EngineCase:
 CASES = (
     EngineCase("lora", LORA_ARGS, adapters=2, runtime_adapters=1, ci=True, concurrency=1,
                doc="three LoRA adapters (one loaded at run time) and the base model, interleaved, --max-loras 1"),
-    EngineCase("sliding", attention="sliding", ci=True, doc="every layer a 256-token sliding window"),
-    EngineCase("alternating", attention="alternating", doc="sliding and full layers in turn"),
+    EngineCase("alternating", attention="alternating", ci=True, doc="sliding and full layers in turn"),
     EngineCase("bf16", ("--dtype", "bfloat16"), near=True, doc="a bfloat16 model"),
     EngineCase("fp16", ("--dtype", "float16"), near=True, doc="a float16 model"),
     EngineCase("block64", ("--block-size", "64"), doc="64-token blocks (4 per chunk)"),

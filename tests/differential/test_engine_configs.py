@@ -41,19 +41,22 @@ def test_an_engine_configuration_answers_as_one_vllm_with_its_flags(case: Engine
     assert out.migrated >= 1, "the kill moved no stream: the migration was not tested"
 
 
-@pytest.mark.parametrize(("args", "flag"), [
-    (["--kv-cache-dtype", "bfloat16"], "--kv-cache-dtype bfloat16"),
-    (["--speculative-config", NGRAM], "--speculative-config method 'ngram'"),
-], ids=["kv-bfloat16", "ngram"])
-def test_a_refused_configuration_fails_when_vllm_starts_not_at_a_request(tiny_model, tmp_path, args, flag):
+@pytest.mark.parametrize(("args", "attention", "flag"), [
+    (["--kv-cache-dtype", "bfloat16"], "full", "--kv-cache-dtype bfloat16"),
+    (["--speculative-config", NGRAM], "full", "--speculative-config method 'ngram'"),
+    ([], "sliding", "sliding_window on every layer"),
+], ids=["kv-bfloat16", "ngram", "sliding"])
+def test_a_refused_configuration_fails_when_vllm_starts_not_at_a_request(tmp_path, args, attention, flag):
     """An engine started by hand (no kvrelay up/serve preflight) with a configuration kvrelay
     refuses: vLLM exits when it builds the connector, naming the flag. (Measured before they were
     refused, through every path: a bfloat16 KV cache under a float32 model changed 14 of 16
     answers; n-gram speculation killed the decode engine's sampler.)"""
     from kvrelay.deploy import launch
+    from kvrelay.deploy.tiny_model import ensure_tiny_model
     from tests.e2e.harness import EAGER, _cfg
 
-    cfg = _cfg(tiny_model, tmp_path, 18880, engine__extra_args=[*EAGER, *args])
+    model = ensure_tiny_model(tmp_path / "model", attention=attention)
+    cfg = _cfg(model, tmp_path, 18880, engine__extra_args=[*EAGER, *args])
     spec = launch.NodeSpec(launch.Role.DECODE, 0, 18880, 18881)
     log = tmp_path / "refused.log"
     with open(log, "w") as out:
