@@ -171,7 +171,7 @@ def refusals(facts: EngineFacts) -> list[Refusal]:
 def pair_refusals(prefill: EngineFacts, decode: EngineFacts, chunk_tokens: int,
                   default_block: int | None = None) -> list[Refusal]:
     """Why a prefill and a decode engine cannot exchange chunks (both engines' own refusals too)."""
-    found = [*refusals(prefill), *(r for r in refusals(decode) if r not in refusals(prefill))]
+    found = [*refusals(prefill), *refusals(decode)]          # one engine's refusals once (deduplicated below)
     p_block, d_block = prefill.block_size or default_block, decode.block_size or default_block
     if p_block != d_block:
         found.append(Refusal(f"--block-size {p_block or 'default'} (prefill) vs {d_block or 'default'} (decode)",

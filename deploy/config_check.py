@@ -7,9 +7,7 @@ secret when none is set, and must fit its servers' ports without collisions.
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import SECRET_ENV
@@ -59,12 +57,8 @@ def _collisions(cfg: KVRelayConfig) -> list[str]:
 def _tp_problems(cfg: KVRelayConfig) -> list[str]:
     """TP sizes the model's heads do not allow (read from a local model directory's config.json;
     a hub id is checked by each engine at start)."""
-    path = Path(cfg.engine.model).expanduser() / "config.json" if cfg.engine.model else None
-    if path is None or not path.is_file():
-        return []
-    try:
-        hf = json.loads(path.read_text())
-    except (OSError, ValueError):
+    hf = read_hf_config(cfg.engine.model)
+    if not hf:
         return []
     heads = int(hf.get("num_attention_heads") or 0)
     kv_heads = int(hf.get("num_key_value_heads") or heads)
