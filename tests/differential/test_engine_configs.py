@@ -41,30 +41,47 @@ def test_an_engine_configuration_answers_as_one_vllm_with_its_flags(case: Engine
     assert out.migrated >= 1, "the kill moved no stream: the migration was not tested"
 
 
-@pytest.mark.parametrize(("args", "attention", "flag"), [
-    (["--kv-cache-dtype", "bfloat16"], "full", "--kv-cache-dtype bfloat16"),
-    (["--speculative-config", NGRAM], "full", "--speculative-config method 'ngram'"),
-    ([], "sliding", "sliding_window on every layer"),
-], ids=["kv-bfloat16", "ngram", "sliding"])
-def test_a_refused_configuration_fails_when_vllm_starts_not_at_a_request(tmp_path, args, attention, flag):
-    """An engine started by hand (no kvrelay up/serve preflight) with a configuration kvrelay
-    refuses: vLLM exits when it builds the connector, naming the flag. (Measured before they were
-    refused, through every path: a bfloat16 KV cache under a float32 model changed 14 of 16
-    answers; n-gram speculation killed the decode engine's sampler.)"""
+REFUSED = {   # id: (engine flags, the model's attention, what vLLM's exit must name)
+    "kv-bfloat16": (["--kv-cache-dtype", "bfloat16"], "full", "--kv-cache-dtype bfloat16"),
+    "ngram": (["--speculative-config", NGRAM], "full", "--speculative-config method 'ngram'"),
+    "sliding": ([], "sliding", "sliding_window on every layer"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused_logs(tmp_path_factory) -> dict[str, str]:
+    """Each refused configuration on an engine started by hand (no kvrelay up/serve preflight),
+    the three at once (their start is mostly imports, one core each): id -> the engine's log."""
     from kvrelay.deploy import launch
     from kvrelay.deploy.tiny_model import ensure_tiny_model
     from tests.e2e.harness import EAGER, _cfg
 
-    model = ensure_tiny_model(tmp_path / "model", attention=attention)
-    cfg = _cfg(model, tmp_path, 18880, engine__extra_args=[*EAGER, *args])
-    spec = launch.NodeSpec(launch.Role.DECODE, 0, 18880, 18881)
-    log = tmp_path / "refused.log"
-    with open(log, "w") as out:
-        proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 2), out)
+    tmp = tmp_path_factory.mktemp("refused")
+    procs, logs = {}, {}
     try:
-        with pytest.raises(RuntimeError, match="server exited"):
-            launch.wait_healthy("http://127.0.0.1:18880", proc, 300, str(log))
+        for k, (name, (args, attention, _)) in enumerate(REFUSED.items()):
+            port = 18880 + 4 * k
+            model = ensure_tiny_model(tmp / f"model-{attention}", attention=attention)
+            cfg = _cfg(model, tmp / name, port, engine__extra_args=[*EAGER, *args])
+            logs[name] = tmp / f"{name}.log"
+            with open(logs[name], "w") as out:
+                procs[name] = launch.spawn_group(launch.server_command(
+                    cfg, launch.NodeSpec(launch.Role.DECODE, 0, port, port + 1)), launch.server_env(cfg, 0, 2), out)
+        for k, name in enumerate(REFUSED):
+            with pytest.raises(RuntimeError, match="server exited"):
+                launch.wait_healthy(f"http://127.0.0.1:{18880 + 4 * k}", procs[name], 300, str(logs[name]))
     finally:
-        launch.stop_group(proc)
-    text = log.read_text()
-    assert "kvrelay cannot serve this engine configuration exactly" in text and flag in text
+        for proc in procs.values():
+            launch.stop_group(proc)
+    return {name: path.read_text() for name, path in logs.items()}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_a_refused_configuration_fails_when_vllm_starts_not_at_a_request(refused_logs, name):
+    """An engine started by hand with a configuration kvrelay refuses: vLLM exits when it builds
+    the connector, naming the flag. (Measured before they were refused, through every path: a
+    bfloat16 KV cache under a float32 model changed 14 of 16 answers; n-gram speculation killed
+    the decode engine's sampler.)"""
+    text = refused_logs[name]
+    assert "kvrelay cannot serve this engine configuration exactly" in text, text[-2000:]
+    assert REFUSED[name][2] in text, text[-2000:]

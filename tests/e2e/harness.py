@@ -376,6 +376,22 @@ FIRST_TOKEN = {"tcp": "prefill", "nixl": "decode"}
 DECODE_FIRST = {"router__decode_first": True, "router__disagg_min_tokens": 0, "router__disagg_min_tokens_idle": 0}
 
 
+
+def assert_corrupted_chunks_recomputed(stack: StackHandle, reference: dict[str, str], case: Case) -> None:
+    """Serve ``case`` on a stack whose prefill node corrupts every other chunk
+    (``connector.push_hook = tests.e2e.faults:corrupt_every_other``): the load must report
+    checksum failures, recompute them, count them, and the answer must stay exact."""
+    before = stack.worker_metrics(launch.Role.DECODE).get("kvrelay_tokens_recomputed_total", 0)
+    rid = f"t-{stack.cfg.transport.backend.value}-{case.name}-{os.urandom(3).hex()}"
+    text, _ = run_case(openai_client(stack.router_url), case, rid)
+    d = next(e for e in stack.wait_events(rid, {"load_done"}) if e["event"] == "load_done")
+    assert d["failed"], d
+    assert all("checksum" in why for why in d["failed"].values()), d
+    assert d["recomputed_tokens"] > 0
+    assert text == reference[case.name], "recompute fallback must still give the exact answer"
+    after = stack.worker_metrics(launch.Role.DECODE)["kvrelay_tokens_recomputed_total"]
+    assert after - before == d["recomputed_tokens"]
+
 def stop_active() -> None:
     """Stop the stack the last :func:`start_stack` started, if it still runs."""
     while _ACTIVE:

@@ -25,6 +25,7 @@ from tests.e2e.harness import (
     MODEL,
     PIPELINE_CASE,
     Case,
+    assert_corrupted_chunks_recomputed,
     openai_client,
     raw_post,
     run_case,
@@ -233,22 +234,7 @@ def corrupt_stack(reference, tiny_model, tmp_path_factory):
 @pytest.mark.parametrize("case", [CASES[4], CASES[7], CASES[10]], ids=lambda c: c.name)
 def test_corrupted_chunks_are_rejected_and_recomputed(corrupt_stack, reference, case):
     """Negative control: every other pushed chunk is corrupted after checksumming."""
-    _assert_corrupted_chunks_recomputed(corrupt_stack, reference, case)
-
-
-def _assert_corrupted_chunks_recomputed(stack, reference, case) -> None:
-    """Serve ``case`` on a stack whose prefill node corrupts every other chunk: the load must
-    report checksum failures, recompute them, count them, and the answer must stay exact."""
-    before = stack.worker_metrics(Role.DECODE).get("kvrelay_tokens_recomputed_total", 0)
-    rid = _rid(stack, case)
-    text, _ = run_case(openai_client(stack.router_url), case, rid)
-    d = next(e for e in stack.wait_events(rid, {"load_done"}) if e["event"] == "load_done")
-    assert d["failed"], d
-    assert all("checksum" in why for why in d["failed"].values()), d
-    assert d["recomputed_tokens"] > 0
-    assert text == reference[case.name], "recompute fallback must still give the exact answer"
-    after = stack.worker_metrics(Role.DECODE)["kvrelay_tokens_recomputed_total"]
-    assert after - before == d["recomputed_tokens"]
+    assert_corrupted_chunks_recomputed(corrupt_stack, reference, case)
 
 
 def test_prometheus_scrapes_the_stack_and_the_recompute_alert_fires(corrupt_stack, reference, tmp_path):
@@ -355,19 +341,6 @@ def test_features_that_cannot_be_split_fall_back_and_stay_exact(pd_stack, refere
         split = pd_stack.cfg.router.first_token.value == "prefill"       # only then is there a fallback
         assert _fallbacks(pd_stack.router_url) == before + split, f"{name} did not take the decode path"
         assert text(got) == text(want) and got["usage"] == want["usage"], name
-
-
-def test_corrupted_chunks_over_nixl_are_caught_in_the_install_and_recomputed(reference, tiny_model, tmp_path):
-    """nixl does not hash on arrival: the decode node scatters each chunk from its slot and
-    verifies the bytes it installed (decode/installer.py). Corrupted chunks must fail that
-    check, be recomputed, and the answer must stay exact. Defined last: its stack replaces
-    the active one (harness.start_stack), so it must run after every test of the others."""
-    handle = start_stack(tiny_model, tmp_path, 19200, transport__backend="nixl",
-                         connector__push_hook="tests.e2e.faults:corrupt_every_other")
-    try:
-        _assert_corrupted_chunks_recomputed(handle, reference, CASES[7])
-    finally:
-        handle.stack.stop()
 
 
 # Each kvrelay family's Prometheus type: what is counted is a counter (``_total``), what is held

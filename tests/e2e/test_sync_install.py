@@ -17,7 +17,14 @@ import pytest
 import requests
 
 from kvrelay.deploy.launch import Role
-from tests.e2e.harness import CASES, MODEL, openai_client, run_case, start_stack
+from tests.e2e.harness import (
+    CASES,
+    MODEL,
+    assert_corrupted_chunks_recomputed,
+    openai_client,
+    run_case,
+    start_stack,
+)
 
 pytestmark = pytest.mark.slow
 PORT0 = 20600
@@ -65,3 +72,11 @@ def test_chunks_failing_inside_the_scheduling_step_are_recomputed_exactly(sync_s
     for e in failed:
         assert all("checksum" in why for why in e["failed"].values()), e
         assert e["recomputed_tokens"] > 0, e
+
+
+def test_corrupted_chunks_over_nixl_are_caught_in_the_install_and_recomputed(sync_stack, reference):
+    """nixl does not hash on arrival: the decode node scatters each chunk from its slot and
+    verifies the bytes it installed (decode/installer.py). Corrupted chunks must fail that
+    check, be recomputed, and the answer must stay exact (D idle here: the install after the
+    step, where the test above makes it inside the step)."""
+    assert_corrupted_chunks_recomputed(sync_stack, reference, CASES[7])
