@@ -64,7 +64,8 @@ class ConnectorConfig(Section, frozen=True):
     push_hook: str = ""              # "module:function" called on each chunk before it is written (tests' faults)
     inspect_hook: str = ""           # "module:function" shown a request's KV blocks once complete (core/hooks.py)
     helper_cpus: str = "all"         # push/install threads: "all" allowed CPUs, "inherit" the engine pin, or "2-3"
-    drain_file: str = ""             # the node's drain state (core/drain.py); kvrelay serve sets one per node
+    drain_file: str = ""             # the node's drain state (core/drain.py); "" = one per node in runtime_dir
+    runtime_dir: str = ""            # private (0700) directory of the node's shared state files; "" = /dev/shm/kvrelay-<uid>
     sync_landed: bool = True         # decode: a transfer wholly received before its request is scheduled is
                                      # installed inside that step (one step sooner; false: always in the background)
 

@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvrelay.common.errors import EngineIncompatible
+from kvrelay.common.private_files import runtime_dir
 from kvrelay.core.config import KVRelayConfig, from_connector_extra
 from kvrelay.core.engine_compat import Refusal, facts_from_vllm, refusals
 from kvrelay.core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
@@ -127,7 +128,7 @@ class WorkerBase:
         self.stats = StatsTracker(self.metrics)      # the same numbers on the engine's /metrics
         engine_id = str(getattr(getattr(vllm_config, "kv_transfer_config", None), "engine_id", "") or os.getpid())
         self.gauges = SnapshotWriter(functools.partial(read_gauges, self.metrics),    # ... its gauges, also idle
-                                     snapshot_path(engine_id, os.getpid())).start()
+                                     snapshot_path(engine_id, os.getpid(), runtime_dir(cfg.connector.runtime_dir))).start()
         self.spans = TransferSpans(cfg.tracing.endpoint, cfg.tracing.protocol, f"kvrelay-{self.role}")
         self._lock = threading.Condition()
         self._finished: set[str] = set()

@@ -25,8 +25,9 @@ broken drain file).
 from __future__ import annotations
 
 import enum
-import os
 from pathlib import Path
+
+from kvrelay.common.private_files import read_small, write_atomic
 
 DRAINING_HEADER = "X-Kvrelay-Draining"
 
@@ -41,10 +42,10 @@ def read_phase(path: str) -> DrainPhase:
     """The phase ``path`` records (SERVING when there is no such file, or it says nothing known)."""
     if not path:
         return DrainPhase.SERVING
-    try:
-        text = Path(path).read_text().strip()
-    except OSError:
+    data = read_small(path, limit=64)
+    if data is None:
         return DrainPhase.SERVING
+    text = data.decode(errors="replace").strip()
     try:
         return DrainPhase(text or DrainPhase.DRAINING.value)     # an empty file (``touch``) drains
     except ValueError:
@@ -56,6 +57,4 @@ def write_phase(path: str, phase: DrainPhase) -> None:
     if phase is DrainPhase.SERVING:
         Path(path).unlink(missing_ok=True)
         return
-    tmp = f"{path}.tmp{os.getpid()}"
-    Path(tmp).write_text(phase.value + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, (phase.value + "\n").encode())

@@ -27,10 +27,13 @@ import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvrelay.common.private_files import runtime_dir
+from kvrelay.core.config import from_connector_extra
 from kvrelay.core.gauge_snapshots import WorkerGauges
 from kvrelay.core.telemetry import Metrics, has_metrics, labelled_metrics, metrics
 
@@ -129,7 +132,9 @@ class RelayPromMetrics(KVConnectorPromMetrics):
         self.families = families(labelled_metrics(tuple(labelnames)))
         engine_id = getattr(vllm_config.kv_transfer_config, "engine_id", None)
         if engine_id:
-            _register_gauges(str(engine_id), tuple(labelnames), tuple(per_engine_labelvalues.get(0, ())))
+            cfg = from_connector_extra(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
+            _register_gauges(str(engine_id), tuple(labelnames), tuple(per_engine_labelvalues.get(0, ())),
+                             str(runtime_dir(cfg.connector.runtime_dir)))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         fams, lab = self.families, self.engine_labels.get(engine_idx, {})
@@ -147,7 +152,8 @@ class RelayPromMetrics(KVConnectorPromMetrics):
 
 
 @functools.cache
-def _register_gauges(engine_id: str, labelnames: tuple[str, ...], labelvalues: tuple[object, ...]) -> None:
+def _register_gauges(engine_id: str, labelnames: tuple[str, ...], labelvalues: tuple[object, ...],
+                     directory: str) -> None:
     from prometheus_client import REGISTRY
 
-    REGISTRY.register(WorkerGauges(engine_id, labelnames, labelvalues))
+    REGISTRY.register(WorkerGauges(engine_id, labelnames, labelvalues, Path(directory)))

@@ -8,7 +8,13 @@ when they change (checked every ``interval_s``, 1 s: reading the pool's occupanc
 slots), named by the engine's ``engine_id`` (the same in the API server and its workers) and
 the worker's pid; the API server's collector reads the
 files of its engine at scrape time and sums them across workers (tensor-parallel ranks). A file
-whose worker has died is removed, not summed.
+whose worker has died is removed, not summed, whichever engine it was of.
+
+The files live in the node's private runtime directory (``connector.runtime_dir``,
+:mod:`kvrelay.common.private_files`), and the reader trusts none of them anyway: a name that is
+not exactly ``kvrelay-gauges-<engine>-<pid>.json`` is skipped, a file is read without blocking
+(a FIFO is refused) and only if it is a regular file of ours under 64 KiB, and content that is
+not the snapshot's shape is skipped. ``/metrics`` never waits on, or fails because of, a file.
 """
 
 from __future__ import annotations
@@ -17,22 +23,25 @@ import contextlib
 import json
 import os
 import re
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvrelay.common.private_files import read_small, write_atomic
 from kvrelay.core.telemetry import GAUGES, Metrics
 
-SNAPSHOT_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 Values = dict[str, list[tuple[dict[str, str], float]]]      # gauge name -> [(own labels, value)]
+_NAME = re.compile(r"kvrelay-gauges-(?P<engine>[\w.-]+)-(?P<pid>[1-9][0-9]{0,9})\.json")
 
 
-def snapshot_path(engine_id: str, pid: int | str, directory: Path = SNAPSHOT_DIR) -> Path:
-    """Worker ``pid``'s file for ``engine_id`` (``pid`` "*": the glob of every worker's)."""
-    safe = re.sub(r"[^\w.-]", "_", engine_id)
-    return directory / f"kvrelay-gauges-{safe}-{pid}.json"
+def _safe(engine_id: str) -> str:
+    return re.sub(r"[^\w.-]", "_", engine_id)
+
+
+def snapshot_path(engine_id: str, pid: int, directory: Path) -> Path:
+    """Worker ``pid``'s file for ``engine_id`` in ``directory`` (the node's runtime directory)."""
+    return directory / f"kvrelay-gauges-{_safe(engine_id)}-{pid}.json"
 
 
 def read_gauges(m: Metrics) -> Values:
@@ -61,10 +70,8 @@ class SnapshotWriter:
         text = json.dumps(self.read(), sort_keys=True)
         if text == self._last:
             return False
-        tmp = self.path.with_suffix(".tmp")
         with contextlib.suppress(OSError):                  # a full /dev/shm costs a stale gauge, nothing more
-            tmp.write_text(text)
-            os.replace(tmp, self.path)
+            write_atomic(self.path, text.encode())
             self._last = text
         return True
 
@@ -90,23 +97,38 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def summed(engine_id: str, directory: Path = SNAPSHOT_DIR) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every live worker's gauges for ``engine_id``, summed: {(name, own labels): value}."""
+def _samples(data: bytes) -> list[tuple[str, tuple[tuple[str, str], ...], float]]:
+    """A snapshot's samples, or none when it is not a snapshot's shape."""
+    try:
+        values = json.loads(data)
+        return [(name, tuple(sorted((str(k), str(v)) for k, v in labels.items())), float(value))
+                for name, samples in values.items() if name in GAUGES for labels, value in samples]
+    except (ValueError, TypeError, AttributeError):
+        return []
+
+
+def summed(engine_id: str, directory: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every live worker's gauges for ``engine_id``, summed: {(name, own labels): value}.
+    Files of dead workers (of any engine) are removed on the way."""
     total: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for path in directory.glob(snapshot_path(engine_id, "*", directory).name):
-        pid = int(path.stem.rsplit("-", 1)[1])
+    want = _safe(engine_id)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return total
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None:
+            continue
+        pid = int(m["pid"])
         if not _alive(pid):
             with contextlib.suppress(OSError):
-                path.unlink()
+                os.unlink(directory / name)
             continue
-        try:
-            values = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        for name, samples in values.items():
-            for labels, value in samples:
-                key = (name, tuple(sorted(labels.items())))
-                total[key] = total.get(key, 0.0) + float(value)
+        data = read_small(directory / name, owners=(os.geteuid(),)) if m["engine"] == want else None
+        for key_name, labels, value in _samples(data) if data else ():
+            key = (key_name, labels)
+            total[key] = total.get(key, 0.0) + value
     return total
 
 
@@ -115,7 +137,7 @@ class WorkerGauges:
     scrape time, with vLLM's labels (``labelnames`` = ``labelvalues``) before their own."""
 
     def __init__(self, engine_id: str, labelnames: Sequence[str], labelvalues: Sequence[object],
-                 directory: Path = SNAPSHOT_DIR) -> None:
+                 directory: Path) -> None:
         self.engine_id, self.directory = engine_id, directory
         self.labelnames, self.labelvalues = list(labelnames), [str(v) for v in labelvalues]
 

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvrelay.common.private_files import write_atomic
+
 _REQUEST: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvrelay_request_id", default=None)
 _TRANSFER: contextvars.ContextVar[str | None] = contextvars.ContextVar("kvrelay_transfer_id", default=None)
 
@@ -97,5 +99,5 @@ def vllm_logging_config(path: str | os.PathLike[str]) -> str:
                           for name in ("vllm", "uvicorn", "uvicorn.error", "kvrelay")},
               "root": {"handlers": ["json"], "level": "WARNING"}}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(config, indent=1))
+    write_atomic(path, json.dumps(config, indent=1).encode())
     return str(path)

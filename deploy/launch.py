@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +26,7 @@ import msgspec
 import yaml
 
 from kvrelay.common.errors import ConfigError
+from kvrelay.common.private_files import runtime_dir
 from kvrelay.common.secrets import API_KEY_ENV, SECRET_ENV, write_private, write_secret_file
 from kvrelay.core import config as kcfg
 from kvrelay.core.config import KVRelayConfig
@@ -80,8 +80,9 @@ def node_specs(cfg: KVRelayConfig) -> list[NodeSpec]:
 
 
 def drain_path(cfg: KVRelayConfig, spec: NodeSpec) -> str:
-    """Node ``spec``'s drain file (:mod:`kvrelay.core.drain`): ``connector.drain_file``, else one per node and port."""
-    return cfg.connector.drain_file or str(Path(tempfile.gettempdir()) / f"kvrelay-{spec.name}-{spec.port}.drain")
+    """Node ``spec``'s drain file (:mod:`kvrelay.core.drain`): ``connector.drain_file``, else one
+    per node and port in the private runtime directory (:mod:`kvrelay.common.private_files`)."""
+    return cfg.connector.drain_file or str(runtime_dir(cfg.connector.runtime_dir) / f"{spec.name}-{spec.port}.drain")
 
 
 def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
@@ -89,6 +90,7 @@ def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
     (:func:`kvrelay.core.config.engine_view`: nothing secret, since command lines are public)."""
     data = kcfg.engine_view(cfg)
     data["connector"]["drain_file"] = drain_path(cfg, spec)
+    data["connector"]["runtime_dir"] = str(runtime_dir(cfg.connector.runtime_dir))
     if spec.role is Role.DECODE:
         data["transport"].update(host=cfg.deploy.host, control_port=spec.kv_port,
                                  data_port=spec.kv_port + 100 if cfg.transport.data_port == 0
