@@ -138,3 +138,68 @@ def test_the_secret_is_in_no_command_line_and_no_log(guarded):
     for f in guarded.stack.log_dir.iterdir():
         assert secret not in f.read_text(errors="replace"), f"secret in {f}"
     assert secret not in guarded.events_path.read_text(errors="replace")
+
+
+def _as_nobody(fn) -> str:
+    """Run ``fn`` in a child process as user ``nobody``; what it raised, or ""."""
+    import multiprocessing
+
+    def child(q) -> None:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        try:
+            fn()
+            q.put("")
+        except OSError as exc:
+            q.put(type(exc).__name__)
+    q: multiprocessing.Queue = multiprocessing.get_context("fork").Queue()
+    p = multiprocessing.get_context("fork").Process(target=child, args=(q,))
+    p.start()
+    p.join(10)
+    return q.get(timeout=5)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plays another local user: needs root")
+def test_files_planted_by_another_local_user_change_nothing(guarded, reference):
+    """Another user plants FIFOs and malformed files where kvrelay's node files are (the private
+    runtime directory refuses them) and where they used to be (/dev/shm, /tmp); a FIFO, a
+    malformed name, garbage and a symlink get into the runtime directory anyway (planted as
+    root). Every engine's /metrics answers within 1 s and requests through the router succeed."""
+    from kvrelay.common.private_files import runtime_dir
+
+    run = runtime_dir(guarded.cfg.connector.runtime_dir)
+    assert run.stat().st_mode & 0o777 == 0o700
+    gauges = sorted(run.glob("kvrelay-gauges-*.json"))
+    assert gauges, f"no gauge snapshot in {run}"
+    engines = {p.name.rsplit("-", 1)[0] for p in gauges}
+    drains = [launch.drain_path(guarded.cfg, s) for s in guarded.stack.specs if s.role is not launch.Role.SINGLE]
+    assert all(Path(d).parent == run for d in drains)
+    assert _as_nobody(lambda: os.mkfifo(run / "kvrelay-gauges-x-1.json")) == "PermissionError"
+    old = [Path("/dev/shm") / f"{e}-{os.getpid()}.json" for e in engines]
+    old += [Path("/tmp") / f"kvrelay-{s.name}-{s.port}.drain" for s in guarded.stack.specs]
+    planted = [*old, *(run / f"{e}-{os.getpid()}.json" for e in engines), run / "kvrelay-gauges-x-x.json",
+               run / "kvrelay-gauges-x-7.json", *map(Path, drains)]
+    try:
+        for p in old:
+            p.unlink(missing_ok=True)
+            assert _as_nobody(lambda p=p: os.mkfifo(p)) == ""
+        for p in planted[len(old):]:
+            if p.name.endswith("-x.json"):
+                p.write_text("{")
+            elif p.name.endswith("-7.json"):
+                p.symlink_to("/etc/passwd")
+            else:
+                os.mkfifo(p)
+        for role in (launch.Role.PREFILL, launch.Role.DECODE):
+            t0 = time.monotonic()
+            with urllib.request.urlopen(f"{node_url(guarded, role)}/metrics", timeout=1) as r:
+                assert r.status == 200 and b"kvrelay_pool_slots_busy" in r.read()
+            assert time.monotonic() - t0 < 1
+        client = openai_client(guarded.router_url)
+        client.api_key = API_KEY
+        for case in CASES[:4]:
+            assert run_case(client, case)[0] == reference[case.name], case.name
+    finally:
+        for p in planted:
+            p.unlink(missing_ok=True)
