@@ -80,6 +80,12 @@ class Progress:
         return pieces
 
     def fail(self, cause: Cause, message: str) -> None:
+        """Record the segment's failure (the first cause stays). A stream that already gave its
+        ``finish_reason`` is complete whatever happens after it (a drop before ``[DONE]``, a late
+        error event): never a failure, never continued past the finish."""
+        if self.finish is not None:
+            self.decoded = max(self.decoded, len(self.ids))      # its usage event may be what was lost
+            return
         if not self.failure:
             self.failure, self.cause = message, cause
 

@@ -28,8 +28,8 @@ class Decoder(Scripted):
     is 100 + i, whatever node computes it. ``die_after``: it drops the connection after that many
     tokens of a request (or answers ``status`` before any)."""
 
-    def __init__(self, die_after: int | None = None, status: int = 200) -> None:
-        self.die_after, self.status = die_after, status
+    def __init__(self, die_after: int | None = None, status: int = 200, eos_at: int | None = None) -> None:
+        self.die_after, self.status, self.eos_at = die_after, status, eos_at
         self.prompts: list[list[int]] = []
         self.alone = 0                                   # requests it served alone (no prefill node)
         self.url = ""
@@ -56,11 +56,16 @@ class Decoder(Scripted):
                 assert request.transport is not None
                 request.transport.abort()                # SIGKILL-like: the connection just drops
                 return resp
+            eos = i == self.eos_at
             ev = {"id": "cmpl-d", "object": "text_completion", "created": 8, "model": "m",
                   "choices": [{"index": 0, "text": text_of(i), "logprobs": None,
-                               "finish_reason": "length" if k == n - 1 else None, "stop_reason": None,
-                               "token_ids": [100 + i]}]}
+                               "finish_reason": "stop" if eos else "length" if k == n - 1 else None,
+                               "stop_reason": None, "token_ids": [100 + i]}]}
             await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            if eos:                                      # EOS, then the node dies before usage and [DONE]
+                assert request.transport is not None
+                request.transport.abort()
+                return resp
         usage = {"id": "cmpl-d", "object": "text_completion", "created": 8, "model": "m", "choices": [],
                  "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n, "completion_tokens": n}}
         await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
@@ -248,6 +253,31 @@ def test_answers_the_engine_gives_a_request_never_open_a_breaker():
                         await resp.read()
                 assert r.decode.breaker.state(refuses.url).value == "closed"
                 assert r.metrics.breaker_opens.labels(refuses.url)._value.get() == 0
+    run(go())
+
+
+def test_a_stream_that_finished_before_its_node_died_is_complete_and_never_continued():
+    """D sends EOS (``finish_reason: stop``) at token 5 of a 12-token budget, then its connection
+    drops before usage and ``[DONE]``: the answer ends there, with no migration and no token after
+    the finish (before the fix the spare node continued it past EOS)."""
+    async def go():
+        dying, spare = Decoder(eos_at=5), Decoder(eos_at=5)
+        async with stack([Decoder()], [dying, spare]) as (url, s, router):
+            async with s.post(f"{url}/v1/completions", json={**BODY, "stream": True,
+                                                            "stream_options": {"include_usage": True}}) as r:
+                evs = events(await r.read())
+            assert evs[-1] == "[DONE]" and not any("error" in e for e in evs[:-1] if isinstance(e, dict))
+            choices = [c for e in evs[:-1] if isinstance(e, dict) for c in e.get("choices", ())]
+            assert "".join(c["text"] for c in choices) == _want(6)
+            assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["stop"]
+            assert choices[-1]["finish_reason"] == "stop"                  # nothing after the finish
+            assert evs[-2]["usage"]["completion_tokens"] == 6
+            assert len(dying.prompts) + len(spare.prompts) == 1             # asked once, never continued
+            async with s.post(f"{url}/v1/completions", json=BODY) as r:  # not streamed: the same answer
+                answer = await r.json()
+            assert answer["choices"][0]["text"] == _want(6) and answer["choices"][0]["finish_reason"] == "stop"
+            assert len(dying.prompts) + len(spare.prompts) == 2
+            assert sum(m._value.get() for m in router.metrics.migrations._metrics.values()) == 0
     run(go())
 
 
