@@ -170,7 +170,7 @@ class Router:
         rc = self.cfg.router
 
         def resize() -> None:
-            self.admission.capacity = rc.max_inflight * max(1, len(self.decode.nodes))
+            self.admission.resize(rc.max_inflight * max(1, len(self.decode.nodes)))
             self.decode.breaker.forget({n.url for p in (self.prefill, self.decode) for n in p.nodes})
             if self.index is not None:
                 self.index.sync()

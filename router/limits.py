@@ -6,7 +6,8 @@
 * :class:`TokenBucket` / :class:`RateLimits` - one bucket per API key (or client address).
 * :class:`Admission` - at most ``capacity`` requests in flight; up to ``max_queued`` more
   wait (FIFO) for at most ``timeout_s``; anything beyond is refused at once. The caller
-  answers a refusal with 429 and ``Retry-After``.
+  answers a refusal with 429 and ``Retry-After``. A new capacity (decode nodes joined or left,
+  :meth:`Admission.resize`) takes effect at once: waiters are admitted into the room it makes.
 
 Clocks are injected; nothing here does I/O.
 """
@@ -17,7 +18,7 @@ import asyncio
 import hmac
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -107,7 +108,7 @@ class Admission:
     def __init__(self, capacity: int, max_queued: int, timeout_s: float) -> None:
         self.capacity, self.max_queued, self.timeout_s = capacity, max_queued, timeout_s
         self.inflight = 0
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: deque[asyncio.Future[None]] = deque()
 
     @property
     def queued(self) -> int:
@@ -139,10 +140,20 @@ class Admission:
                 self._waiters.remove(fut)
 
     def release(self) -> None:
-        """One admitted request ended: the slot passes to the first waiter, if any."""
-        while self._waiters:
-            fut = self._waiters.pop(0)
-            if not fut.done():
-                fut.set_result(None)                     # the slot passes on; inflight unchanged
-                return
+        """One admitted request ended: its slot passes to the first waiter, if any (and if the
+        capacity, perhaps lowered meanwhile, has room)."""
         self.inflight -= 1
+        self._admit_waiting()
+
+    def resize(self, capacity: int) -> None:
+        """A new capacity, at once: raised, it admits waiters into the room it makes; lowered,
+        requests in flight finish and nobody new is admitted until there is room."""
+        self.capacity = capacity
+        self._admit_waiting()
+
+    def _admit_waiting(self) -> None:
+        while self._waiters and self.inflight < self.capacity:
+            fut = self._waiters.popleft()
+            if not fut.done():                           # (a waiter that gave up is skipped)
+                self.inflight += 1
+                fut.set_result(None)
