@@ -12,17 +12,19 @@ nor its seed, and stays torch-free. A prompt's leading blocks get keys by the sa
 and :meth:`KVIndex.held` answers how many leading tokens of it each engine holds.
 
 The contract: an engine is never claimed to hold a block it announced as removed or
-cleared, nor anything from before a restart (the batch sequence number starts again) or
-a lost connection (:meth:`KVIndex.forget`). A missed event (a gap in the sequence) can
-leave a stale claim, and that only costs a worse choice: the engine computes what it
-lacks, so answers never depend on the index. Memory is bounded per engine
-(``max_blocks``: the oldest blocks are forgotten first).
+cleared, nor anything from before a restart (the batch sequence number starts again), a
+lost connection (:meth:`KVIndex.forget`) or a gap in the sequence (a missed batch may have
+removed any block: the engine's claims are dropped and rebuilt from its next events). A stale
+claim would only cost a worse choice - the engine computes what it lacks, so answers never
+depend on the index. Memory is bounded per engine (``max_blocks``: the oldest blocks are
+forgotten first, in O(1) each).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -110,14 +112,14 @@ class EngineBlocks:
     """One engine's view: its blocks (vLLM hash -> our key, oldest first) and its last batch."""
 
     block_size: int = 0
-    by_hash: dict[BlockHash, bytes] = field(default_factory=dict)
+    by_hash: OrderedDict[BlockHash, bytes] = field(default_factory=OrderedDict)   # oldest first, O(1) at both ends
     seq: int = -1
 
 
 @dataclass
 class IndexStats:
     batches: int = 0
-    missed_batches: int = 0      # sequence gaps: claims may be stale until the blocks are removed
+    missed_batches: int = 0      # batches lost in sequence gaps (each gap drops the engine's claims)
     restarts: int = 0            # sequence went back: the engine (or its publisher) started again
     broken_chains: int = 0       # stored blocks whose parent we never saw (skipped)
     dropped_for_bound: int = 0   # blocks forgotten to keep an engine under max_blocks
@@ -141,8 +143,10 @@ class KVIndex:
             self.stats.restarts += 1
             self.forget(url)
             eng = self.engines.setdefault(url, EngineBlocks())
-        elif eng.seq >= 0 and seq > eng.seq + 1:
+        elif eng.seq >= 0 and seq > eng.seq + 1:  # a lost batch may have removed anything we hold
             self.stats.missed_batches += seq - eng.seq - 1
+            self.forget(url)
+            eng = self.engines.setdefault(url, EngineBlocks())
         eng.seq = seq
         self.stats.batches += 1
         for ev in batch.events:
@@ -179,15 +183,20 @@ class KVIndex:
             self.holders.setdefault(parent, set()).add(url)
         while len(eng.by_hash) > self.max_blocks:
             self.stats.dropped_for_bound += 1
-            self._removed(url, eng, (next(iter(eng.by_hash)),))
+            h, key = eng.by_hash.popitem(last=False)
+            self._unhold(url, key)
 
     def _removed(self, url: str, eng: EngineBlocks, hashes: Iterable[BlockHash]) -> None:
         for h in hashes:
             key = eng.by_hash.pop(h, None)
-            if key is not None and (held := self.holders.get(key)) is not None:
-                held.discard(url)
-                if not held:
-                    del self.holders[key]
+            if key is not None:
+                self._unhold(url, key)
+
+    def _unhold(self, url: str, key: bytes) -> None:
+        if (held := self.holders.get(key)) is not None:
+            held.discard(url)
+            if not held:
+                del self.holders[key]
 
     def _clear(self, url: str, eng: EngineBlocks) -> None:
         self._removed(url, eng, list(eng.by_hash))

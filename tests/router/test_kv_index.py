@@ -90,6 +90,45 @@ def test_a_restarted_publisher_wipes_what_came_before_and_gaps_are_counted():
     assert index.stats.missed_batches == 5
 
 
+def test_a_gap_in_the_sequence_drops_the_engines_claims():
+    """A lost batch may have removed any block: nothing from before the gap is claimed any more
+    (before the fix the gap was only counted, and the claims stayed), what follows it is."""
+    index = KVIndex()
+    a, b = Engine(index, "http://a"), Engine(index, "http://b")
+    prompt, other = list(range(8)), list(range(100, 108))
+    a.cache(prompt)
+    b.cache(prompt)
+    a.seq += 1                                     # one batch lost (say, the BlockRemoved of prompt)
+    a.blocks.clear()
+    a.cache(other)
+    assert index.held(prompt, ["http://a", "http://b"]) == {"http://b": 8}
+    assert index.held(other, ["http://a"]) == {"http://a": 8}
+    assert index.stats.missed_batches == 1 and index.stats.restarts == 0
+
+
+def test_eviction_for_the_bound_is_o1_however_many_blocks_went_before():
+    """Storing 20,000 blocks into an engine at its bound (each evicting the oldest) costs about
+    what storing them under no bound costs. Before the fix each eviction walked the dict's holes
+    (``next(iter(d))``; measured 9 -> 112 us per block over 80k): 4.2x here, against 1.2x after.
+    A ratio of CPU times within this run, best of three, with a wide margin."""
+    import time
+
+    batches = [decode_batch(wire(stored([random.getrandbits(63) for _ in range(100)], None, list(range(400)))))
+               for _ in range(400)]
+
+    def cost(bound: int) -> float:
+        index = KVIndex(max_blocks=bound)
+        for seq, batch in enumerate(batches[:200]):
+            index.apply("http://a", seq, batch)
+        t0 = time.process_time()
+        for seq, batch in enumerate(batches[200:], 200):
+            index.apply("http://a", seq, batch)
+        assert index.blocks("http://a") == min(bound, 40_000)
+        return time.process_time() - t0
+    free, bounded = min(cost(10**6) for _ in range(3)), min(cost(20_000) for _ in range(3))
+    assert bounded < 2.5 * free, f"storing at the bound cost {bounded / free:.1f}x storing under none: not O(1)"
+
+
 def test_blocks_whose_parent_was_missed_are_not_claimed():
     index = KVIndex()
     a = Engine(index, "http://a")
