@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -38,20 +39,26 @@ from kvrelay.router.pools import Node, Pool, PrefixHint
 log = logging.getLogger("kvrelay.router")
 
 
-INLINE_CHARS = 2048          # prompts up to this many characters are tokenised without a thread
+INLINE_CHARS = 2048          # requests up to this size are tokenised without a thread
+_ITEM = 16                   # what each list item or dict entry counts, on top of its strings
 
 
-def _size(body: dict[str, Any]) -> int:
-    """Characters of the prompt or the messages' text (a bound on the tokenising work)."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return len(prompt)
-    total = 0
-    for m in body.get("messages") or ():
-        content = m.get("content") if isinstance(m, dict) else None
-        total += len(content) if isinstance(content, str) else INLINE_CHARS + 1
+def _size(value: Any, limit: int = INLINE_CHARS) -> int:
+    """A bound on the work of rendering and tokenising ``value`` (a request body): the
+    characters of every string in it, keys and roles included, and ``_ITEM`` per list item or
+    dict entry - counted only up to just past ``limit`` (the walk stops there), so sizing a
+    huge body is itself cheap: 200k empty messages or an 8 MiB role cost a few hundred steps."""
+    total, stack = 0, [value]
+    while stack and total <= limit:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            total += _ITEM * len(v)
+            stack.extend(itertools.islice(itertools.chain.from_iterable(v.items()), 2 * (limit // _ITEM + 1)))
+        elif isinstance(v, list | tuple):
+            total += _ITEM * len(v)
+            stack.extend(v[:limit // _ITEM + 1])
     return total
 
 
@@ -117,8 +124,9 @@ class DecodeFirst:
         self.overlap = overlap or ArrivalOverlap()
 
     async def tokens(self, body: dict[str, Any]) -> list[int] | None:
-        """The prompt's token ids as vLLM computes them (None: not tokenisable). Short prompts are
-        tokenised on the event loop (~0.1 ms for 256 tokens: less than a thread hand-off)."""
+        """The prompt's token ids as vLLM computes them (None: not tokenisable). Small requests are
+        tokenised on the event loop (~0.1 ms for 256 tokens: less than a thread hand-off); any
+        larger one, however its size is spread (long roles, many messages), in a thread."""
         try:
             if _size(body) <= INLINE_CHARS:
                 return self._tokenize(body)

@@ -240,3 +240,32 @@ def test_arrival_overlap_is_an_average_over_arrivals():
     assert o.note("b", False) == 0.0 and len(o) == 2
     o.keep({"b"})
     assert len(o) == 1 and o.note("a", False) == 0.0
+
+
+@pytest.mark.parametrize("shape", ["long-role", "many-empty-messages", "long-name", "content-parts"])
+def test_a_large_chat_is_tokenised_off_the_event_loop_however_its_size_is_spread(shape):
+    """The inline/thread choice bounds the work by the whole request, not by ``content`` strings
+    alone: before the fix an 8 MiB ``role``, or 200k empty messages, was rendered and tokenised
+    on the router's event loop, freezing every stream."""
+    import threading
+
+    from kvrelay.router.decide import DecodeFirst
+    from kvrelay.router.kv_index import KVIndex
+
+    bodies = {"long-role": [{"role": "r" * (8 << 20), "content": ""}],
+              "many-empty-messages": [{"role": "user", "content": ""}] * 200_000,
+              "long-name": [{"role": "user", "name": "n" * 100_000, "content": "hi"}],
+              "content-parts": [{"role": "user", "content": [{"type": "text", "text": "t" * 100_000}]}]}
+    body = {"model": "m", "messages": bodies[shape]}
+    seen: list[bool] = []
+
+    def tokenize(b: dict[str, Any]) -> list[int]:
+        seen.append(threading.current_thread() is threading.main_thread())
+        return [1, 2, 3]
+
+    df = DecodeFirst(None, None, None, KVIndex(), tokenize)  # type: ignore[arg-type]
+    assert asyncio.run(df.tokens(body)) == [1, 2, 3]
+    assert seen == [False], "tokenised on the event loop's thread"
+    small = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    asyncio.run(df.tokens(small))
+    assert seen == [False, True]                   # a small one stays inline (cheaper than a thread)
