@@ -77,6 +77,8 @@ class RouterConfig(Section, frozen=True):
     body_timeout_s: Seconds = 30.0   # a request body must arrive within this (then 408), before admission
     max_migrations: NonNeg = 2       # a decode node failing mid-answer: continue on another node this often (0 = off)
     stall_timeout_s: Seconds = 60.0  # a decode node silent this long mid-answer has failed (then it migrates)
+    client_write_timeout_s: Seconds = 60.0   # a client that reads nothing of its stream this long is dropped
+    max_inflight_per_client: NonNeg = 0      # open requests per API key (or client address); 0 = no limit
     prefill_attempts: Positive = 2   # prefill nodes tried for token 1 before the decode node serves alone
     breaker_failures: NonNeg = 3     # consecutive request failures that take a node out (0 = no breaker)
     breaker_backoff_s: Seconds = 2.0     # first time out; doubles each time the node fails again
@@ -154,6 +156,12 @@ FIELD_HELP: dict[str, str] = {
                               "event)"),
     'router.stall_timeout_s': ("a decode node silent this long in the middle of an answer has failed (its answer "
                                "moves to another node); before its first piece router.request_timeout_s applies"),
+    'router.client_write_timeout_s': ("a streaming client that reads nothing for this many seconds is dropped and its "
+                                      "request aborted on the engines; the router buffers at most ~64 KiB toward a client "
+                                      "(and 256 KiB from its engine), so a slow reader costs only itself (never a node failure or a "
+                                      "migration)"),
+    'router.max_inflight_per_client': ("requests one API key (or, without keys, one client address) may have open "
+                                       "at once, streamed or not; more get a 429 (0 = no limit)"),
     'router.prefill_attempts': ("prefill nodes asked for token 1 (a failed, draining or refusing one is replaced); "
                                 "with none left the decode node serves the request alone"),
     'router.breaker_failures': ("consecutive request failures that take a node out of rotation, independently of "

@@ -65,7 +65,7 @@ from kvrelay.router.discovery import Discovery, Resolver, parse_dns, system_reso
 from kvrelay.router.job import Job, RequestIds
 from kvrelay.router.kv_events import KVEvents, parse_entries
 from kvrelay.router.kv_index import KVIndex
-from kvrelay.router.limits import Admission, ApiKeys, Overloaded, RateLimits
+from kvrelay.router.limits import Admission, ApiKeys, ClientSlots, Overloaded, RateLimits
 from kvrelay.router.lora_admin import ADAPTER_PATHS, lora_handler
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.pools import (
@@ -117,6 +117,7 @@ class Router:
                                                  rc.chat_parsers)
         self.keys = ApiKeys.from_config(rc)
         self.rates = RateLimits(rc.rate_limit_rps, rc.rate_limit_burst)
+        self.client_slots = ClientSlots(rc.max_inflight_per_client)
         self.admission = Admission(rc.max_inflight * max(1, len(self.decode.nodes)), rc.max_queued,
                                    rc.queue_timeout_s)
         self.discovery = self._discoveries()
@@ -235,6 +236,16 @@ class Router:
         if wait:
             self.metrics.errors.labels("rate_limited").inc()
             return too_many("rate limit exceeded for this API key", wait)
+        if not self.client_slots.take(who):
+            self.metrics.errors.labels("client_inflight_limit").inc()
+            return too_many(f"this client already has {self.client_slots.limit} requests open "
+                            "(router.max_inflight_per_client)", 1.0)
+        try:
+            return await self._sized(request, handler)
+        finally:
+            self.client_slots.give(who)
+
+    async def _sized(self, request: web.Request, handler: Any) -> web.StreamResponse:
         limit = int(self.cfg.router.max_body_bytes)
         if request.content_length is not None and request.content_length > limit:
             self.metrics.errors.labels("body_too_large").inc()

@@ -139,7 +139,7 @@ class DecodePath:
             node.outstanding -= 1
 
     async def _stream(self, job: Job, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> web.StreamResponse:
-        out = await responses.open_stream(job.request, headers)
+        out = await responses.open_stream(job.request, headers, self.client.cfg.router.client_write_timeout_s)
         first, tail, last = True, b"", 0.0
         try:
             async for piece in upstream.content.iter_any():
@@ -153,8 +153,8 @@ class DecodePath:
                 await responses.write(out, piece)
                 tail = (tail + piece)[-64:]
             failure = "" if tail.rstrip().endswith(b"data: [DONE]") else "the decode node ended the stream early"
-        except responses.ClientGone:
-            self.client.metrics.errors.labels("client_disconnect").inc()
+        except responses.ClientGone as exc:      # gone, or too slow a reader: never the node's failure
+            self.client.metrics.errors.labels(responses.gone_cause(exc)).inc()
             self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
             return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -166,7 +166,7 @@ class DecodePath:
                 await responses.write(out, responses.sse_error(failure, job.ids.client))
             else:
                 self.client.metrics.requests.labels(job.endpoint, "ok").inc()
-            await out.write_eof()
+            await responses.end(out)
         return out
 
 

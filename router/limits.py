@@ -4,6 +4,8 @@
   ``router.api_keys_file`` and the env var ``KVRELAY_API_KEY``), compared in constant time.
   No key configured = an open router (vLLM's default).
 * :class:`TokenBucket` / :class:`RateLimits` - one bucket per API key (or client address).
+* :class:`ClientSlots` - at most ``router.max_inflight_per_client`` open requests per API key
+  (or client address), so one client's slow or stuck streams cannot take every slot.
 * :class:`Admission` - at most ``capacity`` requests in flight; up to ``max_queued`` more
   wait (FIFO) for at most ``timeout_s``; anything beyond is refused at once. The caller
   answers a refusal with 429 and ``Retry-After``. A new capacity (decode nodes joined or left,
@@ -100,6 +102,27 @@ class RateLimits:
         while len(self._buckets) > MAX_BUCKETS:
             self._buckets.popitem(last=False)
         return bucket.take(now)
+
+
+class ClientSlots:
+    """Open requests per client, at most ``limit`` each (0 = no limit)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._open: dict[str, int] = {}
+
+    def take(self, who: str) -> bool:
+        """Open one request for ``who``; False (nothing taken) if it already has ``limit`` open."""
+        n = self._open.get(who, 0)
+        if self.limit and n >= self.limit:
+            return False
+        self._open[who] = n + 1
+        return True
+
+    def give(self, who: str) -> None:
+        n = self._open.pop(who, 0) - 1
+        if n > 0:
+            self._open[who] = n
 
 
 class Admission:

@@ -6,15 +6,26 @@ answers alike:
 * :func:`error_response` - a JSON error body ``{"error": {message, type, param, code}}``;
 * :func:`too_many` - a 429 with ``Retry-After``;
 * :func:`sse_error` - an error event followed by ``data: [DONE]`` (a stream never just stops);
-* :func:`open_stream` - a prepared ``text/event-stream`` response;
+* :func:`open_stream` - a prepared ``text/event-stream`` response (a :class:`ClientStream`);
+* :func:`write` - one write to a client, with its deadline;
 * :func:`client_gone` - whether an exception means the *client* went away (its outcome is
   ``client_disconnect``, never a node failure).
+
+A slow reader costs only itself. A client stream's buffers are bounded: the event loop's
+transport pauses the writer past :data:`CLIENT_BUFFER_BYTES` and the kernel's send buffer
+is set to as much, so the router holds at most about 64 KiB toward a client that does not
+read, and 256 KiB from its engine (:data:`kvrelay.router.upstream.UPSTREAM_RCVBUF`), not the
+whole answer. A write that cannot go out within ``router.client_write_timeout_s``
+(the client has read nothing for that long) drops the client (:class:`ClientTooSlow`, a
+:class:`ClientGone`): the caller then closes its upstream request, which aborts it on the
+engine, and counts a client disconnect - never a node failure, a migration or a breaker event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import aiohttp
 from aiohttp import web
@@ -43,10 +54,40 @@ def sse_error(message: str, rid: str) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
 
 
-async def open_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-    out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                                  **headers})
+CLIENT_BUFFER_BYTES = 16 * 1024      # per client stream: the transport's high-water mark and the socket's SO_SNDBUF
+
+
+class ClientStream(web.StreamResponse):
+    """An SSE response to one client: bounded buffers and a deadline on every write."""
+
+    write_timeout_s: float | None = None
+
+    def bound(self, request: web.Request, write_timeout_s: float | None) -> None:
+        """Cap what the router and the kernel hold for this client (called once prepared)."""
+        self.write_timeout_s = write_timeout_s
+        transport = request.transport
+        if transport is None:
+            return
+        transport.set_write_buffer_limits(high=CLIENT_BUFFER_BYTES)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CLIENT_BUFFER_BYTES)
+        self._client_transport = transport
+
+    def drop(self) -> None:
+        """Close the client's connection at once (nothing more can be written to it)."""
+        transport = getattr(self, "_client_transport", None)
+        if transport is not None:
+            transport.abort()
+
+
+async def open_stream(request: web.Request, headers: dict[str, str],
+                      write_timeout_s: float | None = None) -> ClientStream:
+    """A prepared event stream to ``request``'s client, each write due within ``write_timeout_s``."""
+    out = ClientStream(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                            **headers})
     await out.prepare(request)
+    out.bound(request, write_timeout_s)
     return out
 
 
@@ -54,14 +95,44 @@ class ClientGone(Exception):
     """Writing to the client failed: it disconnected (raised from :func:`write`)."""
 
 
+class ClientTooSlow(ClientGone):
+    """The client read nothing of its stream for ``router.client_write_timeout_s``: dropped."""
+
+
 async def write(out: web.StreamResponse, data: bytes) -> None:
-    """Write to the client; a closed client connection becomes :class:`ClientGone`, so callers
-    never mistake it for the upstream node failing."""
+    """Write to the client; a closed client connection becomes :class:`ClientGone`, and a
+    client that does not read within its stream's deadline :class:`ClientTooSlow`, so callers
+    never mistake either for the upstream node failing."""
+    deadline = out.write_timeout_s if isinstance(out, ClientStream) else None
     try:
-        await out.write(data)
+        async with asyncio.timeout(deadline):
+            await out.write(data)
+    except TimeoutError as exc:
+        assert isinstance(out, ClientStream)
+        out.drop()
+        raise ClientTooSlow(f"the client read nothing for {deadline:g} s (router.client_write_timeout_s)") from exc
     except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError) as exc:
         raise ClientGone(str(exc)) from exc
 
 
 def client_gone(exc: BaseException) -> bool:
     return isinstance(exc, ClientGone | asyncio.CancelledError)
+
+
+async def end(out: web.StreamResponse) -> None:
+    """Finish the client's stream (its last bytes under the same deadline as any write)."""
+    deadline = out.write_timeout_s if isinstance(out, ClientStream) else None
+    try:
+        async with asyncio.timeout(deadline):
+            await out.write_eof()
+    except TimeoutError as exc:
+        assert isinstance(out, ClientStream)
+        out.drop()
+        raise ClientTooSlow("the client did not read the end of its stream") from exc
+    except (ConnectionError, aiohttp.ClientConnectionResetError, RuntimeError) as exc:
+        raise ClientGone(str(exc)) from exc
+
+
+def gone_cause(exc: ClientGone) -> str:
+    """The error label of a client that went away (``kvrelay_router_errors_total{kind}``)."""
+    return "client_too_slow" if isinstance(exc, ClientTooSlow) else "client_disconnect"

@@ -110,28 +110,33 @@ class SplitPath:
         if not job.stream:
             return web.json_response(split.final_answer(job.endpoint, first, "", first.finish_reason,
                                                         first.stop_reason, 0), headers=headers)
-        out = await responses.open_stream(job.request, headers)
-        await out.write(writer.opening() + writer.token(first.text, first.finish_reason, first.stop_reason)
-                        + (writer.usage(split.usage(first, 0)) if job.with_usage else b"") + b"data: [DONE]\n\n")
-        await out.write_eof()
+        out = await self._open(job, headers)
+        with contextlib.suppress(responses.ClientGone):
+            await responses.write(out, writer.opening() + writer.token(first.text, first.finish_reason, first.stop_reason)
+                                  + (writer.usage(split.usage(first, 0)) if job.with_usage else b"")
+                                  + b"data: [DONE]\n\n")
+            await responses.end(out)
         return out
+
+    async def _open(self, job: Job, headers: dict[str, str]) -> web.StreamResponse:
+        return await responses.open_stream(job.request, headers, self.client.cfg.router.client_write_timeout_s)
 
     async def _continue(self, job: Job, first: split.FirstToken, writer: split.StreamWriter, dbody: dict[str, Any],
                         headers: dict[str, str]) -> web.StreamResponse:
         """Token 1 to the client (streamed at once), then D's continuation in the client's format;
         a decode node that fails mid-answer hands the rest to another (:mod:`kvrelay.router.migration`)."""
         out = None
-        if job.stream:
-            out = await responses.open_stream(job.request, headers)
-            await responses.write(out, writer.opening() + writer.token(first.text))
-            self.client.metrics.ttft.observe(time.monotonic() - job.t0)
         progress, node, tried, body = Progress(), job.decode, list[Node](), dbody
         while True:
             try:
+                if job.stream and out is None:
+                    out = await self._open(job, headers)
+                    await responses.write(out, writer.opening() + writer.token(first.text))
+                    self.client.metrics.ttft.observe(time.monotonic() - job.t0)
                 node, refused = await self._segment(job, node, body, out, writer, progress)
-            except responses.ClientGone:
+            except responses.ClientGone as exc:   # gone, or too slow a reader: never the node's failure
                 self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
-                self.client.metrics.errors.labels("client_disconnect").inc()
+                self.client.metrics.errors.labels(responses.gone_cause(exc)).inc()
                 assert out is not None
                 return out
             if refused is not None:
@@ -207,19 +212,21 @@ class SplitPath:
     async def _relay(self, r: aiohttp.ClientResponse, out: web.StreamResponse | None, writer: split.StreamWriter,
                      progress: Progress) -> None:
         """D's events into ``progress`` (and, streamed, into the client's format). Once D has sent
-        its first piece, silence past ``router.stall_timeout_s`` is a failure (asyncio.TimeoutError)."""
+        its first piece, D's silence past ``router.stall_timeout_s`` is a failure
+        (asyncio.TimeoutError). The deadline covers reading D only: a client slow to read is
+        its own deadline's business (:func:`responses.write`), never counted as D's silence."""
         pending, last, stall = b"", time.monotonic(), self.client.cfg.router.stall_timeout_s
-        loop = asyncio.get_running_loop()
-        async with asyncio.timeout(None) as quiet:
-            while piece := await r.content.readany():
-                quiet.reschedule(loop.time() + stall)
-                events, pending = split.decode_events(piece, pending)
-                rendered = [writer.token(text, finish, stop) for ev in events for text, finish, stop in progress.take(ev)]
-                if rendered and out is not None:   # one write per piece D sent, not per token
-                    now = time.monotonic()
-                    self.client.metrics.itl.observe(now - last)
-                    last = now
-                    await responses.write(out, b"".join(rendered))
+        piece = await r.content.readany()
+        while piece:
+            events, pending = split.decode_events(piece, pending)
+            rendered = [writer.token(text, finish, stop) for ev in events for text, finish, stop in progress.take(ev)]
+            if rendered and out is not None:   # one write per piece D sent, not per token
+                now = time.monotonic()
+                self.client.metrics.itl.observe(now - last)
+                last = now
+                await responses.write(out, b"".join(rendered))
+            async with asyncio.timeout(stall):
+                piece = await r.content.readany()
         if progress.finish is None:
             progress.fail(Cause.EARLY_END, "the decode node ended the stream early")
 
@@ -234,7 +241,7 @@ class SplitPath:
                 return responses.error_response(502, f"{progress.failure} (request {rid})", "bad_gateway", rid)
             with contextlib.suppress(responses.ClientGone):
                 await responses.write(out, responses.sse_error(progress.failure, rid))
-                await out.write_eof()
+                await responses.end(out)
             return out
         self.client.metrics.requests.labels(job.endpoint, "ok").inc()
         text = "".join(progress.text)
@@ -246,5 +253,5 @@ class SplitPath:
             if job.with_usage:
                 await responses.write(out, writer.usage(split.usage(first, progress.decoded)))
             await responses.write(out, b"data: [DONE]\n\n")
-            await out.write_eof()
+            await responses.end(out)
         return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeVar
 
@@ -39,6 +40,15 @@ from kvrelay.router.pools import Node, NoHealthyNode, Pool
 
 log = logging.getLogger("kvrelay.router")
 _T = TypeVar("_T")
+UPSTREAM_RCVBUF = 256 * 1024      # bytes the kernel holds per engine connection (no autotuning past it)
+
+
+def _upstream_socket(addr_info: Any) -> socket.socket:
+    """aiohttp's socket factory: a connection to an engine with a bounded receive buffer."""
+    family, kind, proto = addr_info[0], addr_info[1], addr_info[2]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, UPSTREAM_RCVBUF)
+    return sock
 
 
 def never_sent(exc: Exception) -> bool:
@@ -80,11 +90,13 @@ class EngineClient:
 
     def open(self) -> aiohttp.ClientSession:
         """The HTTP session to the engines (inside the running loop). ``sock_read`` is silence,
-        not total length: a long generation streams for as long as it needs."""
+        not total length: a long generation streams for as long as it needs. Each connection's
+        receive buffer is :data:`UPSTREAM_RCVBUF`: what an engine sends while its client does not
+        read waits on the engine's side, not in the router."""
         rc = self.cfg.router
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=rc.request_timeout_s)
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=rc.upstream_connections,
-                                         keepalive_timeout=rc.upstream_keepalive_s)
+                                         keepalive_timeout=rc.upstream_keepalive_s, socket_factory=_upstream_socket)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector,
                                              json_serialize=lambda o: orjson.dumps(o).decode())
         return self.session

@@ -5,11 +5,14 @@ backs off and half-opens. The same on real vLLM engines: tests/e2e/test_node_los
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from kvrelay.core.params import PARAMS_REFUSED_HEADER
@@ -297,3 +300,77 @@ def test_progress_and_the_resumed_body():
     assert p.cause is Cause.ERROR_EVENT and p.tracked
     p.take({"choices": [{"text": "b", "token_ids": None, "finish_reason": None}]})
     assert not p.tracked                                # text without its ids: no continuation can be exact
+
+
+class Flood(Decoder):
+    """A decode node streaming a long answer (``n`` tokens of 1 KiB text, one a millisecond);
+    it records what it wrote and whether the router cut it off."""
+
+    def __init__(self, n: int = 4000) -> None:
+        super().__init__()
+        self.n, self.written, self.cut = n, 0, asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response(_first_token_answer())
+        self.prompts.append(body["prompt"])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        n = min(self.n, body["max_tokens"])
+        try:
+            for i in range(n):
+                ev = {"id": "cmpl-d", "object": "text_completion", "created": 8, "model": "m",
+                      "choices": [{"index": 0, "text": "x" * 1024, "logprobs": None, "stop_reason": None,
+                                   "finish_reason": "length" if i == n - 1 else None, "token_ids": [7]}]}
+                data = b"data: " + json.dumps(ev).encode() + b"\n\n"
+                await resp.write(data)
+                self.written += len(data)
+                await asyncio.sleep(0.001)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionError, asyncio.CancelledError):
+            self.cut.set()
+            raise
+        return resp
+
+
+async def _never_reads(url: str, body: dict[str, Any]) -> socket.socket:
+    """A client with a 1 KiB receive buffer that sends its request and never reads the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, (host, int(port)))
+    raw = json.dumps(body).encode()
+    await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                  b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+    return sock
+
+
+@pytest.mark.parametrize("first_token", ["prefill", "decode"])
+def test_a_client_that_never_reads_costs_only_itself(first_token):
+    """Two streaming clients that never read a 4 MiB answer: before the fix the router either took
+    the whole answer into its socket buffers, or (a full buffer) counted its blocked write as the
+    decode node's silence - a stall, a migration, a breaker failure. Now each client is dropped
+    after ``router.client_write_timeout_s``, its upstream stream is closed (the engine aborts it),
+    and nothing is counted against a node; an ordinary request meanwhile is answered in full."""
+    async def go() -> None:
+        floods = [Flood(), Flood()]
+        async with stack([Decoder()], floods, first_token=first_token, client_write_timeout_s=1,
+                         stall_timeout_s=1, breaker_failures=1) as (url, s, router):
+            body = {**BODY, "max_tokens": 4000, "stream": True}
+            clients = [await _never_reads(url, body) for _ in floods]
+            async with s.post(f"{url}/v1/completions", json={**BODY, "max_tokens": 3, "stream": False}) as r:
+                assert r.status == 200                  # a third request, meanwhile
+            await asyncio.wait_for(asyncio.gather(*(f.cut.wait() for f in floods)), 15)
+            for f in floods:
+                assert f.written < f.n * 1024, "the router took the whole answer into its buffers"
+            m = router.metrics
+            assert m.errors.labels("client_too_slow")._value.get() == 2
+            assert sum(c._value.get() for c in m.migrations._metrics.values()) == 0
+            assert sum(c._value.get() for c in m.breaker_opens._metrics.values()) == 0
+            assert sum(len(f.prompts) for f in floods) <= 3      # never continued elsewhere
+            for c in clients:
+                c.close()
+    run(go())

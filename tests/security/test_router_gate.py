@@ -92,6 +92,25 @@ def test_a_flood_past_admission_gets_429s_while_the_admitted_requests_complete()
     run(go())
 
 
+def test_one_client_holds_at_most_its_share_of_open_requests():
+    """``router.max_inflight_per_client``: a client (by address here, no keys) with 2 streams open
+    gets a 429 for a third, and its slot comes back when one ends."""
+    async def go():
+        async with one_pair(d_mode="trickle", max_inflight_per_client=2) as (url, s, pn, dn):
+            async def one() -> int:
+                async with s.post(f"{url}/v1/completions", json=BODY) as r:
+                    await r.read()
+                    return r.status
+            first = [asyncio.create_task(one()) for _ in range(2)]
+            await asyncio.sleep(0.3)                                   # both open (trickling)
+            assert await one() == 429
+            assert await asyncio.gather(*first) == [200, 200]
+            assert await one() == 200
+            async with s.get(f"{url}/metrics") as r:
+                assert 'kvrelay_router_errors_total{cause="client_inflight_limit"} 1.0' in await r.text()
+    run(go())
+
+
 def test_slow_body_clients_hold_no_admission_slot_and_get_a_json_408():
     """Bodies are read before admission, under router.body_timeout_s: clients that trickle
     their bodies never fill admission, and each ends with a 408 JSON error."""
