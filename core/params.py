@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import enum
 import ipaddress
+import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -25,6 +27,8 @@ import msgspec
 
 from kvrelay.common.errors import KVRelayError
 from kvrelay.common.secrets import KeyUse, derive_key, mac, same
+
+log = logging.getLogger("kvrelay.params")
 
 PARAMS_KEY = "kvrelay"
 PARAMS_REFUSED_HEADER = "X-Kvrelay-Params-Refused"   # on an engine's 400 for refused params: the cause
@@ -119,36 +123,55 @@ class PushAllowlist:
 
     An entry naming a host (``tcp://kvrelay-decode.ns.svc:9100``, a headless Service) allows
     every address the name resolves to, so pods that come and go stay allowed. Names are
-    resolved only when an exact match fails, and answers are kept ``ttl_s`` (the resolver
-    and clock are injected: ``resolve(host) -> addresses``).
+    resolved off the request path: once when the list is made, then every ``ttl_s`` by a
+    background thread (:meth:`start`); a membership test only reads the last answers, so it
+    never waits on DNS. A failed or empty lookup keeps the last good answer (a DNS blip refuses
+    no push). The resolver is injected (``resolve(host) -> addresses``); :meth:`refresh` is
+    what the thread calls.
     """
 
     def __init__(self, entries: Collection[str], *, ttl_s: float = 5.0,
-                 resolve: Callable[[str], Collection[str]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 resolve: Callable[[str], Collection[str]] | None = None) -> None:
         self._exact = frozenset(entries)
         self._named = [(u.hostname, u.port) for u in map(urlsplit, entries)
                        if u.hostname and not _is_ip(u.hostname)]
-        self._ttl, self._clock = ttl_s, clock
+        self._ttl = ttl_s
         self._resolve = resolve or _resolve_host
-        self._cache: dict[str, tuple[float, frozenset[str]]] = {}
+        self._addrs: dict[str, frozenset[str]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.refresh()
 
     def __contains__(self, endpoint: object) -> bool:
         if endpoint in self._exact:
             return True
         u = urlsplit(str(endpoint))
-        return any(port == u.port and u.hostname in self._addresses(name) for name, port in self._named)
+        return any(port == u.port and u.hostname in self._addrs.get(name, ()) for name, port in self._named)
 
-    def _addresses(self, name: str) -> frozenset[str]:
-        hit = self._cache.get(name)
-        if hit is not None and self._clock() - hit[0] < self._ttl:
-            return hit[1]
-        try:
-            addrs = frozenset(self._resolve(name))
-        except OSError:
-            addrs = frozenset()
-        self._cache[name] = (self._clock(), addrs)
-        return addrs
+    def refresh(self) -> None:
+        """Resolve every named entry once; a lookup that fails or finds nothing keeps the last answer."""
+        for name, _ in self._named:
+            try:
+                addrs = frozenset(self._resolve(name))
+            except OSError as exc:
+                log.warning("push allowlist: resolving %s failed (%s); keeping its last addresses", name, exc)
+                continue
+            if addrs:
+                self._addrs[name] = addrs        # one assignment: readers see the old set or the new
+
+    def start(self) -> PushAllowlist:
+        """Refresh in the background every ``ttl_s`` (only if some entry names a host)."""
+        if self._named and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvrelay-allowlist-dns", daemon=True)
+            self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._ttl):
+            self.refresh()
+
+    def close(self) -> None:
+        self._stop.set()
 
 
 def _parses(parse: Callable[[str], object], text: str) -> bool:
@@ -178,7 +201,7 @@ class ParamsVerifier:
     def __init__(self, secret: bytes, role: type[PushParams] | type[PullParams], *,
                  allowed_push: Collection[str] | None = None, clock: Callable[[], float] = time.time) -> None:
         self._key, self._role, self._clock = derive_key(secret, KeyUse.PARAMS), role, clock
-        self._allowed = PushAllowlist(allowed_push) if allowed_push else None
+        self._allowed = PushAllowlist(allowed_push).start() if allowed_push else None
 
     def check(self, kv_transfer_params: dict[str, Any] | None) -> Params | None:
         """The verified params (None if the request has none); ParamsError with its cause."""

@@ -134,8 +134,11 @@ FIELD_HELP: dict[str, str] = {
     'router.first_token': ("prefill: stream token 1 from the prefill node at once, D continues from prompt + token 1 "
                            "(requests with features that cannot be split fall back per request); decode: D emits "
                            "every token"),
-    'connector.drain_file': ("file holding the node's drain state; kvrelay serve sets one per node (override to "
-                             "choose where). 'echo draining > FILE' takes a running node out of rotation, removing "
+    'connector.runtime_dir': ("private directory (0700, the service user's) for a node's shared state files: "
+                              "gauge snapshots, drain files; '' = /dev/shm/kvrelay-<uid>. kvrelay refuses to start "
+                              "if it is a symlink, someone else's or open to other users"),
+    'connector.drain_file': ("file holding the node's drain state; '' = one per node in connector.runtime_dir "
+                             "(override to choose where). 'echo draining > FILE' takes a running node out of rotation, removing "
                              "it puts the node back"),
     'engine.drain_timeout_s': ("on SIGTERM a node drains (not ready, no new work, in-flight requests, loads and pushes "
                                "finish) for at most this long, then stops; also vLLM's --shutdown-timeout"),

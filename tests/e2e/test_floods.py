@@ -1,4 +1,5 @@
-"""Floods on a decode node's transfer ports while honest traffic runs (real vLLM, tcp transport).
+"""Floods on a decode node's transfer ports, and clients that never read, while honest traffic
+runs (real vLLM, tcp transport).
 
 2,000 connections to the data port that never authenticate - most idle, a tenth sending one
 byte a second, each reopened when the node has closed it - and a flood of
@@ -31,7 +32,8 @@ CONNECTIONS = 2000
 
 @pytest.fixture(scope="module")
 def flood_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-floods"), 22900, transport__backend="tcp")
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-floods"), 22900, transport__backend="tcp",
+                         router__stall_timeout_s=3, router__client_write_timeout_s=3)
     yield handle
     handle.stack.stop()
 
@@ -188,3 +190,55 @@ def test_honest_requests_stay_exact_and_fast_under_data_and_control_floods(flood
           f"under the flood, {calm * 1e3:.0f} ms without (ratio {_p99(during) / calm:.2f})")
     assert opened >= CONNECTIONS and asked > 1000, "the flood never reached its size"
     assert _p99(during) <= 2 * calm, f"TTFT p99 {_p99(during):.3f} s under the flood vs {calm:.3f} s without"
+
+
+def _never_reads(url: str, k: int) -> socket.socket:
+    """A streaming client with a 1 KiB receive buffer asking for a 3,800-token answer it never reads."""
+    body = json.dumps({"model": MODEL, "prompt": f"slow reader {k}: " + "tell me everything " * 8,
+                       "max_tokens": 3800, "ignore_eos": True, "temperature": 0, "stream": True}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+    sock.connect((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    return sock
+
+
+def _running(handle) -> float:
+    from kvrelay.deploy.launch import Role
+
+    return sum(v for role in (Role.PREFILL, Role.DECODE) for k, v in handle.engine_metrics(role).items()
+               if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def test_clients_that_never_read_are_dropped_and_cost_no_node_anything(flood_stack, reference):
+    """With router.stall_timeout_s and router.client_write_timeout_s at 3 s, four streamed clients
+    that never read their 3,800-token answers are dropped and their requests leave the engines
+    within 15 s; honest requests meanwhile stay exact; the router counts no migration, no breaker
+    opening and no decode failure - only four clients too slow."""
+    from tests.e2e.harness import scrape
+
+    url = flood_stack.router_url
+    before = scrape(f"{url}/metrics")
+    t0 = time.monotonic()
+    socks = [_never_reads(url, k) for k in range(4)]
+    try:
+        asyncio.run(_pass(url, reference))                     # exact while the four hang on
+        while _running(flood_stack):
+            assert time.monotonic() - t0 < 15, "the unread requests still run on the engines after 15 s"
+            time.sleep(0.2)
+        gone = time.monotonic() - t0
+    finally:
+        for sock in socks:
+            sock.close()
+    after = scrape(f"{url}/metrics")
+
+    def delta(prefix: str) -> float:
+        return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
+    slow = delta('kvrelay_router_errors_total{cause="client_too_slow"')
+    print(f"slow readers: dropped and gone from the engines {gone:.1f} s after they asked; {slow:g} too slow")
+    assert slow == 4
+    assert delta("kvrelay_router_migrations_total") == 0
+    assert delta("kvrelay_router_breaker_opens_total") == 0
+    assert delta('kvrelay_router_errors_total{cause="decode_failed') == 0

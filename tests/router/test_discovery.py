@@ -8,6 +8,7 @@ entries in its config, scripted engines on loopback, a real request through them
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 import pytest
@@ -159,20 +160,60 @@ async def _prefill_of(s: aiohttp.ClientSession, url: str, prompt: str) -> str:
 
 
 def test_a_named_push_target_allows_every_address_of_the_name_and_nothing_else():
-    now = [0.0]
+    answers: dict[str, Any] = {"d.svc": ["10.0.0.1", "10.0.0.2"]}
     calls = []
 
     def resolve(name: str) -> list[str]:
         calls.append(name)
-        return ["10.0.0.1", "10.0.0.2"] if name == "d.svc" else []
+        answer = answers.get(name, [])
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
-    allow = PushAllowlist(["tcp://d.svc:9100", "tcp://10.9.9.9:9100"], resolve=resolve, clock=lambda: now[0])
-    assert "tcp://10.9.9.9:9100" in allow and not calls            # exact entries need no lookup
+    allow = PushAllowlist(["tcp://d.svc:9100", "tcp://10.9.9.9:9100"], resolve=resolve)
+    assert calls == ["d.svc"]                                     # resolved once when made
+    assert "tcp://10.9.9.9:9100" in allow
     assert "tcp://10.0.0.2:9100" in allow
     assert "tcp://10.0.0.2:9200" not in allow                     # right address, wrong port
     assert "tcp://10.0.0.7:9100" not in allow
-    assert calls == ["d.svc"]                                     # cached within the TTL
-    now[0] = 10.0
-    assert "tcp://10.0.0.1:9100" in allow and calls == ["d.svc", "d.svc"]
+    assert calls == ["d.svc"]                                     # membership never resolves
+    answers["d.svc"] = ["10.0.0.7"]
+    allow.refresh()                                               # what the background thread does
+    assert "tcp://10.0.0.7:9100" in allow and "tcp://10.0.0.1:9100" not in allow
+    answers["d.svc"] = OSError("Temporary failure in name resolution")
+    allow.refresh()                                               # a failed refresh keeps the last answer
+    assert "tcp://10.0.0.7:9100" in allow
+    answers["d.svc"] = []
+    allow.refresh()                                               # so does an empty one
+    assert "tcp://10.0.0.7:9100" in allow
+
+
+def test_the_allowlist_is_never_resolved_on_the_request_path():
+    """Before the fix a membership test called getaddrinfo inline (every 5 s per name, and a failed
+    lookup refused every push for 5 s): a resolver that hangs must not hold a check up."""
+    import threading
+    import time
+
+    hang = threading.Event()
+    first = [True]
+
+    def resolve(name: str) -> list[str]:
+        if first[0]:
+            first[0] = False
+            return ["10.0.0.1"]
+        hang.wait(30)                                             # DNS that does not answer
+        return ["10.0.0.1"]
+
+    allow = PushAllowlist(["tcp://d.svc:9100"], ttl_s=0.01, resolve=resolve).start()
+    time.sleep(0.1)                                               # the refresher is stuck in DNS now
+    t0 = time.monotonic()
+    for _ in range(100):
+        assert "tcp://10.0.0.1:9100" in allow
+    assert time.monotonic() - t0 < 1.0
+    hang.set()
+    allow.close()
+
+
+def test_the_system_resolver_answers_for_localhost():
     real = PushAllowlist(["tcp://localhost:9100"])                # the system resolver
     assert "tcp://127.0.0.1:9100" in real and "tcp://127.0.0.2:9100" not in real
