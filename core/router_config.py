@@ -31,7 +31,7 @@ class FirstToken(str, enum.Enum):
 _URL = r"(?:dns\+)?https?://[^\s=/]+:\d+/?"
 _PREFILL_ENTRY = re.compile(rf"{_URL}(?:=tcp://[^\s=/]+:\d+)?")
 _DECODE_ENTRY = re.compile(rf"{_URL}=tcp://[^\s=/]+:\d+")
-_EVENTS_ENTRY = re.compile(r"https?://[^\s=/]+:\d+/?=tcp://[^\s=/]+:\d+")
+_EVENTS_ENTRY = re.compile(r"https?://[^\s=/]+:\d+/?=(tcp://[^\s=/]+:\d+|ipc:///\S+)")
 _ENTRY_HELP = {"prefill": "http://HOST:PORT[=tcp://HOST:EVENTS_PORT] (or dns+http://NAME:PORT...)",
                "decode": "http://HOST:PORT=tcp://HOST:KV_PORT (or dns+http://NAME:PORT=tcp://NAME:KV_PORT)"}
 
@@ -51,7 +51,7 @@ class RouterConfig(Section, frozen=True):
     disagg_min_tokens_idle: NonNeg = 2048   # ... and this many while D has no request in flight (nothing to stall)
     disagg_idle_overlap: Share = 1.0  # ... unless more than this share of recent arrivals found D busy (1: off)
     decode_request_tokens: NonNeg = 256   # decode_first: a request D already serves weighs this many prompt tokens
-    kv_events: list[str] = msgspec.field(default_factory=list)  # "http://engine:port=tcp://router-host:port" per engine
+    kv_events: list[str] = msgspec.field(default_factory=list)  # "http://engine:port=ipc:///path" (or =tcp://router-host:port) per engine
     kv_events_port: Port = 0         # decode_first: engines bind tcp://*:PORT, the router subscribes to each pool member
     index_max_blocks: Positive = 262144   # decode_first: blocks the KV index keeps per engine (oldest go first)
     health_interval_s: Seconds = 2.0
@@ -93,6 +93,7 @@ class RouterConfig(Section, frozen=True):
         for entry in self.kv_events:
             if not _EVENTS_ENTRY.fullmatch(entry):
                 raise ConfigError(f"router.kv_events: {entry!r} is not an engine's events endpoint: expected "
+                                  "http://HOST:PORT=ipc:///PATH (a socket the engine binds) or "
                                   "http://HOST:PORT=tcp://ROUTER_HOST:EVENTS_PORT (the engine's URL as in "
                                   "router.prefill or router.decode, then the endpoint the router binds and the "
                                   "engine's --kv-events-config names)")
@@ -189,10 +190,12 @@ FIELD_HELP: dict[str, str] = {
                                    "but sent more prompts through P, whose gaps raised the ITL p99 (bench serve)"),
     'router.decode_request_tokens': ("decode_first: how much one request a decode node is already serving weighs "
                                       "against the prompt tokens its cache saves, in prompt tokens (times load_weight)"),
-    'router.kv_events': ("where the router listens for each engine's KV-cache events, as 'http://engine:port=tcp://"
-                         "router-host:port': the router binds the endpoint and that engine's --kv-events-config "
-                         "connects to it, so the events (they carry prompt token ids) go to the router alone; kvrelay "
-                         "up fills this in when decode_first is on"),
+    'router.kv_events': ("each engine's KV-cache events endpoint: 'http://engine:port=ipc:///path.sock' (the engine "
+                         "binds that Unix socket, the router connects: kvrelay up puts it in connector.runtime_dir, "
+                         "which no other user can enter) or 'http://engine:port=tcp://router-host:port' (the router "
+                         "binds it and the engine connects). The events carry prompt token ids; frames over 16 MiB "
+                         "are refused, and an endpoint the router cannot bind or connect leaves that engine placed by "
+                         "load (kvrelay_router_kv_events_following = 0, an error in the log)"),
     'router.kv_events_port': ("decode_first where pool members come and go (Kubernetes): every engine publishes its "
                               "KV events on tcp://*:PORT and the router subscribes to each prefill and decode node it "
                               "knows at that node's host and PORT (keep the port closed to all but the routers: the "

@@ -146,11 +146,15 @@ def kv_events_port(cfg: KVRelayConfig, spec: NodeSpec) -> int:
 
 
 def kv_events_endpoint(cfg: KVRelayConfig, spec: NodeSpec) -> str:
-    """Where node ``spec``'s vLLM publishes its KV events: with ``router.kv_events_port`` it binds
-    that port on every interface (the routers subscribe to it); otherwise it connects to the
-    endpoint the router binds for it (vLLM binds only wildcard addresses)."""
-    host = "*" if cfg.router.kv_events_port else cfg.deploy.host
-    return f"tcp://{host}:{kv_events_port(cfg, spec)}"
+    """Where node ``spec``'s vLLM publishes its KV events; in both cases vLLM binds and the
+    router connects. With ``router.kv_events_port`` (pods on other hosts) it binds that port on
+    every interface (the NetworkPolicy keeps it to the routers). A local stack's engine binds a
+    Unix socket in the node's private runtime directory (0700): no other local user can read
+    the prompts' token ids from it, publish forged events to the router, or take the endpoint
+    first (the events carry every prompt's token ids)."""
+    if cfg.router.kv_events_port:
+        return f"tcp://*:{kv_events_port(cfg, spec)}"
+    return f"ipc://{runtime_dir(cfg.connector.runtime_dir)}/kv-events-{spec.name}-{spec.port}.sock"
 
 
 def split_cores(k: int, n: int) -> list[int]:
@@ -330,7 +334,7 @@ class Stack:
         data = kcfg.to_dict(self.cfg)
         data["router"].update(prefill=pre, decode=dec)
         if self.cfg.router.decode_first and not data["router"]["kv_events"] and not self.cfg.router.kv_events_port:
-            data["router"]["kv_events"] = [f"{self.url(s)}=tcp://{h}:{kv_events_port(self.cfg, s)}"
+            data["router"]["kv_events"] = [f"{self.url(s)}={kv_events_endpoint(self.cfg, s)}"
                                            for s in self.specs if s.role is not Role.SINGLE]
         if not data["router"]["tokenizer"]:
             data["router"]["tokenizer"] = model_path(self.cfg)

@@ -162,7 +162,8 @@ class Router:
                         "and prompt length")
         index = KVIndex(rc.index_max_blocks)
         return (DecodeFirst(rc, self.prefill, self.decode, index, self.tokenizer),
-                KVEvents(index, named, rc.kv_events_port))
+                KVEvents(index, named, rc.kv_events_port,
+                         lambda url, on: self.metrics.kv_events_following.labels(url).set(float(on))))
 
     def _discoveries(self) -> list[Discovery]:
         """One DNS discovery per pool with ``dns+`` entries; admission follows the decode pool's

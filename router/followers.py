@@ -18,11 +18,16 @@ import zmq.asyncio
 
 from kvrelay.common.tasks import cancel_all
 
+MAX_FRAME_BYTES = 16 << 20    # a larger message ends the peer's connection (ZMQ_MAXMSGSIZE) before it is read
+
 
 def subscriber() -> zmq.asyncio.Socket:
-    """A SUB socket that takes every message and drops what is unsent on close."""
+    """A SUB socket that takes every message up to :data:`MAX_FRAME_BYTES`, keeps at most 1,000
+    unread, and drops what is unsent on close."""
     sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    sock.setsockopt(zmq.RCVHWM, 1000)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     return sock
 

@@ -33,6 +33,10 @@ class RouterMetrics:
         self.migrated = Counter("kvrelay_router_migrated_requests", "Requests that lost a decode node, by how they "
                                 "ended (exact: greedy, token-identical; sampled; failed)", ["outcome"],
                                 registry=self.registry)
+        self.kv_events_following = Gauge("kvrelay_router_kv_events_following", "1 while the router follows the "
+                                         "engine's KV events (decode_first); 0: it is placed by load alone (its "
+                                         "publisher is gone, or its endpoint could not be bound or connected)",
+                                         ["node"], registry=self.registry)
         self.breaker_opens = Counter("kvrelay_router_breaker_opens", "Times a node's circuit breaker opened "
                                      "(consecutive request failures)", ["node"], registry=self.registry)
         self.decisions = Counter("kvrelay_router_decisions", "Requests by the path the router chose: "

@@ -159,12 +159,12 @@ def test_the_index_never_claims_what_the_engine_no_longer_holds(tiny_model, tmp_
 DISAGG_MIN = 300
 
 
-def _forwarder(sub_port: int, pub_endpoint: str) -> subprocess.Popen:
-    """A process between an engine's publisher and the router: binds what the engine connects
-    to and forwards every message to the router's endpoint. Killing it kills the publisher the
-    router sees while the engine itself runs on."""
+def _forwarder(engine_endpoint: str, pub_endpoint: str) -> subprocess.Popen:
+    """A process between an engine's publisher and the router: subscribes to the endpoint the
+    engine binds and republishes every message on one it binds for the router. Killing it kills
+    the publisher the router sees while the engine itself runs on."""
     code = (f"import zmq; c = zmq.Context(); s = c.socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b''); "
-            f"s.bind('tcp://127.0.0.1:{sub_port}'); p = c.socket(zmq.PUB); p.connect('{pub_endpoint}'); "
+            f"s.connect('{engine_endpoint}'); p = c.socket(zmq.PUB); p.bind('{pub_endpoint}'); "
             f"zmq.proxy(s, p)")
     return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
 
@@ -178,12 +178,11 @@ def df_stack(tiny_model, tmp_path_factory):
     stack = launch.Stack(cfg)
     specs = stack.specs
     # decode1's events reach the router through a forwarder (killed by the last test)
-    routed = {s.name: launch.kv_events_port(stack.cfg, s) for s in specs}
-    routed["decode1"] += 50
-    over["router__kv_events"] = [f"{stack.url(s)}=tcp://127.0.0.1:{routed[s.name]}" for s in specs]
+    engines = {s.name: launch.kv_events_endpoint(stack.cfg, s) for s in specs}
+    routed = {**engines, "decode1": f"ipc://{tmp}/forwarded-decode1.sock"}
+    over["router__kv_events"] = [f"{stack.url(s)}={routed[s.name]}" for s in specs]
     handle = start_stack(tiny_model, tmp, PORT0, **over)
-    d1 = next(s for s in specs if s.name == "decode1")
-    fwd = _forwarder(launch.kv_events_port(stack.cfg, d1), f"tcp://127.0.0.1:{routed['decode1']}")
+    fwd = _forwarder(engines["decode1"], routed["decode1"])
     yield handle, fwd, {stack.url(s): s.name for s in specs}
     fwd.kill()
     handle.stack.stop()

@@ -147,23 +147,83 @@ def test_requests_that_cannot_be_tokenised_or_must_go_alone_are_counted(tiny_mod
     run(go())
 
 
-def test_kvrelay_up_gives_every_engine_an_events_endpoint_the_router_binds():
+def test_kvrelay_up_gives_every_engine_a_private_events_socket_it_binds_and_the_router_connects(tmp_path):
+    """Each engine binds ``ipc://<runtime_dir>/kv-events-<node>.sock`` (vLLM binds ipc endpoints)
+    and the router connects to it. Before, the router bound a TCP port on 127.0.0.1 that any
+    local user could bind first (then receiving every prompt's token ids) or connect to (then
+    publishing forged events)."""
     from kvrelay.deploy.config_check import stack_ports
-    from kvrelay.deploy.launch import KV_EVENTS_OFFSET, Stack, server_command
+    from kvrelay.deploy.launch import Stack, server_command
 
+    run = tmp_path / "run"
     data = {"deploy": {"prefill": 2, "decode": 2, "kv_base_port": 9100}, "router": {"decode_first": True},
-            "engine": {"model": "/nonexistent"}}
+            "engine": {"model": "/nonexistent"}, "connector": {"runtime_dir": str(run)}}
     stack = Stack(kcfg.from_dict(data), log_dir="/tmp/kvrelay-test-events")
     events = stack.router_config().router.kv_events
-    assert [e.split("=", 1)[1] for e in events] == [f"tcp://127.0.0.1:{9100 + KV_EVENTS_OFFSET + k}"
-                                                    for k in range(4)]
-    for spec, entry in zip(stack.specs, events, strict=True):
+    ends = [e.split("=", 1)[1] for e in events]
+    assert ends == [f"ipc://{run}/kv-events-{s.name}-{s.port}.sock" for s in stack.specs]
+    assert run.stat().st_mode & 0o777 == 0o700
+    for spec, end in zip(stack.specs, ends, strict=True):
         cmd = server_command(stack.cfg, spec)
         conf = cmd[cmd.index("--kv-events-config") + 1]
-        assert entry.split("=", 1)[1] in conf and '"publisher": "zmq"' in conf    # a host, not "*": vLLM connects
+        assert end in conf and '"publisher": "zmq"' in conf
     assert len(set(stack_ports(stack.cfg).values())) == len(stack_ports(stack.cfg))
     with pytest.raises(kcfg.ConfigError, match="router.kv_events"):
         kcfg.from_dict({"router": {"kv_events": ["tcp://127.0.0.1:1"]}})
+
+
+def test_an_oversize_events_frame_is_refused_unread_and_the_engine_followed_again(tmp_path):
+    """A 64 MiB frame on an engine's events socket ends that connection before it is read (before
+    the fix it was taken whole and decoded on the router's event loop); the index keeps what it
+    had, and the publisher's next batches are followed again."""
+    from kvrelay.router.kv_events import KVEvents
+    from kvrelay.router.kv_index import KVIndex
+
+    async def go() -> None:
+        end, url = f"ipc://{tmp_path}/events.sock", "http://127.0.0.1:1"
+        index, states = KVIndex(), []
+        events = KVEvents(index, {url: end}, report=lambda u, on: states.append(on))
+        pub = Publisher(end, bind=True)                  # the engine binds, the router connects
+        try:
+            events.sync([Node(url)])
+            await until(lambda: url in events.connected)
+            pub.store(PROMPT)
+            await until(lambda: index.held(PROMPT, [url]) == {url: 512})
+            pub.sock.send_multipart([b"", (99).to_bytes(8, "big"), b"\x00" * (64 << 20)])
+            await until(lambda: not index.held(PROMPT, [url]))          # dropped: its claims forgotten
+            await until(lambda: url in events.connected)                  # ZeroMQ reconnects
+            pub.seq = 0
+            pub.store(PROMPT)
+            await until(lambda: index.held(PROMPT, [url]) == {url: 512})
+            assert states[0] is True and False in states and states[-1] is True
+        finally:
+            pub.close()
+            await events.stop()
+    run(go())
+
+
+def test_an_events_endpoint_the_router_cannot_bind_is_visible_and_routes_by_load():
+    """Someone else holds the TCP port the router should bind for an engine's events: the router
+    logs it, reports that engine not followed (kvrelay_router_kv_events_following 0) and claims
+    nothing for it."""
+    from kvrelay.router.kv_events import KVEvents
+    from kvrelay.router.kv_index import KVIndex
+
+    async def go() -> None:
+        port = free_port()
+        squatter = zmq.Context.instance().socket(zmq.PUB)
+        squatter.bind(f"tcp://127.0.0.1:{port}")
+        states: list[tuple[str, bool]] = []
+        events = KVEvents(KVIndex(), {"http://d:1": f"tcp://127.0.0.1:{port}"},
+                          report=lambda u, on: states.append((u, on)))
+        try:
+            events.sync([Node("http://d:1")])
+            await until(lambda: bool(states))
+            assert states == [("http://d:1", False)] and not events.connected
+        finally:
+            squatter.close(linger=0)
+            await events.stop()
+    run(go())
 
 
 def test_an_idle_decode_node_takes_longer_prompts_than_a_busy_one(tiny_model):
