@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
 import logging
 import time
 from collections.abc import Awaitable
@@ -96,9 +97,10 @@ class Router:
         self.cfg = cfg
         self._resolver = resolver
         self.metrics = RouterMetrics()
+        self._labelled: set[str] = set()
         rc = cfg.router
         breaker = Breaker(rc.breaker_failures, rc.breaker_backoff_s, rc.breaker_max_backoff_s,
-                          on_open=lambda url: self.metrics.breaker_opens.labels(url).inc())
+                          on_open=lambda url: self.metrics.breaker_opens.labels(self.node_label(url)).inc())
         if prefill is None or decode is None:
             prefill, decode = pools_from_config(rc)
         prefill.breaker = decode.breaker = breaker
@@ -163,7 +165,7 @@ class Router:
         index = KVIndex(rc.index_max_blocks)
         return (DecodeFirst(rc, self.prefill, self.decode, index, self.tokenizer),
                 KVEvents(index, named, rc.kv_events_port,
-                         lambda url, on: self.metrics.kv_events_following.labels(url).set(float(on))))
+                         lambda url, on: self.metrics.kv_events_following.labels(self.node_label(url)).set(float(on))))
 
     def _discoveries(self) -> list[Discovery]:
         """One DNS discovery per pool with ``dns+`` entries; admission follows the decode pool's
@@ -260,10 +262,27 @@ class Router:
                                   code="request_too_large")
 
     # ---------------------------------------------------------------- simple endpoints
+    def node_label(self, url: str) -> str:
+        """A node's ``node`` label on the router's metrics: its URL only with ``router.expose_nodes``,
+        else a stable opaque id (the log line that names the node gives both)."""
+        if self.cfg.router.expose_nodes:
+            return url
+        label = "node-" + hashlib.sha256(url.encode()).hexdigest()[:10]
+        if url not in self._labelled:
+            self._labelled.add(url)
+            log.info("metrics label %s is node %s", label, url)
+        return label
+
     async def health(self, request: web.Request) -> web.Response:
-        p = [n.url for n in self.prefill.nodes if n.healthy]
-        d = [n.url for n in self.decode.nodes if n.healthy]
-        return web.json_response({"prefill": p, "decode": d}, status=200 if p and d else 503)
+        """200 when each pool has a healthy node; the counts per pool (and the healthy nodes'
+        URLs only with ``router.expose_nodes``: /health is outside the /v1 gate)."""
+        body: dict[str, dict[str, Any]] = {}
+        for pool in (self.prefill, self.decode):
+            healthy = [n.url for n in pool.nodes if n.healthy]
+            body[pool.name] = {"healthy": len(healthy), "total": len(pool.nodes),
+                               **({"urls": healthy} if self.cfg.router.expose_nodes else {})}
+        ok = body["prefill"]["healthy"] and body["decode"]["healthy"]
+        return web.json_response(body, status=200 if ok else 503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain")

@@ -103,7 +103,7 @@ class DecodePath:
                 return web.Response(body=await r.read(), status=r.status, content_type=r.content_type,
                                     headers=job.ids.headers())
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",
+            return error_response(502, self.client.node_failed("the decode node", node, exc),
                                   "bad_gateway", job.ids.client)
 
     async def decode(self, job: Job, tid: str, p_url: str) -> web.StreamResponse:
@@ -125,7 +125,7 @@ class DecodePath:
                     self.client.metrics.requests.labels(job.endpoint, "ok" if r.status == 200 else f"http_{r.status}").inc()
                     if r.status >= 500:
                         self.client.metrics.errors.labels("decode_failed").inc()
-                        return error_response(502, f"decode node {node.url} failed: HTTP {r.status}",
+                        return error_response(502, self.client.node_failed("the decode node", node, f"HTTP {r.status}"),
                                               "bad_gateway", job.ids.client)
                     return web.Response(body=data, status=r.status, content_type=r.content_type, headers=headers)
                 return await self._stream(job, r, headers)
@@ -133,7 +133,7 @@ class DecodePath:
             self.client.judge(node, None)
             self.client.metrics.errors.labels("decode_failed").inc()
             self.client.metrics.requests.labels(job.endpoint, "decode_failed").inc()
-            return error_response(502, f"decode node {node.url} failed: {type(exc).__name__}: {exc}",
+            return error_response(502, self.client.node_failed("the decode node", node, exc),
                                   "bad_gateway", job.ids.client)
         finally:
             node.outstanding -= 1
@@ -158,7 +158,7 @@ class DecodePath:
             self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
             return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            failure = f"the decode node failed mid-stream: {type(exc).__name__}: {exc}"
+            failure = self.client.node_failed("the decode node (mid-stream)", job.decode, exc)
         with contextlib.suppress(responses.ClientGone):
             if failure:
                 self.client.metrics.errors.labels("decode_failed_midstream").inc()

@@ -201,7 +201,7 @@ class SplitPath:
         except asyncio.TimeoutError:
             progress.fail(Cause.STALL, "the decode node was silent too long (router.stall_timeout_s)")
         except (aiohttp.ClientError, ValueError) as exc:
-            progress.fail(Cause.CONNECT, f"the decode node failed: {type(exc).__name__}: {exc}")
+            progress.fail(Cause.CONNECT, self.client.node_failed("the decode node", node, exc))
         finally:
             node.outstanding -= 1
         if progress.cause is not Cause.ERROR_EVENT:      # an error event may be the request's own: not judged

@@ -126,6 +126,16 @@ class EngineClient:
             headers["X-Kvrelay-Decode"] = job.decode.url
         return headers
 
+    def node_failed(self, what: str, node: Node, detail: BaseException | str) -> str:
+        """What a client is told of a node's failure: the node's address and the error's text
+        (which often names a host) only with ``router.expose_nodes``; the log has them always."""
+        text = f"{type(detail).__name__}: {detail}" if isinstance(detail, BaseException) else detail
+        log.warning("%s %s failed: %s", what, node.url, text)
+        if self.cfg.router.expose_nodes:
+            return f"{what} {node.url} failed: {text}"
+        kind = type(detail).__name__ if isinstance(detail, BaseException) else detail
+        return f"{what} failed ({kind})"
+
     def signed(self, params: PullParams | PushParams) -> dict[str, Any]:
         """``kv_transfer_params`` for an engine: signed, with the request's trace context beside them."""
         return with_traceparent(params_dict(self.signer.sign(params)))

@@ -54,7 +54,7 @@ def collector():
 @pytest.fixture(scope="module")
 def drain_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, collector: Collector):
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-drain"), 19600, transport__backend="nixl",
-                         deploy__decode=2, engine__drain_timeout_s=90,
+                         deploy__decode=2, engine__drain_timeout_s=90, router__expose_nodes=True,
                          tracing__endpoint=collector.endpoint)
     yield handle
     handle.stack.stop()
@@ -125,7 +125,7 @@ def _in_rotation(router_url: str, node_url: str) -> bool:
 
     try:
         with urllib.request.urlopen(f"{router_url}/health", timeout=5) as r:
-            return node_url in json.loads(r.read())["decode"]
+            return node_url in json.loads(r.read())["decode"]["urls"]
     except OSError:
         return False
 

@@ -239,7 +239,8 @@ def test_an_open_breaker_keeps_a_node_out_of_picks_while_health_still_says_yes()
                 async with s.post(f"{url}/v1/completions", json=BODY) as resp:
                     assert (await resp.json())["choices"][0]["text"] == _want(12)
             assert len(bad.prompts) == 2                               # then its breaker opened
-            assert r.metrics.breaker_opens.labels(bad.url)._value.get() == 1
+            assert r.metrics.breaker_opens.labels(r.node_label(bad.url))._value.get() == 1
+            assert bad.url not in r.node_label(bad.url)                 # no address on /metrics by default
     run(go())
 
 

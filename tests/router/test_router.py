@@ -575,3 +575,25 @@ def test_tracing_one_router_span_under_the_clients_with_its_context_sent_to_both
         assert span["attrs"]["kvrelay.request_id"] == "rid-t" and span["service"] == "kvrelay-router"
     finally:
         collector.close()
+
+
+def test_no_response_names_a_node_unless_expose_nodes():
+    """/health gives pool counts, a 502 says what failed but not where, and /metrics labels a
+    node with an opaque id; ``router.expose_nodes`` shows the addresses (before the fix /health
+    listed every node's URL outside the /v1 gate and a 502 named the decode node)."""
+    async def go() -> None:
+        for expose in (False, True):
+            async with one_pair(d_mode="reset", expose_nodes=expose, breaker_failures=1) as (url, s, pn, dn):
+                async with s.get(f"{url}/health") as r:
+                    health = await r.json()
+                async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 3}) as r:
+                    assert r.status == 502
+                    failed = await r.text()
+                async with s.get(f"{url}/metrics") as r:
+                    metrics = await r.text()
+                port = dn.url.rsplit(":", 1)[1]
+                assert health["decode"]["healthy"] == 1 and health["prefill"]["total"] == 1
+                assert "kvrelay_router_breaker_opens_total{node=" in metrics
+                for text in (json.dumps(health), failed, metrics):
+                    assert (port in text) == expose, (expose, text[:300])
+    run(go())
