@@ -83,7 +83,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-token-secret", default="hf-token", help="Secret whose key 'token' becomes HF_TOKEN "
                    "(optional: pods start without it)")
     p.add_argument("--metrics-namespace", default="monitoring", help="namespace Prometheus scrapes from (the "
-                   "NetworkPolicy lets it reach every pod's /metrics)")
+                   "NetworkPolicy lets its Prometheus pods reach the engines' port for /metrics)")
+    p.add_argument("--metrics-pod-label", action="append", default=[], metavar="KEY=VALUE",
+                   help="labels of the Prometheus pods in --metrics-namespace (repeatable; default "
+                   "app.kubernetes.io/name=prometheus): with the routers, the only pods that reach an engine's "
+                   "HTTP port, which also serves vLLM's unauthenticated API")
     p.add_argument("--secret-file", default="", help="use this shared secret instead of generating one")
     p.add_argument("--redis", action="store_true", help="also deploy a Redis for the store's shared tier")
 
@@ -117,7 +121,8 @@ def options_from_args(args: argparse.Namespace) -> K8sOptions:
         node_selector=_pairs(args.node_selector, "--node-selector"),
         tolerations=tuple(_toleration(t) for t in args.toleration), rdma_resource=args.rdma_resource,
         ucx_net_devices=args.ucx_net_devices, model_cache_pvc=args.model_cache_pvc,
-        hf_token_secret=args.hf_token_secret, metrics_namespace=args.metrics_namespace, redis=args.redis)
+        hf_token_secret=args.hf_token_secret, metrics_namespace=args.metrics_namespace, redis=args.redis,
+        **({"metrics_pods": _pairs(args.metrics_pod_label, "--metrics-pod-label")} if args.metrics_pod_label else {}))
 
 
 def cluster_config(cfg: kcfg.KVRelayConfig, opts: K8sOptions) -> kcfg.KVRelayConfig:

@@ -41,6 +41,7 @@ class K8sOptions:
     model_cache_pvc: str = ""
     hf_token_secret: str = "hf-token"
     metrics_namespace: str = "monitoring"
+    metrics_pods: dict[str, str] = field(default_factory=lambda: {"app.kubernetes.io/name": "prometheus"})
     redis: bool = False
 
     def __post_init__(self) -> None:
@@ -209,11 +210,14 @@ def _policy(name: str, ns: str, component: str, rules: list[dict[str, Any]]) -> 
 
 def network_policies(cfg: kcfg.KVRelayConfig, opts: K8sOptions, events_port: int) -> list[dict[str, Any]]:
     """Ingress rules: the data plane (transfer control and data, store events, Redis) reaches only
-    the stack's own pods; engines' HTTP (vLLM's API and /metrics) the stack and Prometheus; the
-    router's port is open (clients authenticate with API keys)."""
+    the stack's own pods; an engine's HTTP port - vLLM's unauthenticated OpenAI API as well as its
+    /metrics - the routers and the Prometheus pods (``metrics_pods`` in ``metrics_namespace``)
+    alone; the router's port is open (clients authenticate with API keys)."""
     ns = opts.namespace
-    scrape = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": opts.metrics_namespace}}}
-    http = {"from": [_from_stack(), scrape], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
+    scrape = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": opts.metrics_namespace}},
+              "podSelector": {"matchLabels": dict(opts.metrics_pods)}}
+    routers_only = {"podSelector": {"matchLabels": labels("router")}}
+    http = {"from": [routers_only, scrape], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
     ranks = cfg.engine.decode_tp                 # decode rank r: KV_PORT + r and KV_DATA_PORT + r
     decode = {"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": base + r} for base in (KV_PORT, KV_DATA_PORT)
                                                  for r in range(ranks)]}

@@ -225,6 +225,11 @@ def test_decode_first_engines_publish_kv_events_to_the_routers_alone(tmp_path: P
     assert not off.router.decode_first and off.router.kv_events_port == 0
 
 
+def k8s_pods_http(objs: dict, role: str) -> list:
+    return next(rule["from"] for rule in objs[f"NetworkPolicy/kvrelay-{role}"]["spec"]["ingress"]
+                for p in rule["ports"] if p["port"] == k8s.HTTP_PORT)
+
+
 def test_network_policies_keep_the_data_plane_inside_the_stack(tmp_path: Path) -> None:
     objs = _render(tmp_path, "--store.enabled", "true", "--router.policy", "cache_aware", "--redis",
                    "--engine.model", "m")
@@ -233,7 +238,14 @@ def test_network_policies_keep_the_data_plane_inside_the_stack(tmp_path: Path) -
     assert decode["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
     by_port = {p["port"]: rule["from"] for rule in decode["ingress"] for p in rule["ports"]}
     assert by_port[k8s.KV_PORT] == [stack] and by_port[k8s.KV_PORT + 100] == [stack]
-    assert stack in by_port[k8s.HTTP_PORT] and len(by_port[k8s.HTTP_PORT]) == 2        # and Prometheus
+    # an engine's HTTP port is also vLLM's unauthenticated API: the routers and Prometheus's pods alone
+    # (before: the whole stack and every pod of the monitoring namespace)
+    routers = {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvrelay",
+                                               "app.kubernetes.io/component": "router"}}}
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+    assert by_port[k8s.HTTP_PORT] == [routers, prometheus]
+    assert k8s_pods_http(objs, "prefill") == [routers, prometheus]
     prefill = {p["port"]: rule["from"] for rule in objs["NetworkPolicy/kvrelay-prefill"]["spec"]["ingress"]
                for p in rule["ports"]}
     assert prefill[k8s.EVENTS_PORT] == [stack]
