@@ -97,3 +97,49 @@ def test_store_records_are_per_layout_and_transfers_are_not(model_dir: Path):
     d = RankView.of(vc1, tp1, kcfg.from_dict({"engine": {"prefill_tp": 2}}), "decode")
     p = RankView.of(vc2, tp2, cfg, "prefill")
     assert d.transfer_fingerprint(one, tp1).digest() == p.transfer_fingerprint(ranks[1], tp2).digest()
+
+
+def test_an_unpinned_hub_model_is_its_resolved_snapshot_commit(tmp_path: Path):
+    """``--model org/name`` without ``--revision``: the identity is the snapshot commit the hub
+    cache resolves ``main`` to, so weights updated on the hub are other KV (before the fix the
+    identity was "" and restarted nodes reused the old weights' disk and Redis records)."""
+    from kvrelay.core.fingerprint import weights_identity
+
+    repo = tmp_path / "hub" / "models--org--name"
+
+    def publish(commit: str) -> None:
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+
+    publish("a" * 40)
+    first = weights_identity("org/name", None, hub_cache=str(tmp_path / "hub"))
+    assert first == f"hub:{'a' * 40}"
+    publish("b" * 40)                                   # the hub moved on; the node restarts and downloads
+    assert weights_identity("org/name", None, hub_cache=str(tmp_path / "hub")) == f"hub:{'b' * 40}"
+    assert weights_identity("org/name", "a" * 40, hub_cache=str(tmp_path / "hub")) == first
+    assert weights_identity("org/absent", None, hub_cache=str(tmp_path / "hub")) == ""
+
+
+def test_a_change_anywhere_in_a_weight_file_changes_the_identity(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The whole file is hashed, not its first and last MiB (before the fix a retrained model of the
+    same size and with the same ends kept the old identity); the digest is remembered across
+    restarts in the user's cache, keyed by size, mtime, ctime and inode."""
+    from kvrelay.core import fingerprint
+
+    monkeypatch.setattr(fingerprint, "DIGEST_CACHE", tmp_path / "cache" / "digests.json")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    weights = bytearray(b"\0" * (3 << 20))
+    (model / "model.safetensors").write_bytes(weights)
+    before = fingerprint.weights_identity(str(model), None)
+    weights[len(weights) // 2] = 1                       # the middle MiB only: same size, same ends
+    (model / "model.safetensors").write_bytes(weights)
+    fingerprint._file_digest.cache_clear()               # a restarted process
+    after = fingerprint.weights_identity(str(model), None)
+    assert after != before and after.startswith("files:")
+    assert (tmp_path / "cache" / "digests.json").stat().st_mode & 0o777 == 0o600
+    fingerprint._file_digest.cache_clear()
+    assert fingerprint.weights_identity(str(model), None) == after          # from the cache, unchanged
