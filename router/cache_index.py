@@ -10,13 +10,16 @@ load, both in prompt tokens: the node with the least ``prompt - cached + load_we
 pending`` wins, ``pending`` being the prompt tokens sent to that node and not yet answered.
 
 Events are hints: a lost or late event only costs a less optimal pick, never a wrong
-answer (the chosen node verifies everything it loads).
+answer (the chosen node verifies everything it loads). The index is bounded (``max_keys``,
+the keys stored longest ago go first). Every node announces its engine fingerprint; the
+index follows the one most current nodes share (a rolling redeploy moves it along once the
+new fingerprint is the majority) and ignores the others' keys, which it could not match.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+from collections import Counter, OrderedDict
 from typing import Any
 
 import msgspec
@@ -35,13 +38,14 @@ class ChunkIndex:
     :meth:`sync` (at start, and whenever DNS discovery changes the pool) subscribes to every
     node that lists an events endpoint and forgets nodes that left, with their keys."""
 
-    def __init__(self, pool: Pool, salt: bytes) -> None:
+    def __init__(self, pool: Pool, salt: bytes, max_keys: int = 1 << 20) -> None:
         """``salt``: the deployment secret's ``KeyUse.EVENTS`` key (events publish salted keys)."""
-        self.pool, self.salt = pool, salt
-        self.holders: dict[bytes, set[str]] = defaultdict(set)
+        self.pool, self.salt, self.max_keys = pool, salt, max_keys
+        self.holders: OrderedDict[bytes, set[str]] = OrderedDict()     # stored longest ago first
         self.fingerprint = b""
         self.chunk_tokens = 0
         self.events = 0
+        self._announced: dict[str, tuple[bytes, int]] = {}           # node -> (fingerprint, chunk_tokens)
         self._followers = Followers(self._follow, self.forget)
 
     def start(self) -> None:
@@ -71,20 +75,38 @@ class ChunkIndex:
 
     def apply(self, url: str, ev: StoreEvent) -> None:
         self.events += 1
-        if self.fingerprint and ev.fingerprint != self.fingerprint:
-            log.warning("node %s announces a different engine fingerprint; ignoring its events", url)
-            return
-        self.fingerprint, self.chunk_tokens = ev.fingerprint, ev.chunk_tokens
+        if self._announced.get(url) != (ev.fingerprint, ev.chunk_tokens):
+            self._announced[url] = (ev.fingerprint, ev.chunk_tokens)
+            self._follow_majority()
+        if ev.fingerprint != self.fingerprint:
+            return                                   # another engine build's keys: never matched by a request
         for k in ev.keys:
             if ev.kind == "stored":
-                self.holders[k].add(url)
+                self.holders.setdefault(k, set()).add(url)
+                self.holders.move_to_end(k)
             else:
                 self._drop(k, url)
+        while len(self.holders) > self.max_keys:
+            self.holders.popitem(last=False)
+
+    def _follow_majority(self) -> None:
+        """Index the fingerprint most current nodes announce (keys of another are dropped)."""
+        if not self._announced:
+            return
+        (fp, chunk), _ = Counter(self._announced.values()).most_common(1)[0]
+        if fp != self.fingerprint:
+            if self.fingerprint:
+                log.warning("cache-aware index: the prefill nodes now announce another engine fingerprint; "
+                            "following it (nodes still on the old one are placed by load)")
+            self.holders.clear()
+            self.fingerprint, self.chunk_tokens = fp, chunk
 
     def forget(self, url: str) -> None:
-        """A node left the pool: it holds nothing any more."""
+        """A node left the pool: it holds nothing any more (and its fingerprint counts no more)."""
         for k in [k for k, held in self.holders.items() if url in held]:
             self._drop(k, url)
+        if self._announced.pop(url, None) is not None:
+            self._follow_majority()
 
     def _drop(self, key: bytes, url: str) -> None:
         if (held := self.holders.get(key)) is not None:

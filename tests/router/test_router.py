@@ -384,6 +384,32 @@ def test_cache_index_drops_keys_no_node_holds():
     assert index.holders == {keys[0]: {"http://b"}}
 
 
+def test_the_cache_index_is_bounded_and_follows_a_redeploys_fingerprint():
+    """Before the fix the index was an unbounded defaultdict, and the first fingerprint it saw won
+    for good: after a redeploy with new weights every new node's events were ignored forever."""
+    from kvrelay.core.config import RoutingPolicy
+    from kvrelay.router.cache_index import ChunkIndex
+    from kvrelay.store.publisher import StoreEvent, StoreEventKind
+
+    pool = Pool("prefill", [Node("http://old"), Node("http://new1"), Node("http://new2")], RoutingPolicy.CACHE_AWARE)
+    index = ChunkIndex(pool, b"salt", max_keys=100)
+    keys = [k.to_bytes(32, "big") for k in range(150)]
+    index.apply("http://old", StoreEvent(StoreEventKind.STORED, keys, b"1" * 32, 256))
+    assert len(index.holders) == 100 and keys[0] not in index.holders and keys[-1] in index.holders
+    index.apply("http://new1", StoreEvent(StoreEventKind.STORED, keys[:5], b"2" * 32, 256))
+    assert index.fingerprint == b"1" * 32 and index.holders[keys[-1]] == {"http://old"}     # a tie: kept
+    index.apply("http://new2", StoreEvent(StoreEventKind.STORED, keys[:5], b"2" * 32, 256))
+    assert index.fingerprint == b"2" * 32                                  # the new build is the majority
+    assert index.holders == {k: {"http://new2"} for k in keys[:5]}         # the old build's keys are gone
+    index.apply("http://new1", StoreEvent(StoreEventKind.STORED, keys[:3], b"2" * 32, 256))
+    assert index.holders == {**{k: {"http://new1", "http://new2"} for k in keys[:3]},
+                             **{k: {"http://new2"} for k in keys[3:5]}}
+    index.forget("http://new1")
+    index.forget("http://new2")
+    index.apply("http://old", StoreEvent(StoreEventKind.STORED, keys[:1], b"1" * 32, 256))
+    assert index.fingerprint == b"1" * 32 and index.holders == {keys[0]: {"http://old"}}
+
+
 def test_ties_take_turns_and_the_longest_cached_prefix_wins():
     # Sequential traffic on an idle pool ties every node on load: the nodes must take turns
     # (a first-index tie-break piles every new conversation on node 0, whose engine cache
