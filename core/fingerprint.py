@@ -30,14 +30,20 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 DIGEST_CACHE = Path.home() / ".cache" / "kvrelay" / "weight-digests.json"
 
 
-def engine_fingerprint(vllm_config: Any, layout: Any, cfg: KVRelayConfig | None = None) -> Fingerprint:
+def engine_fingerprint(vllm_config: Any, layout: Any, cfg: KVRelayConfig | None = None,
+                       isa: str | None = None) -> Fingerprint:
     """This worker's fingerprint (see :class:`kvrelay.common.keys.Fingerprint`).
 
     ``layout`` is the worker's :class:`kvrelay.kernels.blocks.KVLayout`; ``cfg`` adds ``chunk_tokens``
-    and ``store.epoch``."""
+    and ``store.epoch``. On a CPU the layout names the attention ISA vLLM's CPU backend writes
+    the cache with (``isa``; detected as vLLM detects it when None): engines on hosts whose ISAs
+    differ (AMX, AVX-512, NEON...) exchange no KV."""
     pc, mc = vllm_config.parallel_config, vllm_config.model_config
+    kv_layout = f"{layout.device.type}:{list(layout.block_shape())}"
+    if layout.device.type == "cpu":
+        kv_layout += f":{isa if isa is not None else cpu_attention_isa(vllm_config, layout)}"
     return Fingerprint(model=str(mc.model), dtype=str(layout.dtype),
-                       kv_layout=f"{layout.device.type}:{list(layout.block_shape())}",
+                       kv_layout=kv_layout,
                        block_size=vllm_config.cache_config.block_size, num_layers=layout.num_layers,
                        bytes_per_block=layout.bytes_per_block, tp_rank=getattr(pc, "rank", 0),
                        tp_size=pc.tensor_parallel_size,
@@ -45,6 +51,20 @@ def engine_fingerprint(vllm_config: Any, layout: Any, cfg: KVRelayConfig | None 
                        weights=weights_identity(str(mc.model), getattr(mc, "revision", None)),
                        kv_settings=kv_settings(vllm_config),
                        epoch=cfg.store.epoch if cfg is not None else 0)
+
+
+def cpu_attention_isa(vllm_config: Any, layout: Any) -> str:
+    """The ISA vLLM's CPU attention backend picks for this engine's cache ("amx", "vec", "vec16",
+    "neon"...), asked of vLLM itself; "unknown" where this vLLM has no such choice."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(layout.dtype, vllm_config.cache_config.block_size,
+                                 vllm_config.model_config.get_head_size(),
+                                 getattr(vllm_config.cache_config, "cache_dtype", None)))
+    except (ImportError, AttributeError, NotImplementedError, RuntimeError, TypeError) as exc:
+        log.info("fingerprint: the CPU attention ISA is unknown (%s)", exc)
+        return "unknown"
 
 
 def kv_settings(vllm_config: Any) -> str:

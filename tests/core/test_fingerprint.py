@@ -143,3 +143,18 @@ def test_a_change_anywhere_in_a_weight_file_changes_the_identity(tmp_path: Path,
     assert (tmp_path / "cache" / "digests.json").stat().st_mode & 0o777 == 0o600
     fingerprint._file_digest.cache_clear()
     assert fingerprint.weights_identity(str(model), None) == after          # from the cache, unchanged
+
+
+def test_a_cpu_fingerprint_names_the_attention_isa(model_dir: Path):
+    """vLLM's CPU backend writes its cache per ISA (AMX, AVX-512 "vec", NEON...): engines on hosts
+    with different ISAs must exchange no KV (before the fix the ISA was not in the fingerprint)."""
+    from kvrelay.core.fingerprint import cpu_attention_isa
+
+    layout = KVLayout.from_caches({"layers.0": torch.zeros(4, 2, 16, 32)})
+    vc = vllm_config(str(model_dir))
+    vc.model_config.get_head_size = lambda: 16
+    amx, vec = (engine_fingerprint(vc, layout, isa=isa) for isa in ("amx", "vec"))
+    assert amx.kv_layout.endswith(":amx") and amx.digest() != vec.digest()
+    here = cpu_attention_isa(vc, layout)
+    assert here not in ("", "unknown")                       # vLLM's own choice on this host
+    assert engine_fingerprint(vc, layout).kv_layout.endswith(f":{here}")
