@@ -63,10 +63,11 @@ from kvrelay.router.cache_index import ChunkIndex, PromptTokenizer
 from kvrelay.router.decide import DecodeFirst, Placement, RoutePath
 from kvrelay.router.decode_path import DecodePath
 from kvrelay.router.discovery import Discovery, Resolver, parse_dns, system_resolver
+from kvrelay.router.front_door import Gate
 from kvrelay.router.job import Job, RequestIds
 from kvrelay.router.kv_events import KVEvents, parse_entries
 from kvrelay.router.kv_index import KVIndex
-from kvrelay.router.limits import Admission, ApiKeys, ClientSlots, Overloaded, RateLimits
+from kvrelay.router.limits import Admission, Overloaded
 from kvrelay.router.lora_admin import ADAPTER_PATHS, lora_handler
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.pools import (
@@ -117,9 +118,7 @@ class Router:
         engine = cfg.engine
         self._parsers = split.parsers_configured([*engine.extra_args, *engine.prefill_args, *engine.decode_args],
                                                  rc.chat_parsers)
-        self.keys = ApiKeys.from_config(rc)
-        self.rates = RateLimits(rc.rate_limit_rps, rc.rate_limit_burst)
-        self.client_slots = ClientSlots(rc.max_inflight_per_client)
+        self.gate = Gate(rc, self.metrics)
         self.admission = Admission(rc.max_inflight * max(1, len(self.decode.nodes)), rc.max_queued,
                                    rc.queue_timeout_s)
         self.discovery = self._discoveries()
@@ -188,7 +187,7 @@ class Router:
         return out
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=int(self.cfg.router.max_body_bytes), middlewares=[self._gate])
+        app = web.Application(client_max_size=int(self.cfg.router.max_body_bytes), middlewares=[self.gate.middleware])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
@@ -221,45 +220,6 @@ class Router:
             await self.kv_events.stop()
         await cancel_all([*self._tasks, self._health])
         await self.client.close()
-
-    @web.middleware
-    async def _gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """API key, rate limit and body size, before any handler reads the body (``/v1`` only)."""
-        if not request.path.startswith("/v1/"):
-            return await handler(request)
-        who = request.remote or "?"
-        if self.keys.enabled:
-            key = self.keys.check(request.headers.get("Authorization"))
-            if key is None:
-                self.metrics.errors.labels("unauthorized").inc()
-                return error_response(401, "Incorrect or missing API key: send Authorization: Bearer <key>",
-                                      "invalid_request_error", code="invalid_api_key")
-            who = key
-        wait = self.rates.take(who)
-        if wait:
-            self.metrics.errors.labels("rate_limited").inc()
-            return too_many("rate limit exceeded for this API key", wait)
-        if not self.client_slots.take(who):
-            self.metrics.errors.labels("client_inflight_limit").inc()
-            return too_many(f"this client already has {self.client_slots.limit} requests open "
-                            "(router.max_inflight_per_client)", 1.0)
-        try:
-            return await self._sized(request, handler)
-        finally:
-            self.client_slots.give(who)
-
-    async def _sized(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        limit = int(self.cfg.router.max_body_bytes)
-        if request.content_length is not None and request.content_length > limit:
-            self.metrics.errors.labels("body_too_large").inc()
-            return error_response(413, f"request body of {request.content_length} bytes exceeds the limit of "
-                                  f"{limit} bytes (router.max_body_bytes)", code="request_too_large")
-        try:
-            return await handler(request)
-        except web.HTTPRequestEntityTooLarge:        # a chunked body that turned out too large
-            self.metrics.errors.labels("body_too_large").inc()
-            return error_response(413, f"request body exceeds the limit of {limit} bytes (router.max_body_bytes)",
-                                  code="request_too_large")
 
     # ---------------------------------------------------------------- simple endpoints
     def node_label(self, url: str) -> str:
