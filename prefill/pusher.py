@@ -48,7 +48,7 @@ from kvrelay.prefill.payloads import Chunk, ChunkBuffer, PayloadMaker, SavedChun
 from kvrelay.prefill.staging import StagingPool, staging_slots
 from kvrelay.prefill.store_service import StoreService
 from kvrelay.transport.backends import make_sender_backend
-from kvrelay.transport.backends.base import SenderBackend, WriteHandle, WriteState
+from kvrelay.transport.backends.base import BlockPayload, Payload, SenderBackend, WriteHandle, WriteState
 from kvrelay.transport.config import TransportConfig
 from kvrelay.transport.sender import Allocation, PendingAlloc, Sender
 
@@ -56,6 +56,19 @@ log = logging.getLogger("vllm.kvrelay.prefill")
 
 POLL_S = 0.0005       # a lane with writes in flight polls them this often
 ALLOC_POLL_S = 0.005  # a lane waiting only for Alloc answers waits on its control socket this long
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A gathered chunk waiting for its send: the payload and its header, the buffer it lives
+    in (given back when the write settles) and when the push of it started."""
+
+    chunk: int
+    num_blocks: int
+    payload: Payload
+    header: bytes
+    keep: ChunkBuffer
+    t0: float
 
 
 @dataclass
@@ -224,6 +237,10 @@ class PushWorker(WorkerBase):
                     lane.sender.wait_replies(ALLOC_POLL_S)     # wakes as soon as D answers an Alloc
 
     def _advance(self, p: _Push) -> None:
+        """Gather the ready chunks under the push's guard (preemption waits for a gather that
+        reads its blocks), then send them with no lock held: a TCP send that blocks on a slow D
+        never holds up preemption on P. A zero-copy payload (NIXL writes straight from the KV
+        cache) is posted under the guard, since the write itself reads the blocks."""
         if p.failed:
             return
         if p.alloc is None and p.spec.push_to and not self._allocate(p):
@@ -231,9 +248,21 @@ class PushWorker(WorkerBase):
         with p.guard:
             if p.failed:                              # preempted while the Alloc was answered
                 return
+            copies: list[_Prepared] = []
             while p.next_chunk < p.ready_chunks:
-                self._write(p, p.next_chunk)
+                prepared = self._write(p, p.next_chunk)
+                if prepared is not None and isinstance(prepared.payload, BlockPayload):
+                    self._send(p, prepared)
+                elif prepared is not None:
+                    copies.append(prepared)
                 p.next_chunk += 1
+        for i, prepared in enumerate(copies):
+            if p.failed:                              # preempted meanwhile: the copies go nowhere
+                for rest in copies[i:]:
+                    self.payloads.release(rest.keep, done=True)
+                return
+            self._send(p, prepared)
+        with p.guard:
             self._poll_writes(p)
 
     def _poll_writes(self, p: _Push) -> None:
@@ -307,37 +336,46 @@ class PushWorker(WorkerBase):
             raise KVRelayError("KV caches not registered yet")
         return self.layout
 
-    def _write(self, p: _Push, c: int) -> None:
+    def _write(self, p: _Push, c: int) -> _Prepared | None:
+        """Store chunk ``c`` (if it is stored) and gather it for D; the send that remains, if any."""
         ids = self.chunk_block_ids(p.spec.block_ids, p.spec.prompt_len, c)
         full = len(ids) == self.blocks_per_chunk and (c + 1) * self.cfg.chunk_tokens <= p.spec.prompt_len
         saved = None
         if self.store is not None and full and 0 <= p.spec.store_from <= c * self.cfg.chunk_tokens:
             saved = self.store.save(p.keys[c], c, ids)        # the stored record's payload and checksum
-        if p.spec.push_to:
-            self._push(p, c, ids, saved)
+        return self._gather(p, c, ids, saved) if p.spec.push_to else None
 
-    def _push(self, p: _Push, c: int, ids: list[int], saved: SavedChunk | None) -> None:
+    def _gather(self, p: _Push, c: int, ids: list[int], saved: SavedChunk | None) -> _Prepared | None:
         assert p.alloc is not None and p.sender is not None
         if c in p.alloc.held:                                # D already has it (its prefix cache)
             self.metrics.chunks.labels("prefill", "held").inc()
-            return
+            return None
         layout = self.layout_or_fail()
         t0 = time.monotonic()
         self.events.write("push_start", req=p.spec.req_id, transfer=p.tid, chunk=c)
         chunk = Chunk(p.push_keys[c], p.tid, c, ids, saved if p.whole else None,
                       None if p.whole else p.span_bytes)
         payload, header, keep = self.payloads.make(chunk, layout, p.sender.layout is not None and p.whole)
+        return _Prepared(c, len(ids), payload, header, keep, t0)
+
+    def _send(self, p: _Push, w: _Prepared) -> None:
+        assert p.alloc is not None and p.sender is not None
         try:
-            handle = p.sender.write_chunk(p.alloc, c, payload, num_layers=layout.num_layers, num_blocks=len(ids),
-                                          header=header)
+            handle = p.sender.write_chunk(p.alloc, w.chunk, w.payload, num_layers=self.layout_or_fail().num_layers,
+                                          num_blocks=w.num_blocks, header=w.header)
         except BaseException:
-            self.payloads.release(keep, done=False)       # the backend may hold it: never lend it again
+            self.payloads.release(w.keep, done=False)       # the backend may hold it: never lend it again
             raise
         if handle is not None:
-            p.inflight.append((handle, keep, t0))
+            with p.guard:
+                if not p.failed:
+                    p.inflight.append((handle, w.keep, w.t0))
+                    return
+                p.sender.cancel(handle)                      # the push failed while this one was sent
+            self.payloads.release(w.keep, done=False)
         else:                                                # receiver already holds it
-            self.payloads.release(keep, done=True)
-            self._on_written(p, c, t0)
+            self.payloads.release(w.keep, done=True)
+            self._on_written(p, w.chunk, w.t0)
 
     def _on_written(self, p: _Push, c: int, t0: float) -> None:
         dt = time.monotonic() - t0

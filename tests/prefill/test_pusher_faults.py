@@ -280,3 +280,46 @@ def test_an_alloc_parked_on_a_full_pool_does_not_hold_up_the_granted_pushes(cach
     finally:
         worker.close()
         node.close()
+
+
+class BlocksOnSecond(SocketSender):
+    """A real tcp sender whose send of chunk 1 blocks until released - what a push sees when D
+    stops reading and the socket's buffer is full."""
+
+    def __init__(self, **kw: object) -> None:
+        super().__init__(**kw)
+        self.sending, self.release = threading.Event(), threading.Event()
+
+    def write(self, transfer_id, chunk_index, header, payload, grant) -> WriteHandle:
+        if chunk_index == 1:
+            self.sending.set()
+            self.release.wait(30)
+        return super().write(transfer_id, chunk_index, header, payload, grant)
+
+
+def test_preemption_never_waits_for_a_blocked_send(caches):
+    """Preemption on P (vLLM's model thread, before its next forward) waits for gathers that read
+    the request's blocks, not for a network send: before the fix the push's guard was held across
+    the tcp send, so a slow D held up P's scheduler step for as long as the send blocked."""
+    cfg = make_cfg()
+    sender = BlocksOnSecond(inline_payload=True)
+    worker = start_worker(cfg, caches, make_backend=lambda tc: sender)
+    node = Node(cfg, worker)
+    try:
+        rid, tid, blocks = push(worker, node.endpoint, 4, 8)
+        node.expect(tid, blocks, 4)
+        assert sender.sending.wait(10), "chunk 1 was never sent"
+        t0 = time.monotonic()
+        threading.Timer(3.0, sender.release.set).start()       # the send unblocks 3 s from now
+        worker.preempt([rid])
+        took = time.monotonic() - t0
+        assert took < 1.0, f"preemption waited {took:.1f} s for a blocked send"
+        wait_settled(worker, rid, timeout=15)
+        deadline = time.monotonic() + 10
+        while worker.busy() or worker.payloads.staging.stats().lent:
+            assert time.monotonic() < deadline, "a buffer or the push was left behind"
+            time.sleep(0.05)
+    finally:
+        sender.release.set()
+        worker.close()
+        node.close()
