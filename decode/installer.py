@@ -100,6 +100,14 @@ class _Load:
         return out
 
 
+def install_threads(cfg: KVRelayConfig, vllm_config: Any) -> int:
+    """One install thread for every part of every load the engine can have at once: each load
+    part waits on its own thread for its prefill node, so a load whose chunks have landed never
+    queues behind loads stalled on a slow or dead P. (Threads start only as loads need them.)"""
+    seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 0) or 256)
+    return max(32, 2 * seqs * max(1, cfg.engine.prefill_tp))
+
+
 def _busy_slots(pool: Any) -> int:
     st = pool.stats()
     return int(st.leased + st.filled + st.held)
@@ -112,7 +120,7 @@ class InstallWorker(WorkerBase):
         super().__init__(cfg, vllm_config)
         self.receiver: Receiver | None = None
         self._loads: dict[str, _Load] = {}
-        self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvrelay-install")
+        self._pool = ThreadPoolExecutor(max_workers=install_threads(cfg, vllm_config), thread_name_prefix="kvrelay-install")
         self._saved: set[str] = set()
         self.saver: DecodeSaver | None = None
         if cfg.store.enabled and cfg.store.save_decoded:

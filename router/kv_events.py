@@ -32,6 +32,7 @@ not named: its engine binds that port and the router **connects** to ``tcp://<it
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -50,6 +51,7 @@ from kvrelay.router.pools import Node
 log = logging.getLogger("kvrelay.router")
 
 _LOST = {zmq.EVENT_DISCONNECTED, zmq.EVENT_MONITOR_STOPPED}
+_MONITORS = itertools.count()        # each socket's monitor gets an address of its own (a closed one may linger)
 RETRY_S, MAX_RETRY_S = 1.0, 30.0     # a new socket after a loss; the back-off while one cannot be set up
 
 
@@ -100,7 +102,8 @@ class KVEvents:
     async def _session(self, url: str, endpoint: str) -> bool:
         """One socket's life: until its publisher is lost (True) or it cannot be set up (False)."""
         sock = subscriber()
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED,
+                                          addr=f"inproc://kvrelay-kv-events-monitor-{next(_MONITORS)}")
         try:
             if url in self.named and not endpoint.startswith("ipc://"):
                 sock.bind(endpoint)
@@ -153,4 +156,9 @@ class KVEvents:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.warning("KV events of %s: bad batch from %s: %s", url, endpoint, exc)
             return
+        stats = self.index.stats
+        gaps, restarts = stats.missed_batches, stats.restarts
         self.index.apply(url, int.from_bytes(frames[1], "big"), batch)
+        if stats.missed_batches != gaps or stats.restarts != restarts:
+            log.warning("KV events of %s: %s in its sequence; its claims are rebuilt from its next events", url,
+                        "a gap" if stats.missed_batches != gaps else "a restart")

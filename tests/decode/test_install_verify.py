@@ -135,3 +135,27 @@ def test_two_prefill_ranks_pieces_make_one_chunk():
     finally:
         w.receiver = real
         w.close()
+
+
+def test_a_load_never_queues_behind_loads_stalled_on_their_prefill_node():
+    """40 loads wait for chunks that never come (a slow or dead P); a 41st, cancelled at once, must
+    settle at once. Before the fix 32 install threads were all taken by the stalled loads, so
+    the 41st waited for one of them to time out (``connector.first_chunk_s``) before it ran."""
+    import time
+
+    w = _worker("connector.first_chunk_s=20")
+    try:
+        stalled = [LoadSpec(f"s{i}", f"ts{i}", list(range(CHUNK)), [1, 2], 0, CHUNK) for i in range(40)]
+        w.start(stalled, [], [])
+        time.sleep(0.5)
+        w.start([LoadSpec("late", "tlate", list(range(CHUNK)), [3, 4], 0, CHUNK)], [], [])
+        t0 = time.monotonic()
+        w.start([], ["late"], [])                            # its request was aborted
+        done: set[str] = set()
+        while "late" not in done:
+            assert time.monotonic() - t0 < 5, "the load queued behind the stalled ones"
+            done |= w.take_finished()
+            time.sleep(0.05)
+        w.start([], [s.req_id for s in stalled], [])
+    finally:
+        w.close()

@@ -159,14 +159,15 @@ def test_the_index_never_claims_what_the_engine_no_longer_holds(tiny_model, tmp_
 DISAGG_MIN = 300
 
 
-def _forwarder(engine_endpoint: str, pub_endpoint: str) -> subprocess.Popen:
+def _forwarder(engine_endpoint: str, pub_endpoint: str, log: Path | None = None) -> subprocess.Popen:
     """A process between an engine's publisher and the router: subscribes to the endpoint the
     engine binds and republishes every message on one it binds for the router. Killing it kills
     the publisher the router sees while the engine itself runs on."""
     code = (f"import zmq; c = zmq.Context(); s = c.socket(zmq.SUB); s.setsockopt(zmq.SUBSCRIBE, b''); "
             f"s.connect('{engine_endpoint}'); p = c.socket(zmq.PUB); p.bind('{pub_endpoint}'); "
             f"zmq.proxy(s, p)")
-    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    out = open(log, "ab") if log else subprocess.DEVNULL        # noqa: SIM115 - the child owns it
+    return subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=out, stderr=out)
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +183,9 @@ def df_stack(tiny_model, tmp_path_factory):
     routed = {**engines, "decode1": f"ipc://{tmp}/forwarded-decode1.sock"}
     over["router__kv_events"] = [f"{stack.url(s)}={routed[s.name]}" for s in specs]
     handle = start_stack(tiny_model, tmp, PORT0, **over)
-    fwd = _forwarder(engines["decode1"], routed["decode1"])
+    fwd = _forwarder(engines["decode1"], routed["decode1"], tmp / "forwarder.log")
     yield handle, fwd, {stack.url(s): s.name for s in specs}
+    print(f"forwarder: {fwd.poll()}")
     fwd.kill()
     handle.stack.stop()
 
