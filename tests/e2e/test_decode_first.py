@@ -184,8 +184,13 @@ def df_stack(tiny_model, tmp_path_factory):
     over["router__kv_events"] = [f"{stack.url(s)}={routed[s.name]}" for s in specs]
     handle = start_stack(tiny_model, tmp, PORT0, **over)
     fwd = _forwarder(engines["decode1"], routed["decode1"], tmp / "forwarder.log")
+    deadline = time.monotonic() + 60                # the router follows every engine's events first
+    while sum(v for k, v in _counters(handle.router_url).items()
+              if k.startswith("kvrelay_router_kv_events_following")) < len(specs):
+        assert time.monotonic() < deadline, "the router never followed every engine's KV events"
+        time.sleep(0.2)
+    time.sleep(1.0)                                 # the forwarder's own subscription to decode1
     yield handle, fwd, {stack.url(s): s.name for s in specs}
-    print(f"forwarder: {fwd.poll()}")
     fwd.kill()
     handle.stack.stop()
 
