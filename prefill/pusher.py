@@ -41,6 +41,7 @@ from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
 from kvrelay.core.rank_view import RankView
 from kvrelay.core.ranks import Piece, rank_endpoint
+from kvrelay.core.telemetry import EventLog
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.prefill.lanes import Lane, Lanes, session_lost
 from kvrelay.prefill.messages import PushSpec, StoreLoad
@@ -120,6 +121,35 @@ def plan_pushes(spec: PushSpec, keys: list[bytes], transfer_digest: bytes, ranks
         out.append(_Push(spec, keys, n, deadline, lanes.lane_for(rank_endpoint(spec.push_to, pc.dst)), piece=pc,
                          tid=t.transfer_id, push_keys=t.keys, span_bytes=(t.offset, t.width), bytes_per_block=bpb))
     return out
+
+
+def allocate(p: _Push, lanes: Lanes, sizes: Callable[[], list[int]], events: EventLog) -> bool:
+    """Send push ``p``'s Alloc, or collect D's answer; True once ``p.alloc`` is set. Never
+    waits for D (only connecting a new Sender blocks): while D parks one Alloc for slots or
+    for its consumer, the lane goes on writing the pushes already granted - a lane blocked
+    there could hold up the very pushes whose slots the parked Alloc waits for. A session D
+    no longer knows (it restarted) is replaced and the Alloc sent again once: nothing was
+    written yet, so nothing is lost. ``sizes()``: each chunk's bytes; ``events``: the event log."""
+    lane = p.lane
+    if p.pending is None:
+        p.sender = lanes.sender(lane)
+        p.pending = p.sender.alloc_async(p.tid, p.push_keys, sizes(), early=p.spec.early)
+    assert p.sender is not None
+    try:
+        alloc = p.sender.poll_alloc(p.pending)
+    except KVRelayError as exc:
+        if not session_lost(exc) or p.realloc:
+            raise
+        log.info("session to %s lost (%s); reconnecting", lane.endpoint, exc)
+        if p.sender is lane.sender:
+            lanes.drop_sender(lane)
+        p.pending, p.realloc = None, True
+        return False
+    if alloc is None:
+        return False
+    p.alloc, p.pending = alloc, None
+    events.write("push_alloc", req=p.spec.req_id, transfer=p.tid, chunks=p.n_chunks, held=list(p.alloc.held))
+    return True
 
 
 class PushWorker(WorkerBase):
@@ -243,7 +273,7 @@ class PushWorker(WorkerBase):
         cache) is posted under the guard, since the write itself reads the blocks."""
         if p.failed:
             return
-        if p.alloc is None and p.spec.push_to and not self._allocate(p):
+        if p.alloc is None and p.spec.push_to and not allocate(p, self.lanes, lambda: self._sizes(p), self.events):
             return                                    # D has not granted it yet
         with p.guard:
             if p.failed:                              # preempted while the Alloc was answered
@@ -296,35 +326,6 @@ class PushWorker(WorkerBase):
                     time.sleep(POLL_S)
                 self.metrics.chunks.labels("prefill", "preempted").inc()
                 self._fail(p, TransferAborted("the request was preempted on the prefill node (its blocks were freed)"))
-
-    def _allocate(self, p: _Push) -> bool:
-        """Send the transfer's Alloc, or collect D's answer; True once ``p.alloc`` is set. Never
-        waits for D (only connecting a new Sender blocks): while D parks one Alloc for slots or
-        for its consumer, the lane goes on writing the pushes already granted - a lane blocked
-        there could hold up the very pushes whose slots the parked Alloc waits for. A session D
-        no longer knows (it restarted) is replaced and the Alloc sent again once: nothing was
-        written yet, so nothing is lost."""
-        lane = p.lane
-        if p.pending is None:
-            p.sender = self.lanes.sender(lane)
-            p.pending = p.sender.alloc_async(p.tid, p.push_keys, self._sizes(p), early=p.spec.early)
-        assert p.sender is not None
-        try:
-            alloc = p.sender.poll_alloc(p.pending)
-        except KVRelayError as exc:
-            if not session_lost(exc) or p.realloc:
-                raise
-            log.info("session to %s lost (%s); reconnecting", lane.endpoint, exc)
-            if p.sender is lane.sender:
-                self.lanes.drop_sender(lane)
-            p.pending, p.realloc = None, True
-            return False
-        if alloc is None:
-            return False
-        p.alloc, p.pending = alloc, None
-        self.events.write("push_alloc", req=p.spec.req_id, transfer=p.tid, chunks=p.n_chunks,
-                          held=list(p.alloc.held))
-        return True
 
     def _sizes(self, p: _Push) -> list[int]:
         layout = self.layout_or_fail()
