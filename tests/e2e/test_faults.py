@@ -242,11 +242,14 @@ def _json_logs_name_the_failed_pushes(path: Path) -> None:
 
 
 def _healthy(router_url: str, pool: str) -> bool:
+    import urllib.error
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{router_url}/health", timeout=5) as r:
-            return bool(json.loads(r.read())[pool])
+            return bool(json.loads(r.read())[pool]["healthy"])
+    except urllib.error.HTTPError as exc:          # 503: a pool is empty
+        return bool(json.loads(exc.read())[pool]["healthy"])
     except OSError:
         return False
 

@@ -121,12 +121,13 @@ def _until(predicate, what: str, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-def _healthy_prefill(url: str) -> list[str]:
+def _healthy_prefill(url: str) -> int:
+    """Prefill nodes in rotation, by the router's /health (counts per pool)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            return list(json.loads(r.read())["prefill"])
+            return int(json.loads(r.read())["prefill"]["healthy"])
     except urllib.error.HTTPError as exc:          # 503: a pool is empty
-        return list(json.loads(exc.read())["prefill"])
+        return int(json.loads(exc.read())["prefill"]["healthy"])
 
 
 def _router_count(url: str, series: str) -> float:
@@ -136,7 +137,7 @@ def _router_count(url: str, series: str) -> float:
 def test_a_killed_decode_node_loses_no_stream_and_no_token(loss_stack, want):
     stack, url = loss_stack.stack, loss_stack.router_url
     stack.kill("prefill1")                        # 1P2D
-    _until(lambda: len(_healthy_prefill(url)) == 1, "prefill1 out of rotation")
+    _until(lambda: _healthy_prefill(url) == 1, "prefill1 out of rotation")
     t0 = time.monotonic()
     # the node with the most streams still running: one prefill node staggers the streams' starts,
     # so the first decode node to get work may have finished it by the time every stream has tokens
@@ -155,7 +156,7 @@ def test_a_killed_prefill_node_then_both_lose_nothing(loss_stack, want):
         stack.kill(name)                          # 2P1D
     if "prefill1" not in stack.procs:
         stack.restart("prefill1")
-    _until(lambda: len(_healthy_prefill(url)) == 2, "both prefill nodes in rotation")
+    _until(lambda: _healthy_prefill(url) == 2, "both prefill nodes in rotation")
     streams = asyncio.run(_load(url, LOSS, lambda ss: any(s.text for s in ss), lambda: stack.kill("prefill0")))
     _check(streams, want)
     stack.kill("prefill1")                        # no prefill node left: the decode node serves alone
