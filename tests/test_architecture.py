@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.source import parse
+
 ROOT = Path(__file__).resolve().parents[1]
 ROOMS = ["common", "transport", "store", "kernels", "core", "prefill", "decode", "router", "deploy", "bench"]
 MAX_MODULE_LINES = 500
@@ -87,7 +89,7 @@ def import_graph(root: Path) -> dict[str, set[str]]:
     files = {module_name(root, p): p for d in ["kvrelay", *ROOMS] for p in (root / d).rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in files}
     for mod, path in files.items():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parse(path)):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -174,7 +176,7 @@ def test_no_module_is_over_the_limit():
 def _spans(kind: type | tuple[type, ...], limit: int) -> dict[str, int]:
     long = {}
     for p in _sources():
-        for node in ast.walk(ast.parse(p.read_text())):
+        for node in ast.walk(parse(p)):
             if isinstance(node, kind):
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > limit:
@@ -218,7 +220,7 @@ def test_a_module_name_is_used_once_unless_its_twins_say_they_share_a_role():
         if len(paths) < 2:
             continue
         for p in paths:
-            doc = ast.get_docstring(ast.parse((ROOT / p).read_text())) or ""
+            doc = ast.get_docstring(parse(ROOT / p)) or ""
             others = [str(o) for o in paths if o != p]
             assert "Same role as" in doc and all(f"``{o}``" in doc for o in others), \
                 f"{p} shares its name with {others}: rename it, or state the shared role in both docstrings"

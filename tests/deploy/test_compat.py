@@ -6,13 +6,14 @@ import ast
 from pathlib import Path
 
 from kvrelay.deploy import compat
+from tests.source import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "guide" / "compatibility.md"
 
 
 def _functions(path: Path) -> set[str]:
-    return {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+    return {n.name for n in ast.walk(parse(path)) if isinstance(n, ast.FunctionDef)}
 
 
 def test_the_page_is_the_matrix():
