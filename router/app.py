@@ -80,7 +80,7 @@ from kvrelay.router.pools import (
     pools_from_config,
 )
 from kvrelay.router.preflight import tls_context
-from kvrelay.router.responses import error_response, too_many
+from kvrelay.router.responses import ClientGone, error_response, gone_response, too_many
 from kvrelay.router.split_path import SplitPath
 from kvrelay.router.upstream import EngineClient
 
@@ -265,6 +265,9 @@ class Router:
             self.metrics.errors.labels("body_timeout").inc()
             return error_response(408, f"the request body did not arrive within {self.cfg.router.body_timeout_s:g} s "
                                   "(router.body_timeout_s)", code="request_timeout")
+        except ConnectionError:                  # the client hung up while sending its body
+            self.metrics.errors.labels("client_disconnect").inc()
+            return gone_response()
         try:
             await self.admission.acquire()
         except Overloaded as exc:
@@ -273,6 +276,9 @@ class Router:
         try:
             with request_span(self.tracer, "kvrelay.request", request.headers):   # tracing.endpoint set
                 return await self._completion(request, raw)
+        except ClientGone:                       # gone before its stream opened: nobody left to answer
+            self.metrics.errors.labels("client_disconnect").inc()
+            return gone_response()
         finally:
             self.admission.release()
 

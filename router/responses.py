@@ -86,9 +86,19 @@ async def open_stream(request: web.Request, headers: dict[str, str],
     """A prepared event stream to ``request``'s client, each write due within ``write_timeout_s``."""
     out = ClientStream(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                             **headers})
-    await out.prepare(request)
+    try:
+        await out.prepare(request)
+    except (ConnectionError, aiohttp.ClientConnectionResetError) as exc:
+        raise ClientGone(str(exc)) from exc
     out.bound(request, write_timeout_s)
     return out
+
+
+def gone_response() -> web.Response:
+    """What a handler returns for a client that has gone: aiohttp's write of it fails quietly
+    (a ``ConnectionError``), and its access log shows status 499, as nginx logs a client that
+    closed its request."""
+    return web.Response(status=499)
 
 
 class ClientGone(Exception):

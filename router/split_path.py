@@ -137,8 +137,7 @@ class SplitPath:
             except responses.ClientGone as exc:   # gone, or too slow a reader: never the node's failure
                 self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
                 self.client.metrics.errors.labels(responses.gone_cause(exc)).inc()
-                assert out is not None
-                return out
+                return out if out is not None else responses.gone_response()
             if refused is not None:
                 return refused
             tried.append(node)

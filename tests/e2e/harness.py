@@ -343,7 +343,20 @@ class StackHandle:
 
     def worker_metrics(self, role: launch.Role) -> dict[str, float]:
         spec = next(s for s in self.stack.specs if s.role is role)
-        return scrape(f"http://127.0.0.1:{self.cfg.connector.metrics_port + spec.port - self.cfg.deploy.base_port}/")
+        try:
+            return scrape(f"http://127.0.0.1:{self.cfg.connector.metrics_port + spec.port - self.cfg.deploy.base_port}/")
+        except OSError as exc:
+            raise AssertionError(f"{spec.name}'s worker exporter: {exc}; {self.node_state(spec.name)}") from exc
+
+    def node_state(self, node: str, lines: int = 40) -> str:
+        """Whether ``node``'s process group leader still runs (its exit code if not) and the last
+        ``lines`` lines of its log that are not routine: the context a failure in CI needs."""
+        proc = self.stack.procs.get(node)
+        state = "not running" if proc is None else "running" if proc.poll() is None else f"exited {proc.returncode}"
+        path = self.stack.log_dir / f"{node}.log"
+        text = path.read_text(errors="replace").splitlines() if path.exists() else []
+        tail = [ln[:600] for ln in text if '"level": "INFO"' not in ln][-lines:]
+        return f"{node} is {state}; its log ends:\n" + "\n".join(tail)
 
     def engine_metrics(self, role: launch.Role) -> dict[str, float]:
         """The engine's own /metrics, kvrelay's series with vLLM's labels (model_name, engine)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -623,3 +624,24 @@ def test_no_response_names_a_node_unless_expose_nodes():
                 for text in (json.dumps(health), failed, metrics):
                     assert (port in text) == expose, (expose, text[:300])
     run(go())
+
+
+def test_a_client_that_hangs_up_mid_body_is_counted_not_logged_as_a_server_error(caplog):
+    """A client that closes its connection while sending its body is a client disconnect: no
+    ``Error handling request`` traceback from aiohttp, no 500, one count of its cause."""
+    async def go() -> None:
+        async with one_pair() as (url, s, _pn, _dn):
+            host, port = url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"model\": ")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.transport.abort()                # a reset, as a killed client's kernel sends
+            await asyncio.sleep(0.3)
+            async with s.get(f"{url}/metrics") as m:
+                text = await m.text()
+            assert 'kvrelay_router_errors_total{cause="client_disconnect"} 1.0' in text
+    with caplog.at_level(logging.ERROR, logger="aiohttp.server"):
+        run(go())
+    assert not [r for r in caplog.records if r.name == "aiohttp.server"], caplog.text
