@@ -3,7 +3,12 @@
 Built once per worker when vLLM registers the KV caches (:meth:`RankView.of`). The pure head
 arithmetic is :mod:`kvrelay.core.ranks`; this module reads vLLM's config and the cache layout,
 and refuses at start what cannot work (a TP size the config does not state, a head count that
-does not divide, mixed TP over a layout whose blocks are not head-major).
+does not divide, mixed TP over a layout whose heads it cannot find inside a block).
+
+A head range of a block is a :class:`~kvrelay.kernels.blocks.Span`: one run of bytes in a
+head-major block (vLLM's CPU layout, HND), a run per token in a token-major one (NHD, what
+FlashAttention and FlashInfer use on GPUs). Either way a piece carries its heads' bytes in the
+block's own order, so any prefill TP size can feed any decode TP size the heads divide.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import Fingerprint
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.ranks import Heads, Piece, Sharding, part_transfer_id, piece_key, plan, receives, sends
+from kvrelay.kernels.blocks import Span
 from kvrelay.kernels.layout import KVLayout
 
 
@@ -53,8 +59,32 @@ class PieceTransfer:
     piece: Piece
     transfer_id: str
     keys: list[bytes]
-    offset: int
-    width: int
+    span: Span
+
+
+@dataclass(frozen=True)
+class HeadGeometry:
+    """How a block holds its heads: ``rows`` runs (the dimensions outside the heads), each of
+    the rank's heads ``head_bytes`` wide in every run. ``head_bytes`` 0: not splittable."""
+
+    rows: int
+    head_bytes: int
+    shape: str                  # the block's shape with the heads as "*" (what ranks must share)
+
+    @classmethod
+    def of(cls, layout: KVLayout, local_heads: int) -> HeadGeometry:
+        shape, hd = layout.block_shape(), layout.heads_dim
+        if hd is None or shape[hd] != local_heads:
+            return cls(1, 0, "")
+        es = layout.layers[0].element_size()
+        rows, inner = 1, es
+        for n in shape[:hd]:
+            rows *= n
+        for n in shape[hd + 1:]:
+            inner *= n
+        text = [str(n) for n in shape]
+        text[hd] = "*"
+        return cls(rows, inner, f"{layout.device.type}:[{', '.join(text)}]")
 
 
 @dataclass(frozen=True)
@@ -64,7 +94,7 @@ class RankView:
     kv_heads: int
     heads: Heads                # the global KV heads this rank holds
     bytes_per_block: int        # one local block of one layer
-    head_bytes: int             # one head's bytes in a block; 0 when blocks are not head-major
+    geometry: HeadGeometry      # where heads sit in a block (head_bytes 0: cannot be split)
     pieces: tuple[Piece, ...]   # the whole transfer plan between a prefill and a decode node
 
     @classmethod
@@ -79,17 +109,17 @@ class RankView:
         kv_heads = _kv_heads(vllm_config, layout, tp)
         rank = tp_rank(vllm_config)
         heads = Sharding(kv_heads, tp).heads(rank)
-        head_major = layout.block_shape()[0] == len(heads) and kv_heads > 1
+        geometry = HeadGeometry.of(layout, len(heads)) if kv_heads > 1 else HeadGeometry(1, 0, "")
         pieces = tuple(plan(kv_heads, cfg.engine.prefill_tp, cfg.engine.decode_tp))
-        view = cls(rank, tp, kv_heads, heads, layout.bytes_per_block,
-                   layout.bytes_per_block // len(heads) if head_major else 0, pieces)
+        view = cls(rank, tp, kv_heads, heads, layout.bytes_per_block, geometry, pieces)
         sender, receiver = Sharding(kv_heads, cfg.engine.prefill_tp), Sharding(kv_heads, cfg.engine.decode_tp)
         resharded = any(pc.heads != sender.heads(pc.src) or pc.heads != receiver.heads(pc.dst) for pc in pieces)
-        if resharded and not head_major:           # refused on both sides, whichever would slice
+        if resharded and not geometry.head_bytes:      # refused on both sides, whichever would slice
             raise ConfigError(f"engine.prefill_tp {cfg.engine.prefill_tp} and engine.decode_tp "
                               f"{cfg.engine.decode_tp} differ, which re-shards KV heads inside each block; this "
-                              f"engine's KV blocks are {list(layout.block_shape())}, not head-major: run prefill "
-                              "and decode at the same TP size")
+                              f"engine's KV blocks are {list(layout.block_shape())} with no dimension of its "
+                              f"{len(heads)} KV heads where vLLM's layout puts them: run prefill and decode at the "
+                              "same TP size")
         return view
 
     def outgoing(self) -> list[Piece]:
@@ -103,23 +133,25 @@ class RankView:
     def transfer(self, piece: Piece, transfer_id: str, chunk_keys: list[bytes]) -> PieceTransfer:
         """``piece`` of the request whose transfer is ``transfer_id`` and whose chunk keys (under the
         transfer fingerprint) are ``chunk_keys``."""
-        offset, width = self.byte_range(piece.heads)
         return PieceTransfer(piece, part_transfer_id(transfer_id, piece, list(self.pieces)),
-                             [piece_key(k, piece.heads, self.kv_heads) for k in chunk_keys], offset, width)
+                             [piece_key(k, piece.heads, self.kv_heads) for k in chunk_keys], self.span(piece.heads))
 
-    def byte_range(self, heads: Heads) -> tuple[int, int]:
-        """``(offset, width)`` of global heads ``heads`` inside one of this rank's blocks."""
+    def span(self, heads: Heads) -> Span:
+        """Where global heads ``heads`` sit inside one of this rank's blocks."""
         if heads == self.heads:
-            return 0, self.bytes_per_block
-        if not self.head_bytes or heads.start < self.heads.start or heads.stop > self.heads.stop:
+            return Span.whole(self.bytes_per_block)
+        g = self.geometry
+        if not g.head_bytes or heads.start < self.heads.start or heads.stop > self.heads.stop:
             raise ValueError(f"heads {heads} are not within this rank's {self.heads}")
-        return (heads.start - self.heads.start) * self.head_bytes, len(heads) * self.head_bytes
+        return Span(g.rows, self.bytes_per_block // g.rows, (heads.start - self.heads.start) * g.head_bytes,
+                    len(heads) * g.head_bytes)
 
     def transfer_fingerprint(self, fp: Fingerprint, layout: KVLayout) -> Fingerprint:
         """What two ranks must share to exchange pieces: the engine fingerprint without the rank
-        and, for head-major blocks, with the layout of one head (so TP sizes may differ)."""
-        if not self.head_bytes:
+        and, for blocks whose heads can be split, the block's shape around its heads (so TP sizes
+        may differ, but not the layout: an NHD rank never feeds an HND one)."""
+        g = self.geometry
+        if not g.head_bytes:
             return dataclasses.replace(fp, tp_rank=0)
-        shape = list(layout.block_shape()[1:])
-        return dataclasses.replace(fp, tp_rank=0, tp_size=0, kv_layout=f"{layout.device.type}:heads*{shape}",
-                                   bytes_per_block=self.head_bytes * self.kv_heads)
+        return dataclasses.replace(fp, tp_rank=0, tp_size=0, kv_layout=g.shape,
+                                   bytes_per_block=g.rows * g.head_bytes * self.kv_heads)

@@ -33,7 +33,7 @@ from kvrelay.core.ranks import Piece, part_transfer_id
 from kvrelay.core.telemetry import unbind_gauge
 from kvrelay.decode.messages import LoadSpec
 from kvrelay.decode.saver import DecodeSaver, SaveSpec
-from kvrelay.kernels.blocks import scatter_range
+from kvrelay.kernels.blocks import Span, scatter_range
 from kvrelay.transport.backends import make_receiver_backend
 from kvrelay.transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone, TransferFailed
 from kvrelay.transport.pool import PAGE, round_up
@@ -75,8 +75,7 @@ class _Part:
     piece: Piece
     transfer_id: str
     keys: list[bytes]          # one piece key per chunk
-    offset: int                # where the piece's heads sit in a local block (bytes)
-    width: int                 # the piece's bytes per block
+    span: Span                 # where the piece's heads sit in a local block
     installed: set[int] = field(default_factory=set)
     failed: dict[int, str] = field(default_factory=dict)
 
@@ -205,7 +204,7 @@ class InstallWorker(WorkerBase):
         """The sub-transfers this rank receives for ``spec``: one per prefill rank that sends it heads."""
         assert self.ranks is not None
         base = chunk_keys_from_digest(spec.token_ids, self.transfer_digest, self.cfg.chunk_tokens, spec.namespace)
-        return [_Part(t.piece, t.transfer_id, t.keys, t.offset, t.width)
+        return [_Part(t.piece, t.transfer_id, t.keys, t.span)
                 for t in (self.ranks.transfer(pc, spec.transfer_id, base) for pc in self.ranks.incoming())]
 
     def _stopping(self) -> str:
@@ -314,7 +313,7 @@ class InstallWorker(WorkerBase):
                                    f"expected {self.layout.num_layers}x{len(blocks)}")
             t0, w0 = time.monotonic(), time.time()
             skip = max(0, load.spec.local_tokens // self.block_size - c * self.blocks_per_chunk)
-            self._scatter_verified(ev, blocks, skip, part.offset, part.width)
+            self._scatter_verified(ev, blocks, skip, part.span)
             part.installed.add(c)
             self.metrics.load_latency.observe(time.monotonic() - t0)
             self.metrics.chunks.labels("decode", "installed").inc()
@@ -327,9 +326,9 @@ class InstallWorker(WorkerBase):
         finally:
             self.receiver.release(ev)
 
-    def _scatter_verified(self, ev: ChunkArrival, blocks: list[int], skip: int, offset: int, width: int) -> None:
-        """Install the chunk's payload (``[layer][block]``, ``width`` bytes of each block from
-        ``offset``: a piece's heads) into ``blocks[skip:]``, verified.
+    def _scatter_verified(self, ev: ChunkArrival, blocks: list[int], skip: int, span: Span) -> None:
+        """Install the chunk's payload (``[layer][block]``, range ``span`` of each block: a
+        piece's heads) into ``blocks[skip:]``, verified.
 
         Bytes the transport hashed as they landed (tcp) are scattered from the slot. Otherwise
         the one copy is the install itself, and the hash is taken over what it wrote: the
@@ -341,19 +340,19 @@ class InstallWorker(WorkerBase):
         assert self.receiver is not None and self.layout is not None
         layout = self.layout
         src = torch.frombuffer(self.receiver.payload(ev), dtype=torch.uint8)
-        src = src.view(layout.num_layers, len(blocks), width)     # [L, n, w]
+        src = src.view(layout.num_layers, len(blocks), span.nbytes)     # [L, n, span]
         if not ev.verified and layout.device.type != "cpu":
             private = torch.empty_like(src)
             copy_checked(ev.header, src.numpy().data, private.numpy().data)     # verified in its copy
             src = private
         ids = torch.tensor(blocks[skip:], dtype=torch.int64)
         if len(ids):
-            scatter_range(layout, ids.to(layout.device), src[:, skip:].to(layout.device), offset)
+            scatter_range(layout, ids.to(layout.device), src[:, skip:].to(layout.device), span)
         if not ev.verified and layout.device.type == "cpu":
             regions = []                      # the payload's [layer][block] order, as installed
             for i in range(layout.num_layers):
                 regions.append(src[i, :skip].numpy().data)
-                regions += [layout.block_view(i, b)[offset:offset + width].numpy().data for b in blocks[skip:]]
+                regions += [row.numpy().data for b in blocks[skip:] for row in span.of(layout.block_view(i, b))]
             check_regions(ev.header, regions)
 
     def _fail_rest(self, load: _Load, part: _Part, reason: str) -> None:

@@ -13,9 +13,45 @@ any layout the fast path does not take.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvrelay.kernels.layout import KVLayout
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """Where a range of KV heads sits in one block: the block read as ``rows`` rows of
+    ``row_bytes`` and, of each row, ``width`` bytes from ``offset``.
+
+    A head-major block (vLLM's CPU layout, HND: ``[heads, tokens, head]``) is one row, so a head
+    range is one run of bytes; a token-major block (NHD: ``[tokens, heads, head]``) has a row per
+    token, each holding every head. A piece's payload per block is its rows' ranges back to
+    back: ``[rows][width]``, the same bytes in the same order on every rank whatever its TP size.
+    """
+
+    rows: int
+    row_bytes: int
+    offset: int
+    width: int
+
+    @classmethod
+    def whole(cls, bytes_per_block: int) -> Span:
+        return cls(1, bytes_per_block, 0, bytes_per_block)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one block's range."""
+        return self.rows * self.width
+
+    @property
+    def is_whole(self) -> bool:
+        return self.offset == 0 and self.width == self.row_bytes
+
+    def of(self, blocks: torch.Tensor) -> torch.Tensor:
+        """``[..., bytes_per_block]`` uint8 -> the range as a ``[..., rows, width]`` view."""
+        return blocks.unflatten(-1, (self.rows, self.row_bytes))[..., self.offset:self.offset + self.width]
 
 
 def _words(t: torch.Tensor, bpb: int) -> torch.Tensor:
@@ -104,19 +140,20 @@ def gather(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor) -> torc
     return gather_ref(layout, block_ids, out)
 
 
-def gather_into_host(layout: KVLayout, block_ids: list[int], out: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Bytes ``[offset, offset + w)`` of blocks ``block_ids`` of every layer into ``out``, a host
-    ``[L, n, w]`` uint8 buffer the caller owns (and reuses: see :mod:`kvrelay.prefill.staging`);
-    returns ``out``. ``w = bytes_per_block`` (whole blocks) unless a head range is sent.
+def gather_into_host(layout: KVLayout, block_ids: list[int], out: torch.Tensor, span: Span | None = None) -> torch.Tensor:
+    """Range ``span`` (whole blocks when None) of blocks ``block_ids`` of every layer into ``out``,
+    a host ``[L, n, span.nbytes]`` uint8 buffer the caller owns (and reuses: see
+    :mod:`kvrelay.prefill.staging`); returns ``out``.
 
     A host cache gathers straight into ``out``; a device cache gathers on the device, then
     copies once into ``out``.
     """
+    span = span or Span.whole(layout.bytes_per_block)
     ids = torch.tensor(block_ids, dtype=torch.int64, device=layout.device)
     if layout.device.type == "cpu":
-        return gather_range(layout, ids, out, offset)
+        return gather_range(layout, ids, out, span)
     dev = torch.empty(out.shape, dtype=torch.uint8, device=layout.device)
-    out.copy_(gather_range(layout, ids, dev, offset))
+    out.copy_(gather_range(layout, ids, dev, span))
     return out
 
 
@@ -125,37 +162,37 @@ def _byte_planes(layout: KVLayout) -> list[torch.Tensor]:
     return [t.view(torch.uint8).flatten(1) for t in layout.layers]
 
 
-def gather_range(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor, offset: int) -> torch.Tensor:
-    """Bytes ``[offset, offset + w)`` of blocks ``block_ids`` of every layer into ``out`` (a head
-    range of a head-major block: :mod:`kvrelay.core.ranks`).
+def gather_range(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor, span: Span) -> torch.Tensor:
+    """Range ``span`` of blocks ``block_ids`` of every layer into ``out`` (a head range:
+    :mod:`kvrelay.core.ranks`).
 
-    block_ids: [n] int64;  out: [L, n, w] uint8, contiguous
+    block_ids: [n] int64;  out: [L, n, span.nbytes] uint8, contiguous
     """
-    w = out.shape[2]
-    if offset == 0 and w == layout.bytes_per_block:
+    if span.is_whole:
         return gather(layout, block_ids, out)
+    dst = out.view(out.shape[0], out.shape[1], span.rows, span.width)          # [L, n, rows, w]
     if layout.stacked is not None:
-        torch.index_select(layout.stacked[:, :, offset:offset + w], 1, block_ids, out=out)
+        torch.index_select(span.of(layout.stacked), 1, block_ids, out=dst)
         return out
     for i, plane in enumerate(_byte_planes(layout)):
-        torch.index_select(plane[:, offset:offset + w], 0, block_ids, out=out[i])
+        torch.index_select(span.of(plane), 0, block_ids, out=dst[i])
     return out
 
 
-def scatter_range(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor, offset: int) -> None:
-    """Write ``src`` ([L, n, w] uint8) into bytes ``[offset, offset + w)`` of blocks ``block_ids``
-    of every layer; the rest of each block is left as it is."""
-    w = src.shape[2]
-    if offset == 0 and w == layout.bytes_per_block:
+def scatter_range(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor, span: Span) -> None:
+    """Write ``src`` ([L, n, span.nbytes] uint8) into range ``span`` of blocks ``block_ids`` of
+    every layer; the rest of each block is left as it is."""
+    if span.is_whole:
         scatter(layout, block_ids, src)
         return
-    stacked = layout.stacked
-    planes = _byte_planes(layout) if stacked is None else []
+    rows = src.view(src.shape[0], src.shape[1], span.rows, span.width)          # [L, n, rows, w]
+    stacked = span.of(layout.stacked) if layout.stacked is not None else None
+    planes = [span.of(p) for p in _byte_planes(layout)] if stacked is None else []
     for pos, first, n in _runs(block_ids.cpu().tolist()):
         if stacked is not None:
-            stacked[:, first:first + n, offset:offset + w].copy_(src[:, pos:pos + n])     # [L, n, w]
+            stacked[:, first:first + n].copy_(rows[:, pos:pos + n])              # [L, n, rows, w]
         for i, plane in enumerate(planes):
-            plane[first:first + n, offset:offset + w].copy_(src[i, pos:pos + n])
+            plane[first:first + n].copy_(rows[i, pos:pos + n])
 
 
 def scatter(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor) -> None:

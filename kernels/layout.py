@@ -5,10 +5,14 @@ them into *planes*, each ``[num_blocks, ...]`` with a contiguous block, and copi
 whole blocks of every plane as opaque bytes (never per token: on CPU K sits
 transposed inside a block). The shapes vLLM's backends use:
 
-* CPU attention: ``[num_blocks, kv_heads, block_size, 2*head_size]`` - one plane;
-* FlashInfer, MLA: ``[num_blocks, 2, block_size, heads, head]`` / ``[num_blocks,
-  block_size, dim]`` - one plane (the block is the leading dimension);
-* FlashAttention: ``[2, num_blocks, block_size, kv_heads, head]`` (K and V apart) -
+* vLLM >= 0.32 (RFC #42082): every layer is a *logical* ``[num_blocks, kv_heads, block_size,
+  content]`` view whose strides give the physical order (``KVCacheLayout``): the CPU backend's
+  is head-major (``LBHNC``: heads outside tokens, HND), FlashAttention's and FlashInfer's may be
+  token-major (``LBNHC``: NHD). Each plane is taken in its *physical* order (dimensions after
+  the block's sorted by stride), so a block is one contiguous run of bytes whatever the layout,
+  and :attr:`KVLayout.heads_dim` says where the heads sit inside it;
+* MLA: ``[num_blocks, block_size, dim]`` - one plane, no heads (every rank holds the latent);
+* older FlashAttention: ``[2, num_blocks, block_size, kv_heads, head]`` (K and V apart) -
   two planes, ``[0]`` (K) and ``[1]`` (V), named ``<layer>.k`` / ``<layer>.v``.
 
 When every layer is a view into one buffer at a constant stride (what vLLM allocates),
@@ -32,6 +36,7 @@ class KVLayout:
     bytes_per_block: int
     dtype: torch.dtype
     stacked: torch.Tensor | None     # [L, num_blocks, bytes_per_block] uint8 view, if expressible
+    heads_dim: int | None = None     # where the KV heads sit in block_shape() (None: no heads dim known)
 
     @property
     def num_layers(self) -> int:
@@ -49,18 +54,21 @@ class KVLayout:
 
     @classmethod
     def from_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:
-        names, layers = _planes(kv_caches)
-        if not layers:
+        names, logical = _planes(kv_caches)
+        if not logical:
             raise ValueError("no KV cache tensors registered")
-        first = layers[0]
+        physical = [physical_order(t) for t, _ in logical]
+        layers = [t for t, _ in physical]
+        first, heads_dim = layers[0], physical[0][1][logical[0][1]] - 1 if logical[0][1] else None
         for n, t in zip(names, layers, strict=True):
             if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
                 raise ValueError(f"layer {n} has shape/dtype {tuple(t.shape)}/{t.dtype}; "
                                  f"expected {tuple(first.shape)}/{first.dtype} like {names[0]}")
             if not t[0].is_contiguous():
-                raise ValueError(f"layer {n}: a block is not contiguous (strides {t.stride()})")
+                raise ValueError(f"layer {n}: a block is not one contiguous run of bytes (strides {t.stride()}): "
+                                 "a KV cache layout with the heads or the layers outside the blocks")
         bpb = first[0].numel() * first.element_size()
-        return cls(names, layers, first.shape[0], bpb, first.dtype, _stacked_view(layers, bpb))
+        return cls(names, layers, first.shape[0], bpb, first.dtype, _stacked_view(layers, bpb), heads_dim)
 
     def plane_spans(self) -> list[tuple[int, int]] | None:
         """``(address, nbytes)`` of each layer's blocks, in layer order, when every layer's blocks
@@ -77,18 +85,32 @@ class KVLayout:
         return self.layers[layer][block].reshape(-1).view(torch.uint8)
 
 
-def _planes(kv_caches: Mapping[str, torch.Tensor]) -> tuple[list[str], list[torch.Tensor]]:
-    """Split FlashAttention's ``[2, num_blocks, block_size, heads, head]`` layers into K and V planes."""
+def _planes(kv_caches: Mapping[str, torch.Tensor]) -> tuple[list[str], list[tuple[torch.Tensor, int | None]]]:
+    """Each layer as ``(plane, its logical heads dimension)``: vLLM's ``[B, H, N, C]`` views have
+    their heads at 1; older FlashAttention's ``[2, num_blocks, block_size, heads, head]`` layers are
+    split into K and V planes with their heads at 2; others (MLA) have none."""
     names: list[str] = []
-    planes: list[torch.Tensor] = []
+    planes: list[tuple[torch.Tensor, int | None]] = []
     for name, t in kv_caches.items():
         if t.dim() == 5 and t.shape[0] == 2:
             names += [f"{name}.k", f"{name}.v"]
-            planes += [t[0], t[1]]
+            planes += [(t[0], 2), (t[1], 2)]
         else:
             names.append(name)
-            planes.append(t)
+            planes.append((t, 1 if t.dim() == 4 else None))
     return names, planes
+
+
+def physical_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """``t`` ([num_blocks, ...]) with the dimensions after the first permuted into memory order
+    (outermost first), and where each original dimension went. A view: no byte moves.
+
+    vLLM expresses a physical layout as strides over one logical shape (an NHD cache is a
+    ``[B, H, N, C]`` view whose H stride is smaller than its N stride); read in memory order,
+    a block is contiguous and its bytes can be copied whole."""
+    inner = sorted(range(1, t.dim()), key=lambda d: (-t.stride(d), d))
+    order = [0, *inner]
+    return t.permute(order), [order.index(d) for d in range(t.dim())]
 
 
 def _stacked_view(layers: Sequence[torch.Tensor], bpb: int) -> torch.Tensor | None:

@@ -22,7 +22,7 @@ import torch
 
 from kvrelay.common.wire import DType, make_header
 from kvrelay.core.hooks import load_function
-from kvrelay.kernels.blocks import gather_into_host
+from kvrelay.kernels.blocks import Span, gather_into_host
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.prefill.staging import Staged, StagingPool
 from kvrelay.transport.backends.base import BlockPayload, MemRegion, Payload, SourceLayout
@@ -71,7 +71,7 @@ class Chunk:
     index: int
     block_ids: list[int]
     saved: SavedChunk | None = None       # the store gathered it already
-    span: tuple[int, int] | None = None   # (offset, width) of the heads sent in each block; None = whole
+    span: Span | None = None              # the heads sent of each block (kernels.blocks.Span); None = whole
 
 
 class PayloadMaker:
@@ -98,10 +98,10 @@ class PayloadMaker:
             buf = chunk.saved.payload
             return self._hooked(chunk, buf, header([buf.numpy().data], chunk.saved.payload_sum), ChunkBuffer(tensor=buf))
         assert self.staging is not None
-        offset, width = chunk.span or (0, layout.bytes_per_block)
-        staged = self.staging.take((layout.num_layers, len(ids), width))
+        span = chunk.span or Span.whole(layout.bytes_per_block)
+        staged = self.staging.take((layout.num_layers, len(ids), span.nbytes))
         try:
-            gather_into_host(layout, ids, staged.tensor, offset)                    # [L, n, w] uint8
+            gather_into_host(layout, ids, staged.tensor, span)                      # [L, n, span] uint8
             return self._hooked(chunk, staged.tensor, header([staged.tensor.numpy().data]), ChunkBuffer(staged))
         except BaseException:
             self.staging.give_back(staged)          # nothing was sent from it

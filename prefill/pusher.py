@@ -42,6 +42,7 @@ from kvrelay.core.placement import place_helper_thread
 from kvrelay.core.rank_view import RankView
 from kvrelay.core.ranks import Piece, rank_endpoint
 from kvrelay.core.telemetry import EventLog
+from kvrelay.kernels.blocks import Span
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.prefill.lanes import Lane, Lanes, session_lost
 from kvrelay.prefill.messages import PushSpec, StoreLoad
@@ -95,13 +96,12 @@ class _Push:
     piece: Piece | None = None   # the heads it sends to which decode rank (None: a store-only save)
     tid: str = ""                # its sub-transfer's id on that rank (core/ranks.py)
     push_keys: list[bytes] = field(default_factory=list)   # the piece's key of each chunk
-    span_bytes: tuple[int, int] = (0, 0)    # (offset, width) of its heads in one block
-    bytes_per_block: int = 0
+    block_span: Span = Span(1, 0, 0, 0)     # where its heads sit in one block
 
     @property
     def whole(self) -> bool:
         """It sends whole blocks (equal TP: no re-sharding)."""
-        return self.span_bytes == (0, self.bytes_per_block)
+        return self.block_span.is_whole
 
 
 def plan_pushes(spec: PushSpec, keys: list[bytes], transfer_digest: bytes, ranks: RankView, lanes: Lanes,
@@ -112,14 +112,13 @@ def plan_pushes(spec: PushSpec, keys: list[bytes], transfer_digest: bytes, ranks
     assert spec.token_ids is not None
     bpb, n = ranks.bytes_per_block, -(-len(spec.token_ids) // chunk_tokens)
     if not spec.push_to:
-        return [_Push(spec, keys, n, deadline, lanes.lane_for(spec.push_to), span_bytes=(0, bpb),
-                      bytes_per_block=bpb)]
+        return [_Push(spec, keys, n, deadline, lanes.lane_for(spec.push_to), block_span=Span.whole(bpb))]
     base = chunk_keys_from_digest(spec.token_ids, transfer_digest, chunk_tokens, spec.namespace)
     out = []
     for pc in ranks.outgoing():
         t = ranks.transfer(pc, spec.transfer_id, base)
         out.append(_Push(spec, keys, n, deadline, lanes.lane_for(rank_endpoint(spec.push_to, pc.dst)), piece=pc,
-                         tid=t.transfer_id, push_keys=t.keys, span_bytes=(t.offset, t.width), bytes_per_block=bpb))
+                         tid=t.transfer_id, push_keys=t.keys, block_span=t.span))
     return out
 
 
@@ -329,7 +328,7 @@ class PushWorker(WorkerBase):
 
     def _sizes(self, p: _Push) -> list[int]:
         layout = self.layout_or_fail()
-        return [HEADER_SIZE + layout.num_layers * self.blocks_in_chunk(p.spec.prompt_len, c) * p.span_bytes[1]
+        return [HEADER_SIZE + layout.num_layers * self.blocks_in_chunk(p.spec.prompt_len, c) * p.block_span.nbytes
                 for c in range(p.n_chunks)]
 
     def layout_or_fail(self) -> KVLayout:
@@ -355,7 +354,7 @@ class PushWorker(WorkerBase):
         t0 = time.monotonic()
         self.events.write("push_start", req=p.spec.req_id, transfer=p.tid, chunk=c)
         chunk = Chunk(p.push_keys[c], p.tid, c, ids, saved if p.whole else None,
-                      None if p.whole else p.span_bytes)
+                      None if p.whole else p.block_span)
         payload, header, keep = self.payloads.make(chunk, layout, p.sender.layout is not None and p.whole)
         return _Prepared(c, len(ids), payload, header, keep, t0)
 
@@ -382,7 +381,7 @@ class PushWorker(WorkerBase):
         dt = time.monotonic() - t0
         self.metrics.store_latency.observe(dt)
         self.metrics.chunks.labels("prefill", "pushed").inc()
-        self.metrics.bytes.labels("prefill").inc(self.layout_or_fail().num_layers * p.span_bytes[1]
+        self.metrics.bytes.labels("prefill").inc(self.layout_or_fail().num_layers * p.block_span.nbytes
                                                  * self.blocks_in_chunk(p.spec.prompt_len, c))
         self.events.write("push_done", req=p.spec.req_id, transfer=p.tid, chunk=c,
                           seconds=round(dt, 6))

@@ -17,6 +17,7 @@ from kvrelay.common.wire import make_header  # noqa: E402
 from kvrelay.core import config as kcfg  # noqa: E402
 from kvrelay.decode.installer import InstallWorker, _Load  # noqa: E402
 from kvrelay.decode.messages import LoadSpec  # noqa: E402
+from kvrelay.kernels.blocks import Span  # noqa: E402
 from kvrelay.transport.events import ChunkArrival  # noqa: E402
 from kvrelay.transport.pool import SlotRef  # noqa: E402
 
@@ -120,9 +121,9 @@ def test_two_prefill_ranks_pieces_make_one_chunk():
     w = _worker("engine.prefill_tp=2")
     real = w.receiver
     try:
-        assert [(p.transfer_id, p.offset, p.width) for p in w._parts(LoadSpec("r", "t", [1], [5], 0, 1))] == [
-            ("t#p0", 0, w.layout.bytes_per_block // 2), ("t#p1", w.layout.bytes_per_block // 2,
-                                                         w.layout.bytes_per_block // 2)]
+        bpb = w.layout.bytes_per_block
+        assert [(p.transfer_id, p.span) for p in w._parts(LoadSpec("r", "t", [1], [5], 0, 1))] == [
+            ("t#p0", Span(1, bpb, 0, bpb // 2)), ("t#p1", Span(1, bpb, bpb // 2, bpb // 2))]
         full = _chunk(w, 5)                                           # [L, 2 blocks, bpb]
         half = w.layout.bytes_per_block // 2
         load = _arrive(w, full[:, :, :half].contiguous())

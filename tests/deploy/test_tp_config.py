@@ -17,6 +17,7 @@ from kvrelay.core.ranks import Heads
 from kvrelay.deploy import launch
 from kvrelay.deploy.config_check import stack_ports
 from kvrelay.deploy.tiny_model import make_tiny_model
+from kvrelay.kernels.blocks import Span
 from kvrelay.kernels.layout import KVLayout
 
 
@@ -70,16 +71,16 @@ def _vllm_config(tp: int, kv_heads: int, rank: int = 0) -> SimpleNamespace:
                            model_config=SimpleNamespace(get_total_num_kv_heads=lambda: kv_heads))
 
 
-def test_a_worker_refuses_a_tp_its_config_does_not_state_and_mixed_tp_without_head_major_blocks() -> None:
+def test_a_worker_refuses_a_tp_its_config_does_not_state_and_mixed_tp_where_it_cannot_find_the_heads() -> None:
     cpu = KVLayout.from_caches({f"l{i}": torch.zeros(8, 2, 16, 8) for i in range(2)})   # [blocks, heads, bs, 2h]
     with pytest.raises(ConfigError, match="engine.decode_tp is 1"):
         RankView.of(_vllm_config(2, 4), cpu, kcfg.load(), "decode")
     view = RankView.of(_vllm_config(2, 4, rank=1), cpu, kcfg.load(overrides=["engine.decode_tp=2"]), "decode")
     assert view.heads == Heads(2, 4) and [pc.heads for pc in view.incoming()] == [Heads(2, 4)]
     mixed = kcfg.load(overrides=["engine.decode_tp=2", "engine.prefill_tp=1"])
-    assert RankView.of(_vllm_config(2, 4, rank=1), cpu, mixed, "decode").byte_range(Heads(2, 4)) == (0, 2 * 16 * 8 * 4)
-    flash = KVLayout.from_caches({f"l{i}": torch.zeros(8, 16, 2, 8) for i in range(2)})  # [blocks, bs, heads, h]
-    with pytest.raises(ConfigError, match="not head-major"):
-        RankView.of(_vllm_config(2, 4), flash, mixed, "decode")
-    assert RankView.of(_vllm_config(2, 4), flash, kcfg.load(overrides=["engine.decode_tp=2", "engine.prefill_tp=2"]),
-                       "decode").incoming()                          # equal TP needs no head-major blocks
+    assert RankView.of(_vllm_config(2, 4, rank=1), cpu, mixed, "decode").span(Heads(2, 4)) == Span.whole(2 * 16 * 8 * 4)
+    headless = KVLayout.from_caches({f"l{i}": torch.zeros(8, 16, 8) for i in range(2)})  # [blocks, bs, dim]: no heads
+    with pytest.raises(ConfigError, match="no dimension of its 2 KV heads"):
+        RankView.of(_vllm_config(2, 4), headless, mixed, "decode")
+    assert RankView.of(_vllm_config(2, 4), headless, kcfg.load(overrides=["engine.decode_tp=2", "engine.prefill_tp=2"]),
+                       "decode").incoming()                          # equal TP sends whole blocks
