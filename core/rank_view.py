@@ -21,8 +21,8 @@ from kvrelay.common.errors import ConfigError
 from kvrelay.common.keys import Fingerprint
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.ranks import Heads, Piece, Sharding, part_transfer_id, piece_key, plan, receives, sends
-from kvrelay.kernels.blocks import Span
 from kvrelay.kernels.layout import KVLayout
+from kvrelay.kernels.span import Span
 
 
 def tp_rank(vllm_config: Any) -> int:
@@ -153,5 +153,6 @@ class RankView:
         g = self.geometry
         if not g.head_bytes:
             return dataclasses.replace(fp, tp_rank=0)
-        return dataclasses.replace(fp, tp_rank=0, tp_size=0, kv_layout=g.shape,
+        isa = fp.kv_layout.partition("]")[2]                 # what follows the shape (a CPU's attention ISA)
+        return dataclasses.replace(fp, tp_rank=0, tp_size=0, kv_layout=g.shape + isa,
                                    bytes_per_block=g.rows * g.head_bytes * self.kv_heads)

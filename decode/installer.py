@@ -33,7 +33,8 @@ from kvrelay.core.ranks import Piece, part_transfer_id
 from kvrelay.core.telemetry import unbind_gauge
 from kvrelay.decode.messages import LoadSpec
 from kvrelay.decode.saver import DecodeSaver, SaveSpec
-from kvrelay.kernels.blocks import Span, scatter_range
+from kvrelay.kernels.blocks import scatter_range
+from kvrelay.kernels.span import Span
 from kvrelay.transport.backends import make_receiver_backend
 from kvrelay.transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone, TransferFailed
 from kvrelay.transport.pool import PAGE, round_up

@@ -88,8 +88,10 @@ ROWS = (
     Row("Tensor parallelism, equal", "engine.prefill_tp = engine.decode_tp", Support.EXACT, Proof.CI,
         "rank r feeds rank r", ("tests/e2e/test_tp.py",)),
     Row("Tensor parallelism, mixed", "engine.prefill_tp != engine.decode_tp", Support.EXACT, Proof.CI,
-        "heads re-sharded per chunk on head-major block layouts (the CPU layout); other layouts are refused "
-        "at start", ("tests/e2e/test_tp.py", "tests/core/test_ranks.py"), "heterogeneous TP on HND only"),
+        "heads re-sharded per chunk, in head-major (HND: the CPU layout) and token-major (NHD: FlashAttention, "
+        "FlashInfer) blocks; a layout with no heads dimension in its blocks is refused at start",
+        ("tests/e2e/test_tp.py", "tests/core/test_ranks.py", "tests/core/test_mixed_tp_layouts.py"),
+        "heterogeneous TP on HND only"),
     Row("Pipeline or data parallelism in a node", "--pipeline-parallel-size, --data-parallel-size",
         Support.REFUSED, Proof.UNIT, "scale with more prefill and decode nodes instead",
         ("tests/deploy/test_tp_config.py",)),

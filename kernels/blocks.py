@@ -13,45 +13,10 @@ any layout the fast path does not take.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kvrelay.kernels.layout import KVLayout
-
-
-@dataclass(frozen=True, slots=True)
-class Span:
-    """Where a range of KV heads sits in one block: the block read as ``rows`` rows of
-    ``row_bytes`` and, of each row, ``width`` bytes from ``offset``.
-
-    A head-major block (vLLM's CPU layout, HND: ``[heads, tokens, head]``) is one row, so a head
-    range is one run of bytes; a token-major block (NHD: ``[tokens, heads, head]``) has a row per
-    token, each holding every head. A piece's payload per block is its rows' ranges back to
-    back: ``[rows][width]``, the same bytes in the same order on every rank whatever its TP size.
-    """
-
-    rows: int
-    row_bytes: int
-    offset: int
-    width: int
-
-    @classmethod
-    def whole(cls, bytes_per_block: int) -> Span:
-        return cls(1, bytes_per_block, 0, bytes_per_block)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of one block's range."""
-        return self.rows * self.width
-
-    @property
-    def is_whole(self) -> bool:
-        return self.offset == 0 and self.width == self.row_bytes
-
-    def of(self, blocks: torch.Tensor) -> torch.Tensor:
-        """``[..., bytes_per_block]`` uint8 -> the range as a ``[..., rows, width]`` view."""
-        return blocks.unflatten(-1, (self.rows, self.row_bytes))[..., self.offset:self.offset + self.width]
+from kvrelay.kernels.span import Span
 
 
 def _words(t: torch.Tensor, bpb: int) -> torch.Tensor:
@@ -170,6 +135,10 @@ def gather_range(layout: KVLayout, block_ids: torch.Tensor, out: torch.Tensor, s
     """
     if span.is_whole:
         return gather(layout, block_ids, out)
+    if _fast_path(layout):
+        from kvrelay.kernels import cuda
+
+        return cuda.gather(layout, block_ids, out, span)
     dst = out.view(out.shape[0], out.shape[1], span.rows, span.width)          # [L, n, rows, w]
     if layout.stacked is not None:
         torch.index_select(span.of(layout.stacked), 1, block_ids, out=dst)
@@ -184,6 +153,11 @@ def scatter_range(layout: KVLayout, block_ids: torch.Tensor, src: torch.Tensor, 
     every layer; the rest of each block is left as it is."""
     if span.is_whole:
         scatter(layout, block_ids, src)
+        return
+    if _fast_path(layout):
+        from kvrelay.kernels import cuda
+
+        cuda.scatter(layout, block_ids, src, span)
         return
     rows = src.view(src.shape[0], src.shape[1], span.rows, span.width)          # [L, n, rows, w]
     stacked = span.of(layout.stacked) if layout.stacked is not None else None

@@ -107,8 +107,10 @@ def physical_order(t: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
 
     vLLM expresses a physical layout as strides over one logical shape (an NHD cache is a
     ``[B, H, N, C]`` view whose H stride is smaller than its N stride); read in memory order,
-    a block is contiguous and its bytes can be copied whole."""
-    inner = sorted(range(1, t.dim()), key=lambda d: (-t.stride(d), d))
+    a block is contiguous and its bytes can be copied whole. Of two dimensions with one stride,
+    the longer is the outer: a one-head NHD rank's ``[B, 1, N, C]`` view has equal strides for
+    its heads and tokens, and is ``[tokens, 1, C]`` in memory, as its peers with more heads are."""
+    inner = sorted(range(1, t.dim()), key=lambda d: (-t.stride(d), -t.shape[d], d))
     order = [0, *inner]
     return t.permute(order), [order.index(d) for d in range(t.dim())]
 

@@ -22,8 +22,9 @@ import torch
 
 from kvrelay.common.wire import DType, make_header
 from kvrelay.core.hooks import load_function
-from kvrelay.kernels.blocks import Span, gather_into_host
+from kvrelay.kernels.blocks import gather_into_host
 from kvrelay.kernels.layout import KVLayout
+from kvrelay.kernels.span import Span
 from kvrelay.prefill.staging import Staged, StagingPool
 from kvrelay.transport.backends.base import BlockPayload, MemRegion, Payload, SourceLayout
 

@@ -42,8 +42,8 @@ from kvrelay.core.placement import place_helper_thread
 from kvrelay.core.rank_view import RankView
 from kvrelay.core.ranks import Piece, rank_endpoint
 from kvrelay.core.telemetry import EventLog
-from kvrelay.kernels.blocks import Span
 from kvrelay.kernels.layout import KVLayout
+from kvrelay.kernels.span import Span
 from kvrelay.prefill.lanes import Lane, Lanes, session_lost
 from kvrelay.prefill.messages import PushSpec, StoreLoad
 from kvrelay.prefill.payloads import Chunk, ChunkBuffer, PayloadMaker, SavedChunk, load_hook, source_layout

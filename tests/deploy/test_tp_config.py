@@ -17,8 +17,8 @@ from kvrelay.core.ranks import Heads
 from kvrelay.deploy import launch
 from kvrelay.deploy.config_check import stack_ports
 from kvrelay.deploy.tiny_model import make_tiny_model
-from kvrelay.kernels.blocks import Span
 from kvrelay.kernels.layout import KVLayout
+from kvrelay.kernels.span import Span
 
 
 @pytest.mark.parametrize(("over", "names"), [

@@ -8,8 +8,9 @@ import torch
 
 from kvrelay.core.chunk_records import gather_record, record_payload
 from kvrelay.kernels import cuda
-from kvrelay.kernels.blocks import gather, gather_into_host, gather_ref, scatter, scatter_ref
+from kvrelay.kernels.blocks import gather, gather_into_host, gather_ref, scatter, scatter_range, scatter_ref
 from kvrelay.kernels.layout import KVLayout
+from kvrelay.kernels.span import Span
 from kvrelay.store.records import check_record, read_record
 from tests.helpers import gather_to_host
 
@@ -201,3 +202,78 @@ def test_scatter_in_runs_of_consecutive_blocks_matches_per_block_copies(separate
             assert torch.equal(dst_caches[name][b], src_caches[name][[0, 2, 4, 6, 8, 9][j]])
         untouched = [b for b in range(NB) if b not in ids]
         assert torch.equal(dst_caches[name][untouched], before[name][untouched])
+
+
+# ------------------------------------------------------------------ head ranges (mixed TP)
+def _logical_caches(layout: str, device: str = "cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """vLLM >= 0.32: per layer a logical [NB, H, N, C] view; ``hnd`` head-major in memory (the
+    CPU backend, LBHNC), ``nhd`` token-major (FlashAttention/FlashInfer's LBNHC)."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "hnd":
+        buf = torch.randn((L, NB, H, 16, 64), generator=g).to(torch.float16).to(device)
+        return {f"layers.{i}.attn": buf[i] for i in range(L)}
+    buf = torch.randn((L, NB, 16, H, 64), generator=g).to(torch.float16).to(device)
+    return {f"layers.{i}.attn": buf[i].permute(0, 2, 1, 3) for i in range(L)}
+
+
+def _heads_span(lay: KVLayout, h0: int, h1: int) -> Span:
+    """Heads [h0, h1) of a block, from where the layout says its heads sit."""
+    shape, hd, es = lay.block_shape(), lay.heads_dim, lay.layers[0].element_size()
+    assert hd is not None and shape[hd] == H
+    rows = 1
+    for n in shape[:hd]:
+        rows *= n
+    unit = lay.bytes_per_block // rows // H
+    return Span(rows, lay.bytes_per_block // rows, h0 * unit, (h1 - h0) * unit)
+
+
+def _heads_bytes(caches: dict[str, torch.Tensor], ids: list[int], h0: int, h1: int, layout: str) -> bytes:
+    """Independent oracle: heads [h0, h1) of each block from the logical views, in memory order."""
+    out = []
+    for t in caches.values():
+        for b in ids:
+            heads = t[b, h0:h1]                                           # [h, N, C] logical
+            out.append((heads if layout == "hnd" else heads.transpose(0, 1)).contiguous().view(torch.uint8))
+    return b"".join(x.cpu().numpy().tobytes() for x in out)
+
+
+@pytest.mark.parametrize("separate", [False, True], ids=["one-buffer", "separate-tensors"])
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_head_range_gather_and_scatter_match_the_logical_heads(layout, separate):
+    caches = _logical_caches(layout, seed=5)
+    if separate:
+        caches = {k: v.clone() if layout == "hnd" else v.permute(0, 2, 1, 3).clone().permute(0, 2, 1, 3)
+                  for k, v in caches.items()}
+    lay = KVLayout.from_caches(caches)
+    assert (lay.stacked is None) == separate and lay.heads_dim == (0 if layout == "hnd" else 1)
+    span, ids = _heads_span(lay, 1, 3), [7, 1, 10]
+    out = torch.empty((L, len(ids), span.nbytes), dtype=torch.uint8)
+    gather_into_host(lay, ids, out, span)
+    assert out.numpy().tobytes() == _heads_bytes(caches, ids, 1, 3, layout)
+    dst = _logical_caches(layout, seed=6)
+    before = {k: v.clone() for k, v in dst.items()}
+    scatter_range(KVLayout.from_caches(dst), torch.tensor([2, 3, 9]), out, span)
+    assert _heads_bytes(dst, [2, 3, 9], 1, 3, layout) == _heads_bytes(caches, ids, 1, 3, layout)
+    for h0, h1 in ((0, 1), (3, 4)):                     # the other heads of those blocks are untouched
+        assert _heads_bytes(dst, [2, 3, 9], h0, h1, layout) == _heads_bytes(before, [2, 3, 9], h0, h1, layout)
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+def test_cuda_head_range_gather_scatter_match_reference(layout):
+    from kvrelay.kernels.blocks import _byte_planes
+
+    caches = _logical_caches(layout, "cuda", seed=7)
+    lay = KVLayout.from_caches(caches)
+    span, ids = _heads_span(lay, 1, 3), torch.tensor([5, 0, 11, 3], device="cuda")
+    got = torch.empty((L, 4, span.nbytes), dtype=torch.uint8, device="cuda")
+    cuda.gather(lay, ids, got, span)
+    ref = torch.stack([span.of(p)[ids].reshape(4, -1) for p in _byte_planes(lay)])
+    assert torch.equal(got, ref)
+    dst = _logical_caches(layout, "cuda", seed=8)
+    want = {k: v.clone() for k, v in dst.items()}
+    for i, p in enumerate(_byte_planes(KVLayout.from_caches(want))):
+        span.of(p)[ids] = got[i].view(4, span.rows, span.width)
+    cuda.scatter(KVLayout.from_caches(dst), ids, got, span)
+    for k in dst:
+        assert torch.equal(dst[k], want[k])
