@@ -32,7 +32,7 @@ import msgspec
 import msgspec.inspect
 import yaml
 
-from kvrelay.common.config_fields import Port, Positive, Seconds, Section
+from kvrelay.common.config_fields import NonNeg, Port, Positive, Seconds, Section
 from kvrelay.common.errors import ConfigError
 from kvrelay.core import router_config as rcfg
 from kvrelay.core.engine_args import TP_FLAGS, parallel_flag
@@ -77,7 +77,7 @@ class EngineConfig(Section, frozen=True):
     tiny_model_dir: str = "~/.cache/kvrelay/tiny-model"
     served_model_name: str = ""      # "" = the model path (vLLM's default); the tiny model: kvrelay-tiny
     dtype: str = "auto"              # vLLM --dtype; "auto" = the model's (float32 for the tiny model)
-    max_model_len: Positive = 4096
+    max_model_len: Positive | None = None   # vLLM --max-model-len; None = vLLM's own (the model's context length)
     prefill_args: list[str] = msgspec.field(default_factory=list)  # extra vLLM args, prefill nodes only
     decode_args: list[str] = msgspec.field(default_factory=list)   # extra vLLM args, decode nodes only
     kv_cache_gib: Positive = 1       # VLLM_CPU_KVCACHE_SPACE on CPU hosts
@@ -115,6 +115,8 @@ class DeployConfig(Section, frozen=True):
     kv_base_port: Port = 9100        # decode node i's transfer control port (+100 for tcp data)
     log_dir: str = "kvrelay-logs"
     startup_timeout_s: Seconds = 600.0
+    devices: str = "auto"            # kvrelay serve's GPUs: "auto" (by index and TP), "none", or a list "4,5,6,7"
+    device_offset: NonNeg = 0        # auto: the first visible device this role's nodes take
 
 
 class TracingConfig(Section, frozen=True):
@@ -279,7 +281,7 @@ FIELD_HELP: dict[str, str] = {
     'engine.tiny_model_dir': 'where the tiny model is created on first use',
     'engine.served_model_name': 'model name clients use ("" = the model path; kvrelay-tiny for the tiny model)',
     'engine.dtype': 'vLLM --dtype (auto; the tiny model runs in float32)',
-    'engine.max_model_len': 'vLLM --max-model-len',
+    'engine.max_model_len': "vLLM --max-model-len (unset: vLLM's own, from the model's config)",
     'engine.prefill_args': 'extra vLLM arguments for prefill nodes only (YAML list)',
     'engine.decode_args': 'extra vLLM arguments for decode nodes only (YAML list)',
     'engine.kv_cache_gib': 'CPU hosts: KV cache size per server in GiB (VLLM_CPU_KVCACHE_SPACE)',
@@ -299,6 +301,10 @@ FIELD_HELP: dict[str, str] = {
     'deploy.kv_base_port': 'kvrelay up: decode node i receives chunks on kv_base_port + i (tcp data + 100)',
     'deploy.log_dir': 'kvrelay up: server logs and events.jsonl',
     'deploy.startup_timeout_s': 'kvrelay up: how long servers may take to become healthy',
+    'deploy.devices': "kvrelay serve's GPUs (CUDA_VISIBLE_DEVICES): auto = the index-th group of TP devices from "
+                      "device_offset among the visible ones; none = leave the environment; or a list such as 4,5,6,7",
+    'deploy.device_offset': 'kvrelay serve, devices auto: the first visible device this role takes (a prefill '
+                            'and a decode pool on one host: e.g. 0 and 4)',
 }
 
 

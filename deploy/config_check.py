@@ -2,7 +2,9 @@
 
 A config that lists nodes (``router.prefill``, ``router.decode``) is checked as the router's;
 one that does not is checked as ``kvrelay up``'s, which fills the node lists and makes a
-secret when none is set, and must fit its servers' ports without collisions.
+secret when none is set, and must fit its servers' ports without collisions. Either way, on a
+GPU host each role's pool of ``deploy.prefill`` / ``deploy.decode`` nodes must fit the visible
+devices (:mod:`kvrelay.deploy.devices`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from kvrelay.common.secrets import SECRET_ENV
 from kvrelay.core.config import KVRelayConfig, RoutingPolicy
 from kvrelay.core.engine_compat import facts_from_args, pair_refusals, read_hf_config
 from kvrelay.core.ranks import Sharding
+from kvrelay.deploy.devices import pool_problems, visible_gpus
 from kvrelay.deploy.launch import PUBLISH_OFFSET, Role, kv_events_port, node_specs
 from kvrelay.router import preflight as router_preflight
 from kvrelay.transport.config import TransportKind
@@ -88,9 +91,9 @@ def engine_problems(cfg: KVRelayConfig) -> list[str]:
 def problems(cfg: KVRelayConfig) -> list[str]:
     """Every reason the router (or ``kvrelay up``) would refuse ``cfg``; empty when it would start."""
     if cfg.router.prefill or cfg.router.decode:
-        return router_preflight.problems(cfg) + engine_problems(cfg)
+        return router_preflight.problems(cfg) + engine_problems(cfg) + pool_problems(cfg, visible_gpus())
     skip = {"nodes", "cache_aware"}                # kvrelay up lists the nodes and their event ports
     if not (os.environ.get(SECRET_ENV) or cfg.transport.secret_file):
         skip.add("secret")                         # kvrelay up writes one into deploy.log_dir
     return (router_preflight.problems(cfg, frozenset(skip)) + _collisions(cfg) + _tp_problems(cfg)
-            + engine_problems(cfg))
+            + engine_problems(cfg) + pool_problems(cfg, visible_gpus()))

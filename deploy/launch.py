@@ -12,6 +12,7 @@ import enum
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,13 +26,13 @@ from typing import IO
 import msgspec
 import yaml
 
-from kvrelay.common.errors import ConfigError
 from kvrelay.common.private_files import runtime_dir
 from kvrelay.common.secrets import API_KEY_ENV, SECRET_ENV, write_private, write_secret_file
 from kvrelay.core import config as kcfg
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.telemetry import read_events
 from kvrelay.core.vllm_plugin import BUSY_LOOP_ENV
+from kvrelay.deploy.devices import gpu_placement, visible_gpus
 
 TINY_NAME = "kvrelay-tiny"
 
@@ -112,9 +113,11 @@ def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
 def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path(cfg),
            "--served-model-name", served_name(cfg), "--host", cfg.deploy.host, "--port", str(spec.port),
-           "--max-model-len", str(cfg.engine.max_model_len), "--disable-uvicorn-access-log"]
+           "--disable-uvicorn-access-log"]
+    if cfg.engine.max_model_len is not None:  # else vLLM's own: the model's context length
+        cmd += ["--max-model-len", str(cfg.engine.max_model_len)]
     dtype = cfg.engine.dtype
-    if dtype == "auto" and (Path(cmd[4]) / "KVRELAY_TINY_MODEL").exists():
+    if dtype == "auto" and (Path(model_path(cfg)) / "KVRELAY_TINY_MODEL").exists():
         dtype = "float32"                     # the tiny model: see kvrelay.deploy.tiny_model
     cmd += ["--dtype", dtype]
     if spec.tp > 1:                           # one process per rank (vLLM's CPU build needs mp; GPUs are fine with it)
@@ -181,51 +184,32 @@ def rank_binding(k: int, n: int, tp: int) -> str:
     return "|".join(str(cores[(first + r) % len(cores)]) for r in range(tp))
 
 
-def gpu_placement(specs: list[NodeSpec], devices: list[str]) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` for each node of a `kvrelay up` stack: its own ``tp`` devices, in
-    order. ``devices``: the host's (empty on a CPU host: no placement). Raises ConfigError when
-    the stack needs more devices than there are."""
-    if not devices:
-        return {}
-    need = sum(s.tp for s in specs)
-    if need > len(devices):
-        layout = ", ".join(f"{s.name} {s.tp}" for s in specs)
-        raise ConfigError(f"this stack needs {need} GPUs ({layout}) but {len(devices)} are visible "
-                               f"({','.join(devices)}): lower deploy.prefill/deploy.decode or the TP sizes")
-    out, nxt = {}, 0
-    for s in specs:
-        out[s.name] = ",".join(devices[nxt:nxt + s.tp])
-        nxt += s.tp
-    return out
+def shell_line(cmd: list[str], env: dict[str, str]) -> str:
+    """``cmd`` with the variables ``env`` sets, as one line a shell runs as it is."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())), *map(shlex.quote, cmd)])
 
 
-def visible_gpus() -> list[str]:
-    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` if set, else what ``nvidia-smi -L`` lists."""
-    if (env := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
-        return [d for d in env.split(",") if d.strip() and d.strip() != "-1"]
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
-
-
-def server_env(cfg: KVRelayConfig, k: int, n: int, tp: int = 1) -> dict[str, str]:
-    """Environment of server ``k`` of ``n`` with ``tp`` ranks (CPU hosts: KV cache size and
-    OpenMP core binding, one core set per rank)."""
+def server_env(cfg: KVRelayConfig, k: int, n: int, tp: int = 1, *, cpu: bool = True) -> dict[str, str]:
+    """Environment of server ``k`` of ``n`` with ``tp`` ranks (``cpu``: a CPU host, where the KV
+    cache size and the OpenMP core binding, one core set per rank, are set too)."""
     env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}   # client keys are the router's alone
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gib))
+    if cpu:
+        _cpu_env(cfg, env, k, n, tp)
     if cfg.tracing.endpoint:                  # how vLLM exports its spans (OpenTelemetry's own variable)
         env.setdefault("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", cfg.tracing.protocol.value)
     if cfg.engine.mq_busy_loop_s >= 0:        # core/vllm_plugin.py, loaded by vLLM in each of its processes
         env.setdefault(BUSY_LOOP_ENV, repr(cfg.engine.mq_busy_loop_s))
+    return env
+
+
+def _cpu_env(cfg: KVRelayConfig, env: dict[str, str], k: int, n: int, tp: int) -> None:
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.engine.kv_cache_gib))
     bind = cfg.engine.cpu_bind
     if bind == "split":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", rank_binding(k, n, tp))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     elif bind != "vllm":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
-    return env
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float, log_path: str = "",
@@ -350,11 +334,12 @@ class Stack:
     def node_command(self, spec: NodeSpec) -> list[str]:
         """How an operator starts node ``spec``: ``kvrelay serve`` (vLLM under the drain supervisor)."""
         return [sys.executable, "-m", "kvrelay.cli", "serve", "--config", str(self.log_dir / "nodes.yaml"),
-                "--role", spec.role.value, "--index", str(spec.index), "--port", str(spec.port)]
+                "--role", spec.role.value, "--index", str(spec.index), "--port", str(spec.port),
+                "--deploy.devices", "none"]           # placed here already, over the whole stack (gpu_placement)
 
     def _spawn_node(self, k: int, mode: str = "w") -> subprocess.Popen:
         spec = self.specs[k]
-        env = server_env(self.cfg, k, len(self.specs), spec.tp)
+        env = server_env(self.cfg, k, len(self.specs), spec.tp, cpu=not self.gpus)
         if spec.name in self.gpus:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[spec.name]
         return self._spawn(spec.name, self.node_command(spec), env, mode)

@@ -50,7 +50,7 @@ WIDTHS = {  # variant -> (hidden size, query heads, MLP width)
     "wide": (1024, 16, 4096),
 }
 VOCAB_SIZE = 128            # 4 specials + 97 characters, padded
-MAX_POSITIONS = 8192
+MAX_POSITIONS = 4096       # its context length: what vLLM serves it at when engine.max_model_len is unset
 WINDOW = 256                # the sliding window of the "sliding" and "alternating" attention kinds
 ATTENTION = ("full", "sliding", "alternating")
 SEED = 1234
@@ -133,7 +133,7 @@ def _marker(width: str, attention: str = "full") -> str:
     hidden, heads, intermediate = WIDTHS[width]
     kind = "" if attention == "full" else f", {attention} attention (window {WINDOW})"
     return (f"kvrelay tiny Llama ({width}): {LAYERS} layers, {KV_HEADS} kv heads x {HEAD_DIM}, hidden {hidden}, "
-            f"{heads} query heads, mlp {intermediate}, float32, seed {SEED}{kind}\n")
+            f"{heads} query heads, mlp {intermediate}, {MAX_POSITIONS} positions, float32, seed {SEED}{kind}\n")
 
 
 def make_tiny_model(out_dir: str | Path, width: str = "narrow", attention: str = "full") -> Path:

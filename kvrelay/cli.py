@@ -95,10 +95,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             for p in found:
                 print(f"kvrelay: {p}", file=sys.stderr)
             return 2
+    from kvrelay.common.errors import ConfigError
+    from kvrelay.deploy.devices import Node, node_devices, visible_gpus
+
+    visible = visible_gpus()
+    try:
+        devices = node_devices(cfg, Node(spec.name, role.value, args.index, tp), visible)
+    except ConfigError as exc:
+        print(f"kvrelay: {exc}", file=sys.stderr)
+        return 2
     cmd = launch.server_command(cfg, spec)
-    env = launch.server_env(cfg, 0, 1, tp)
-    if args.dry_run:
-        print(" ".join(cmd))
+    env = launch.server_env(cfg, 0, 1, tp, cpu=not visible)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    if args.dry_run:                          # what it would run: the variables it sets, then the command
+        print(launch.shell_line(cmd, {k: v for k, v in env.items() if os.environ.get(k) != v}))
         return 0
     if cfg.tracing.endpoint:                 # vLLM's spans name the node's role (core/tracing.py)
         env.setdefault("OTEL_SERVICE_NAME", f"vllm-{role.value}")

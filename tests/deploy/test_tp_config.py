@@ -16,6 +16,7 @@ from kvrelay.core.rank_view import RankView
 from kvrelay.core.ranks import Heads
 from kvrelay.deploy import launch
 from kvrelay.deploy.config_check import stack_ports
+from kvrelay.deploy.devices import gpu_placement
 from kvrelay.deploy.tiny_model import make_tiny_model
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.kernels.span import Span
@@ -51,10 +52,10 @@ def test_each_rank_gets_its_own_cores_and_each_node_its_own_gpus() -> None:
     if n >= 2:
         assert not set(binding.split("|")[0].split(",")) & set(binding.split("|")[1].split(","))
     specs = launch.node_specs(kcfg.load(overrides=["engine.prefill_tp=2", "engine.decode_tp=1", "deploy.decode=2"]))
-    assert launch.gpu_placement(specs, ["0", "1", "2", "3"]) == {"prefill0": "0,1", "decode0": "2", "decode1": "3"}
-    assert launch.gpu_placement(specs, []) == {}                     # a CPU host: nothing placed
+    assert gpu_placement(specs, ["0", "1", "2", "3"]) == {"prefill0": "0,1", "decode0": "2", "decode1": "3"}
+    assert gpu_placement(specs, []) == {}                     # a CPU host: nothing placed
     with pytest.raises(ConfigError, match="needs 4 GPUs"):
-        launch.gpu_placement(specs, ["0", "1", "2"])
+        gpu_placement(specs, ["0", "1", "2"])
 
 
 def test_up_refuses_a_tp_the_models_heads_do_not_allow(tmp_path: Path) -> None:

@@ -218,7 +218,7 @@ def _logical_caches(layout: str, device: str = "cpu", seed: int = 0) -> dict[str
 
 def _heads_span(lay: KVLayout, h0: int, h1: int) -> Span:
     """Heads [h0, h1) of a block, from where the layout says its heads sit."""
-    shape, hd, es = lay.block_shape(), lay.heads_dim, lay.layers[0].element_size()
+    shape, hd = lay.block_shape(), lay.heads_dim
     assert hd is not None and shape[hd] == H
     rows = 1
     for n in shape[:hd]:
