@@ -32,6 +32,7 @@ import msgspec
 import msgspec.inspect
 import yaml
 
+from kvrelay.common import numa
 from kvrelay.common.config_fields import NonNeg, Port, Positive, Seconds, Section
 from kvrelay.common.errors import ConfigError
 from kvrelay.core import router_config as rcfg
@@ -68,6 +69,12 @@ class ConnectorConfig(Section, frozen=True):
     runtime_dir: str = ""            # private (0700) directory of the node's shared state files; "" = /dev/shm/kvrelay-<uid>
     sync_landed: bool = True         # decode: a transfer wholly received before its request is scheduled is
                                      # installed inside that step (one step sooner; false: always in the background)
+    numa_node: str = "auto"          # the receive pool's and staging buffers' NUMA node: auto (the GPU's, else the
+                                     # engine's CPUs'), none (the kernel's first touch), or a node number
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        numa.check_setting(self.numa_node)
 
 
 class EngineConfig(Section, frozen=True):
@@ -300,6 +307,8 @@ FIELD_HELP: dict[str, str] = {
     'deploy.base_port': 'kvrelay up: first vLLM HTTP port (prefill nodes first, then decode)',
     'deploy.kv_base_port': 'kvrelay up: decode node i receives chunks on kv_base_port + i (tcp data + 100)',
     'deploy.log_dir': 'kvrelay up: server logs and events.jsonl',
+    'connector.numa_node': "NUMA node of the pinned receive pool and the staging buffers: auto (the GPU's node "
+                           "from sysfs, else the node of the engine's CPUs; nothing on a one-node host), none, or N",
     'deploy.startup_timeout_s': 'kvrelay up: how long servers may take to become healthy',
     'deploy.devices': "kvrelay serve's GPUs (CUDA_VISIBLE_DEVICES): auto = the index-th group of TP devices from "
                       "device_offset among the visible ones; none = leave the environment; or a list such as 4,5,6,7",

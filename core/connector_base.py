@@ -19,6 +19,7 @@ Contract of the halves:
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from kvrelay.common import numa
 from kvrelay.common.errors import EngineIncompatible
 from kvrelay.common.private_files import runtime_dir
 from kvrelay.core.config import KVRelayConfig, from_connector_extra
@@ -51,6 +53,18 @@ from kvrelay.kernels.layout import KVLayout
 # settle (returning at once when one does): a few hundred steps per second instead of
 # thousands, CPU a co-located engine gets back.
 IDLE_WAIT_S = 0.003
+log = logging.getLogger(__name__)
+
+
+def pci_bus_id(device: torch.device) -> str | None:
+    """The PCI address (``0000:3b:00.0``) of CUDA device ``device``; None for the CPU or where torch does not say."""
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    domain, bus, dev = (getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device"))
+    if bus is None or dev is None:
+        return None
+    return f"{domain or 0:04x}:{bus:02x}:{dev:02x}.0"
 
 
 @dataclass
@@ -122,6 +136,7 @@ class WorkerBase:
         self.ranks: RankView | None = None       # this rank's heads and pieces (set at register)
         self.inspect: InspectHook | None = load_function(cfg.connector.inspect_hook, "connector.inspect_hook")
         self.transfer_digest = b""               # what a peer rank's Hello must match
+        self.numa_node: int | None = None        # where the host buffers live (common/numa.py)
         self.events = EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
         self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
         self.metrics.events_dropped.bind(lambda: self.events.dropped)
@@ -140,6 +155,10 @@ class WorkerBase:
         self.fingerprint = engine_fingerprint(self.vllm_config, self.layout, self.cfg)
         self.ranks = RankView.of(self.vllm_config, self.layout, self.cfg, self.role)
         self.transfer_digest = self.ranks.transfer_fingerprint(self.fingerprint, self.layout).digest()
+        self.numa_node = numa.resolve(self.cfg.connector.numa_node, pci_bus_id=pci_bus_id(self.layout.device))
+        if self.numa_node is not None:
+            log.info("kvrelay %s: host buffers on NUMA node %d (connector.numa_node %s)", self.role, self.numa_node,
+                     self.cfg.connector.numa_node)
 
     def blocks_in_chunk(self, prompt_len: int, c: int) -> int:
         """Engine blocks chunk ``c`` of a ``prompt_len``-token prompt spans (the tail may be short)."""

@@ -179,7 +179,7 @@ class InstallWorker(WorkerBase):
                 tc = msgspec.structs.replace(tc, pool_bytes=size, **self._rank_ports())
                 box.append(Receiver(tc, self.cfg.timeouts, make_receiver_backend(tc), self.transfer_digest,
                                     slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S, verify_payload=False,
-                                    closing=self._stopping))
+                                    closing=self._stopping, numa_node=self.numa_node))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 box.append(exc)
 

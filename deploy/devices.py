@@ -15,6 +15,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 
+from kvrelay.common import numa
 from kvrelay.common.errors import ConfigError
 from kvrelay.core.config import KVRelayConfig
 
@@ -97,3 +98,27 @@ def pool_problems(cfg: KVRelayConfig, visible: list[str]) -> list[str]:
         except ConfigError as exc:
             found.append(f"{role} pool of {count} x TP{tp}: {exc}")
     return found
+
+
+def gpu_pci_bus_id(device: str) -> str | None:
+    """The PCI address of GPU ``device`` (an index or UUID, as in ``CUDA_VISIBLE_DEVICES``), from ``nvidia-smi``."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader", "-i", device],
+                             capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.splitlines()[0] if out else None
+
+
+def node_numa(cfg: KVRelayConfig, devices: str | None, env: dict[str, str]) -> str:
+    """What ``connector.numa_node`` resolves to for a node on ``devices`` (its first GPU's node)
+    or, without one, on the cores its environment binds it to: a line for ``kvrelay serve --dry-run``."""
+    first = devices.split(",")[0] if devices else None
+    bind = env.get("VLLM_CPU_OMP_THREADS_BIND", "").replace("|", ",")
+    cpus = numa.cpulist(bind) if bind and set(bind) <= set("0123456789,-") else None
+    bus = gpu_pci_bus_id(first) if first is not None else None
+    node = numa.resolve(cfg.connector.numa_node, pci_bus_id=bus, cpus=cpus)
+    source = f"GPU {first}'s" if bus else "its CPUs'" if cfg.connector.numa_node == numa.AUTO else "as set"
+    if node is None:
+        return f"NUMA: the kernel's placement (connector.numa_node {cfg.connector.numa_node}; {len(numa.nodes())} node(s))"
+    return f"NUMA node {node} ({source}; connector.numa_node {cfg.connector.numa_node})"

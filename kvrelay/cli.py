@@ -109,6 +109,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices
     if args.dry_run:                          # what it would run: the variables it sets, then the command
+        from kvrelay.deploy.devices import node_numa
+
+        print(f"kvrelay: {spec.name}: {node_numa(cfg, devices, env)}", file=sys.stderr)
         print(launch.shell_line(cmd, {k: v for k, v in env.items() if os.environ.get(k) != v}))
         return 0
     if cfg.tracing.endpoint:                 # vLLM's spans name the node's role (core/tracing.py)

@@ -176,7 +176,7 @@ class PushWorker(WorkerBase):
         self.lanes.source, self.lanes.fingerprint = source_layout(self.layout), self.transfer_digest
         slot = self.layout.chunk_bytes(self.blocks_per_chunk)
         self.payloads.staging = StagingPool(slot, staging_slots(slot, self.vllm_config.model_config.max_model_len,
-                                                                self.cfg.chunk_tokens))
+                                                                self.cfg.chunk_tokens), self.numa_node)
         log.info("kvrelay prefill: %d layers, %d blocks x %d B, chunk %d tokens = %d B, backend %s",
                  self.layout.num_layers, self.layout.num_blocks, self.layout.bytes_per_block,
                  self.cfg.chunk_tokens, self.layout.chunk_bytes(self.blocks_per_chunk),

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.common import numa
+
 STAGING_BYTES = 64 << 20      # at most this much is kept (at least MIN_SLOTS buffers)
 MIN_SLOTS = 2
 
@@ -60,8 +62,9 @@ def staging_slots(slot_bytes: int, max_model_len: int, chunk_tokens: int) -> int
 class StagingPool:
     """Up to ``slots`` host buffers of ``slot_bytes`` each, lent out and taken back."""
 
-    def __init__(self, slot_bytes: int, slots: int) -> None:
-        self.slot_bytes, self.slots = slot_bytes, slots
+    def __init__(self, slot_bytes: int, slots: int, numa_node: int | None = None) -> None:
+        """``numa_node``: where each buffer's pages live (:mod:`kvrelay.common.numa`; None: first touch)."""
+        self.slot_bytes, self.slots, self.numa_node = slot_bytes, slots, numa_node
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._made = self._lent = self._reused = self._misses = 0
@@ -82,7 +85,9 @@ class StagingPool:
                 return Staged(torch.empty(shape, dtype=torch.uint8), None)
             self._lent += 1
         if slot is None:
-            slot = torch.zeros(self.slot_bytes, dtype=torch.uint8)     # zeros: every page resident now
+            slot = torch.empty(self.slot_bytes, dtype=torch.uint8)
+            numa.bind(slot.data_ptr(), self.slot_bytes, self.numa_node)   # before its pages exist
+            slot.zero_()                                                  # every page resident now
         return Staged(slot[:nbytes].view(shape), slot)
 
     def give_back(self, staged: Staged) -> None:

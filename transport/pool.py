@@ -45,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
+from kvrelay.common import numa
 from kvrelay.common.errors import PoolFullError, TransportError
 
 log = logging.getLogger(__name__)
@@ -252,13 +253,16 @@ class ReceivePool:
 
     def __init__(self, pool_bytes: int, slot_bytes: int, *, lease_s: float = 10.0,
                  clock: Clock = time.monotonic, pin: bool = True, shared: bool = True,
-                 quarantine_s: float = 0.5) -> None:
+                 quarantine_s: float = 0.5, numa_node: int | None = None) -> None:
+        """``numa_node``: the NUMA node its pages are bound to before they are faulted in and
+        pinned (:mod:`kvrelay.common.numa`; None: the kernel's choice)."""
         self.slot_bytes = round_up(slot_bytes, PAGE)
         self.num_slots = pool_bytes // self.slot_bytes
         if self.num_slots < 1:
             raise TransportError(f"pool_bytes={pool_bytes} cannot hold one {self.slot_bytes}-byte slot")
         size = self.num_slots * self.slot_bytes
         self.arena: Arena = SharedArena(size) if shared else PrivateArena(size)
+        self.numa_node = numa_node if numa.bind(self.arena.address, size, numa_node) else None
         self.populated = self.arena.populate()
         if pin:
             self.arena.pin_if_cuda()

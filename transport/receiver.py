@@ -70,16 +70,18 @@ class Receiver:
                  fingerprint: bytes, *,
                  slot_bytes: int, consumer_wait_s: float = 0.0, verify_payload: bool = True,
                  clock: Callable[[], float] = time.monotonic, receiver_id: str | None = None,
-                 secret: bytes | None = None, closing: Callable[[], str] | None = None) -> None:
+                 secret: bytes | None = None, closing: Callable[[], str] | None = None,
+                 numa_node: int | None = None) -> None:
         """``closing``: asked per Alloc; an answer (why) refuses it - the node is stopping (drain).
         ``consumer_wait_s``: an Alloc that arrives before the consumer called :meth:`expect`
-        waits up to this long for it, so the held answer is what the consumer knows."""
+        waits up to this long for it, so the held answer is what the consumer knows.
+        ``numa_node``: where the pool's pages live (:mod:`kvrelay.common.numa`)."""
         self.transport, self.timeouts, self._closing = transport, timeouts, closing
         self.backend = backend
         self.fingerprint = fingerprint
         self.receiver_id = receiver_id or f"recv-{uuid.uuid4().hex[:8]}"
         self.pool = ReceivePool(int(transport.pool_bytes), slot_bytes, lease_s=timeouts.lease_s,
-                                clock=clock, shared=backend.needs_shared_pool)
+                                clock=clock, shared=backend.needs_shared_pool, numa_node=numa_node)
         self.stats = ReceiverStats()
         self._clock = clock
         self._warned: dict[Refusal, float] = {}        # cause -> when it was last logged
