@@ -112,7 +112,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from kvrelay.deploy.devices import node_numa
 
         print(f"kvrelay: {spec.name}: {node_numa(cfg, devices, env)}", file=sys.stderr)
-        print(launch.shell_line(cmd, {k: v for k, v in env.items() if os.environ.get(k) != v}))
+        sets = {k: v for k, v in env.items() if os.environ.get(k) != v or k == "CUDA_VISIBLE_DEVICES"}
+        print(launch.shell_line(cmd, sets))
         return 0
     if cfg.tracing.endpoint:                 # vLLM's spans name the node's role (core/tracing.py)
         env.setdefault("OTEL_SERVICE_NAME", f"vllm-{role.value}")

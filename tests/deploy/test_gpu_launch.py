@@ -93,3 +93,27 @@ def test_the_pool_launchers_run_the_installed_build_and_never_install(tmp_path: 
     assert "INSTALLER-RAN" not in res.stderr and "kvrelay setup" not in res.stderr
     for script in ("_pool.sh", "launch_router.sh", "launch_prefill_pool.sh", "launch_decode_pool.sh"):
         assert not re.search(r"^\s*(bash\s+)?\S*setup\.sh", (ROOT / "deploy" / script).read_text(), re.M), script
+
+
+def _readme_gpu_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("### GPU"):text.index("## Deploy")]
+    return [ln for ln in block.splitlines() if ln.startswith("deploy/launch_")]
+
+
+def test_the_readmes_two_host_gpu_commands_place_every_node_on_its_own_devices():
+    """Each pool command of the README's GPU section, run with --dry-run on an 8-GPU host: every
+    node gets its own TP-sized device set, they tile the 8 devices, and vLLM gets the TP size."""
+    commands = _readme_gpu_commands()
+    assert len(commands) == 4
+    for line in commands:
+        argv = line.split()
+        n, tp = int(argv[argv.index("-n") + 1]), int(argv[argv.index("--engine.prefill-tp" if "prefill" in argv[0]
+                                                                      else "--engine.decode-tp") + 1])
+        res = subprocess.run(["bash", str(ROOT / argv[0]), *argv[1:], "--dry-run"], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, **EIGHT})
+        assert res.returncode == 0, (line, res.stderr)
+        nodes = res.stdout.splitlines()
+        sets = [ln.split()[0].removeprefix("CUDA_VISIBLE_DEVICES=") for ln in nodes]
+        assert sets == [",".join(str(d) for d in range(i * tp, i * tp + tp)) for i in range(n)], (line, sets)
+        assert all(tp == 1 or f"--tensor-parallel-size {tp}" in ln for ln in nodes), line
