@@ -11,17 +11,14 @@ Contract of the halves:
   ``after_alloc(request, blocks, n)``, ``build_meta(scheduler_output) -> RelayMeta``,
   ``request_finished(request, block_ids) -> (delay_free, params)``, ``update_output(out)``,
   ``has_pending() -> bool`` (keep the engine stepping);
-* worker half (:class:`WorkerBase`): ``register(kv_caches)``, ``take_finished()``,
-  ``take_errors()``, ``wait_for_progress(timeout)``, ``close()``; the subclass
-  connector decides what ``start_load_kv`` / ``wait_for_save`` do with the metadata.
+* worker half (:class:`~kvrelay.core.worker_base.WorkerBase`, which needs no vLLM):
+  ``register(kv_caches)``, ``take_finished()``, ``take_errors()``,
+  ``wait_for_progress(timeout)``, ``close()``; the subclass connector decides what
+  ``start_load_kv`` / ``wait_for_save`` do with the metadata.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import threading
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -33,40 +30,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvrelay.common import numa
 from kvrelay.common.errors import EngineIncompatible
-from kvrelay.common.private_files import runtime_dir
-from kvrelay.core.config import KVRelayConfig, from_connector_extra
+from kvrelay.core.config import from_connector_extra
 from kvrelay.core.engine_compat import Refusal, facts_from_vllm, refusals
 from kvrelay.core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
-from kvrelay.core.fingerprint import engine_fingerprint
-from kvrelay.core.gauge_snapshots import SnapshotWriter, read_gauges, snapshot_path
-from kvrelay.core.hooks import InspectHook, load_function
-from kvrelay.core.params import ParamsError
-from kvrelay.core.rank_view import RankView
-from kvrelay.core.telemetry import EventLog, metrics
-from kvrelay.core.tracing import TransferSpans
-from kvrelay.kernels.layout import KVLayout
+from kvrelay.core.worker_base import WorkerBase, WorkerHalf
 
 # While every request only waits on transfers, vLLM steps the engine back to back with
 # empty steps. In such a step ``get_finished`` waits up to this long for a transfer to
 # settle (returning at once when one does): a few hundred steps per second instead of
 # thousands, CPU a co-located engine gets back.
 IDLE_WAIT_S = 0.003
-log = logging.getLogger(__name__)
-
-
-def pci_bus_id(device: torch.device) -> str | None:
-    """The PCI address (``0000:3b:00.0``) of CUDA device ``device``; None for the CPU or where torch does not say."""
-    if device.type != "cuda":
-        return None
-    props = torch.cuda.get_device_properties(device)
-    domain, bus, dev = (getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device"))
-    if bus is None or dev is None:
-        return None
-    return f"{domain or 0:04x}:{bus:02x}:{dev:02x}.0"
-
-
 @dataclass
 class RelayMeta(KVConnectorMetadata):
     idle: bool = False          # the engine scheduled no tokens this step
@@ -101,108 +75,7 @@ class SchedulerHalf(Protocol):
         ...
 
 
-class WorkerHalf(Protocol):
-    """The worker half (model-runner process); see :class:`WorkerBase`."""
-
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None: ...
-
-    def take_finished(self) -> set[str]: ...
-
-    def take_errors(self) -> set[int]: ...
-
-    def wait_for_progress(self, timeout: float) -> None: ...
-
-    def close(self) -> None: ...
-
-
 W = TypeVar("W", bound=WorkerHalf)
-
-
-class WorkerBase:
-    """Engine geometry, event log, metrics and the finished/error hand-off to vLLM."""
-
-    role = "worker"
-
-    def __init__(self, cfg: KVRelayConfig, vllm_config: Any) -> None:
-        self.cfg = cfg
-        self.vllm_config = vllm_config
-        self.block_size: int = vllm_config.cache_config.block_size
-        if cfg.chunk_tokens % self.block_size:
-            raise ParamsError(f"chunk_tokens={cfg.chunk_tokens} must be a multiple of the engine "
-                              f"block size {self.block_size}")
-        self.blocks_per_chunk = cfg.chunk_tokens // self.block_size
-        self.layout: KVLayout | None = None
-        self.fingerprint: Any = None
-        self.ranks: RankView | None = None       # this rank's heads and pieces (set at register)
-        self.inspect: InspectHook | None = load_function(cfg.connector.inspect_hook, "connector.inspect_hook")
-        self.transfer_digest = b""               # what a peer rank's Hello must match
-        self.numa_node: int | None = None        # where the host buffers live (common/numa.py)
-        self.events = EventLog(cfg.connector.events_path, f"{self.role}-{os.getpid()}")
-        self.metrics = metrics(cfg.connector.metrics_port, cfg.connector.metrics_host)
-        self.metrics.events_dropped.bind(lambda: self.events.dropped)
-        self.stats = StatsTracker(self.metrics)      # the same numbers on the engine's /metrics
-        engine_id = str(getattr(getattr(vllm_config, "kv_transfer_config", None), "engine_id", "") or os.getpid())
-        self.gauges = SnapshotWriter(functools.partial(read_gauges, self.metrics),    # ... its gauges, also idle
-                                     snapshot_path(engine_id, os.getpid(), runtime_dir(cfg.connector.runtime_dir))).start()
-        self.spans = TransferSpans(cfg.tracing.endpoint, cfg.tracing.protocol, f"kvrelay-{self.role}")
-        self._lock = threading.Condition()
-        self._finished: set[str] = set()
-        self._errors: set[int] = set()
-        self._progress = threading.Event()
-
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.layout = KVLayout.from_caches(kv_caches)
-        self.fingerprint = engine_fingerprint(self.vllm_config, self.layout, self.cfg)
-        self.ranks = RankView.of(self.vllm_config, self.layout, self.cfg, self.role)
-        self.transfer_digest = self.ranks.transfer_fingerprint(self.fingerprint, self.layout).digest()
-        self.numa_node = numa.resolve(self.cfg.connector.numa_node, pci_bus_id=pci_bus_id(self.layout.device))
-        if self.numa_node is not None:
-            log.info("kvrelay %s: host buffers on NUMA node %d (connector.numa_node %s)", self.role, self.numa_node,
-                     self.cfg.connector.numa_node)
-
-    def blocks_in_chunk(self, prompt_len: int, c: int) -> int:
-        """Engine blocks chunk ``c`` of a ``prompt_len``-token prompt spans (the tail may be short)."""
-        tokens = min(self.cfg.chunk_tokens, prompt_len - c * self.cfg.chunk_tokens)
-        return -(-tokens // self.block_size)
-
-    def chunk_block_ids(self, block_ids: list[int], prompt_len: int, c: int) -> list[int]:
-        """The request's engine block ids that hold chunk ``c``."""
-        first = c * self.blocks_per_chunk
-        return block_ids[first:first + self.blocks_in_chunk(prompt_len, c)]
-
-    def busy(self) -> bool:
-        """Transfers in flight (the subclass says which)."""
-        return False
-
-    def settled(self, req_id: str, failed_blocks: set[int] = frozenset(),  # type: ignore[assignment]
-                finished: bool = True) -> None:
-        """Report a request's failed blocks, and (``finished``: a background transfer) the request
-        itself, to vLLM at the next ``get_finished`` (any thread)."""
-        with self._lock:
-            self._errors |= failed_blocks
-            if finished:
-                self._finished.add(req_id)
-            self._progress.set()
-
-    def take_finished(self) -> set[str]:
-        with self._lock:
-            done, self._finished = self._finished, set()
-            self._progress.clear()
-        return done
-
-    def take_errors(self) -> set[int]:
-        with self._lock:
-            errs, self._errors = self._errors, set()
-        return errs
-
-    def wait_for_progress(self, timeout: float) -> None:
-        """Block up to ``timeout`` while transfers are in flight and none has settled."""
-        if self.busy() and not self._finished:
-            self._progress.wait(timeout)
-
-    def close(self) -> None:
-        """Stop what the base started (the gauge snapshots); subclasses call it last."""
-        self.gauges.close()
 
 
 def refuse_incompatible(vllm_config: Any, kv_cache_config: Any = None) -> None:
@@ -228,6 +101,7 @@ class RelayConnector(KVConnectorBase_V1, Generic[W]):
         self.cfg = from_connector_extra(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
         self._sched = self.make_scheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None
         self._worker = self.make_worker(vllm_config) if role == KVConnectorRole.WORKER else None
+        self._stats = StatsTracker(self._worker.metrics) if isinstance(self._worker, WorkerBase) else None   # on /metrics
         self._ship_stats = False
 
     def make_scheduler(self, vllm_config: Any) -> SchedulerHalf:
@@ -292,10 +166,10 @@ class RelayConnector(KVConnectorBase_V1, Generic[W]):
     # ---------------------------------------------------------------- stats (core/engine_stats.py)
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Worker: what changed in this process's metrics since the last step (None: nothing)."""
-        if not isinstance(self._worker, WorkerBase):
+        if self._stats is None:
             return None
         force, self._ship_stats = self._ship_stats, False
-        return self._worker.stats.delta(force)
+        return self._stats.delta(force)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

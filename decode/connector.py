@@ -55,8 +55,9 @@ from kvrelay.core.kv_namespace import kv_namespace, opaque_prompt
 from kvrelay.core.params import ParamsError, ParamsRefusal, ParamsVerifier, PullParams
 from kvrelay.core.tracing import traceparent_of
 from kvrelay.decode.installer import InstallWorker
-from kvrelay.decode.messages import DecodeMeta, LandedMeta, LoadSpec
+from kvrelay.decode.messages import DecodeMeta, LandedMeta
 from kvrelay.decode.saver import SaveSpec, save_spec
+from kvrelay.decode.specs import LoadSpec
 
 log = logging.getLogger("vllm.kvrelay.decode")
 

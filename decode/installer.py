@@ -25,14 +25,14 @@ from kvrelay.common.errors import ChecksumError, ConfigError, KVRelayError, Tran
 from kvrelay.common.keys import chunk_keys_from_digest
 from kvrelay.common.wire import HEADER_SIZE, check_regions, copy_checked
 from kvrelay.core.config import KVRelayConfig
-from kvrelay.core.connector_base import WorkerBase
 from kvrelay.core.drain import DrainPhase, read_phase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
 from kvrelay.core.ranks import Piece, part_transfer_id
 from kvrelay.core.telemetry import unbind_gauge
-from kvrelay.decode.messages import LoadSpec
+from kvrelay.core.worker_base import WorkerBase
 from kvrelay.decode.saver import DecodeSaver, SaveSpec
+from kvrelay.decode.specs import LoadSpec
 from kvrelay.kernels.blocks import scatter_range
 from kvrelay.kernels.span import Span
 from kvrelay.transport.backends import make_receiver_backend

@@ -19,19 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerM
 
 from kvrelay.core.connector_base import RelayMeta
 from kvrelay.decode.saver import SaveSpec
-
-
-@dataclass
-class LoadSpec:
-    req_id: str
-    transfer_id: str
-    token_ids: list[int]
-    block_ids: list[int]
-    local_tokens: int          # D's own prefix-cache hit (block aligned): those blocks are not written
-    num_tokens: int            # tokens to load = prompt_len - local_tokens
-    traceparent: str = ""      # the router's trace (core/tracing.py): the install span's parent
-    now: bool = False          # every chunk had landed: install before this step's forward (vLLM sync load)
-    namespace: bytes = b""     # the request's KV namespace (core/kv_namespace.py): part of every transfer key
+from kvrelay.decode.specs import LoadSpec
 
 
 @dataclass

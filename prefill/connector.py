@@ -42,8 +42,9 @@ from kvrelay.core.kv_namespace import kv_namespace, opaque_prompt
 from kvrelay.core.params import ParamsError, ParamsVerifier, PushParams
 from kvrelay.core.tracing import traceparent_of
 from kvrelay.prefill.lookup import StoreClient, hit_limit, lookup_endpoint
-from kvrelay.prefill.messages import PrefillMeta, PushSpec, StoreLoad
+from kvrelay.prefill.messages import PrefillMeta
 from kvrelay.prefill.pusher import PushWorker
+from kvrelay.prefill.specs import PushSpec, StoreLoad
 
 log = logging.getLogger("vllm.kvrelay.prefill")
 

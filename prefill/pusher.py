@@ -36,17 +36,17 @@ from kvrelay.common.errors import KVRelayError, TransferAborted, TransferTimeout
 from kvrelay.common.keys import chunk_keys, chunk_keys_from_digest
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.core.config import KVRelayConfig
-from kvrelay.core.connector_base import WorkerBase
 from kvrelay.core.logs import bind
 from kvrelay.core.placement import place_helper_thread
 from kvrelay.core.rank_view import RankView
 from kvrelay.core.ranks import Piece, rank_endpoint
 from kvrelay.core.telemetry import EventLog
+from kvrelay.core.worker_base import WorkerBase
 from kvrelay.kernels.layout import KVLayout
 from kvrelay.kernels.span import Span
 from kvrelay.prefill.lanes import Lane, Lanes, session_lost
-from kvrelay.prefill.messages import PushSpec, StoreLoad
 from kvrelay.prefill.payloads import Chunk, ChunkBuffer, PayloadMaker, SavedChunk, load_hook, source_layout
+from kvrelay.prefill.specs import PushSpec, StoreLoad
 from kvrelay.prefill.staging import StagingPool, staging_slots
 from kvrelay.prefill.store_service import StoreService
 from kvrelay.transport.backends import make_sender_backend

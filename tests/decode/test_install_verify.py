@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 from kvrelay.common.wire import make_header  # noqa: E402
 from kvrelay.core import config as kcfg  # noqa: E402
 from kvrelay.decode.installer import InstallWorker, _Load  # noqa: E402
-from kvrelay.decode.messages import LoadSpec  # noqa: E402
+from kvrelay.decode.specs import LoadSpec  # noqa: E402
 from kvrelay.kernels.span import Span  # noqa: E402
 from kvrelay.transport.events import ChunkArrival  # noqa: E402
 from kvrelay.transport.pool import SlotRef  # noqa: E402

@@ -28,8 +28,8 @@ from kvrelay.common.wire import HEADER_SIZE  # noqa: E402
 from kvrelay.core import config as kcfg  # noqa: E402
 from kvrelay.core.fingerprint import engine_fingerprint  # noqa: E402
 from kvrelay.kernels.layout import KVLayout  # noqa: E402
-from kvrelay.prefill.messages import PushSpec  # noqa: E402
 from kvrelay.prefill.pusher import PushWorker  # noqa: E402
+from kvrelay.prefill.specs import PushSpec  # noqa: E402
 from kvrelay.transport.backends import make_receiver_backend  # noqa: E402
 from kvrelay.transport.backends.base import WriteHandle, WriteState  # noqa: E402
 from kvrelay.transport.backends.sockets import SocketSender  # noqa: E402
