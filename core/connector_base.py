@@ -74,6 +74,10 @@ class SchedulerHalf(Protocol):
         """True while transfers are in flight (keeps the engine stepping)."""
         ...
 
+    def close(self) -> None:
+        """Stop what it started (threads, sockets); the engine is shutting down."""
+        ...
+
 
 W = TypeVar("W", bound=WorkerHalf)
 
@@ -186,3 +190,5 @@ class RelayConnector(KVConnectorBase_V1, Generic[W]):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+        if self._sched is not None:
+            self._sched.close()

@@ -224,6 +224,11 @@ class ParamsVerifier:
                               "this prefill node may push to (transport.allowed_decode)", ParamsRefusal.NOT_ALLOWED)
         return params
 
+    def close(self) -> None:
+        """Stop the allowlist's DNS refresher (if any)."""
+        if self._allowed is not None:
+            self._allowed.close()
+
 
 def _is_hex(text: str) -> bool:
     return _parses(bytes.fromhex, text)

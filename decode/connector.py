@@ -163,6 +163,9 @@ class DecodeScheduler:
     def has_pending(self) -> bool:
         return bool(self._loading or self._cancelled or self._saving)
 
+    def close(self) -> None:
+        self.verifier.close()
+
 
 class DecodeConnector(RelayConnector[InstallWorker]):
     """Consumer connector. Load with ``--kv-transfer-config '{"kv_connector": "DecodeConnector",

@@ -168,6 +168,11 @@ class PrefillScheduler:
     def has_pending(self) -> bool:
         return bool(self._delayed or self._finished)
 
+    def close(self) -> None:
+        self.verifier.close()
+        if self.store is not None:
+            self.store.close()
+
 
 class PrefillConnector(RelayConnector[PushWorker]):
     """Producer connector. Load with ``--kv-transfer-config '{"kv_connector": "PrefillConnector",

@@ -63,3 +63,8 @@ class StoreClient:
             self._sock = None
             return 0
         return msgspec.msgpack.decode(self._sock.recv(), type=LookupReply).hit_tokens
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None

@@ -306,3 +306,18 @@ def test_an_adapters_requests_carry_its_namespace_into_every_key_the_workers_com
     assert d.matched(q, 0) == (600, True)
     d.after_alloc(q, Blocks([1, 2, 3, 4, 5]), 600)
     assert [ld.namespace for ld in d.build_meta().loads] == [ns]
+
+
+def test_a_scheduler_half_stops_its_allowlist_refresher_when_closed():
+    """The prefill scheduler's push allowlist refreshes DNS on a thread; closing the half (vLLM's
+    shutdown) stops it, so no thread outlives the engine's connector."""
+    import threading
+
+    from kvrelay.core.params import ParamsVerifier, PushParams
+
+    before = {t for t in threading.enumerate() if t.name == "kvrelay-allowlist-dns"}
+    verifier = ParamsVerifier(b"k" * 32, PushParams, allowed_push=["tcp://localhost:9100"])
+    thread = next(t for t in threading.enumerate() if t.name == "kvrelay-allowlist-dns" and t not in before)
+    verifier.close()
+    thread.join(10)
+    assert not thread.is_alive()

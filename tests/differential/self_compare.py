@@ -1,0 +1,77 @@
+"""How exact one plain vLLM is with itself: the same requests at concurrency 1, then 4, then 1 again.
+
+The differential harness asks kvrelay for answers identical to one vLLM's. That bar is only
+meaningful where one vLLM agrees with itself when nothing but the batch around a request
+changes: a prefill node computes a prompt in other batches than the reference does, and a
+decode node decodes it beside other requests. This runs one server with a configuration's
+engine flags (the reference's: same dtype, same thread binding), asks it the drawn requests
+one at a time (A), four at a time (B) and one at a time again (C), and compares them as the
+harness compares kvrelay with the reference: A against C says whether the server is
+deterministic at all, A against B how much its batching alone changes.
+
+    python -m tests.differential.self_compare --config bf16 --n 40 --json docs/results/self-compare-bf16.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvrelay.deploy import launch
+from kvrelay.deploy.tiny_model import ensure_tiny_model
+from tests.differential import run
+from tests.differential.configs import CASES, EngineCase, cfg_for, requests_for
+
+PORT = 27900
+
+
+def self_compare(case: EngineCase, n: int, seed: int, work: Path) -> dict:
+    model = ensure_tiny_model(work / f"model-{case.attention}", attention=case.attention)
+    reqs = [r for r in requests_for(case, n, seed, model) if "seed" not in r.body]   # seeded ones run alone anyway
+    cfg = cfg_for(case, model, work / "ref", PORT)
+    spec = launch.NodeSpec(launch.Role.SINGLE, 0, PORT)
+    (work / "ref").mkdir(parents=True, exist_ok=True)
+    with open(work / "ref" / "server.log", "w") as log:
+        proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 2), log)
+    t0 = time.monotonic()
+    try:
+        url = f"http://127.0.0.1:{PORT}"
+        launch.wait_healthy(url, proc, 900, str(work / "ref" / "server.log"))
+        a = run.ask(url, reqs, 1, "concurrency 1")
+        b = run.ask(url, reqs, 4, "concurrency 4")
+        c = run.ask(url, reqs, 1, "concurrency 1 again")
+    finally:
+        launch.stop_group(proc)
+    same = run.compare(reqs, a, c, "c1 again")
+    batched = run.compare(reqs, a, b, "c4")
+    return {"config": case.name, "args": list(case.args), "requests": len(reqs),
+            "c1_vs_c1_again": len(same), "c1_vs_c4": len(batched), "wall_s": round(time.monotonic() - t0, 1),
+            "examples": [d.lines[:3] for d in batched[:3]]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="comma-separated configuration names (tests/differential/configs.py; float32: the default)")
+    ap.add_argument("--n", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args(argv)
+    by_name = {c.name: c for c in CASES} | {"float32": EngineCase("float32", doc="the default float32 model")}
+    results = []
+    for name in args.config.split(","):
+        with tempfile.TemporaryDirectory(prefix="kvrelay-self-") as tmp:
+            res = self_compare(by_name[name], args.n, args.seed, Path(tmp))
+        print(f"[{name}] {res['requests']} requests: {res['c1_vs_c1_again']} differ between two passes at "
+              f"concurrency 1, {res['c1_vs_c4']} between concurrency 1 and 4 ({res['wall_s']} s)", flush=True)
+        results.append(res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
