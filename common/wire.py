@@ -140,7 +140,7 @@ def parse_header(buf: Buffer) -> ChunkHeader:
 
 def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | None = None,
                  chunk_index: int | None = None, payload_sum: int | None = None,
-                 tag: bytes | None = None, check_payload: bool = True) -> ChunkHeader:
+                 tag: bytes | None = None, check_payload: bool = True, room: int | None = None) -> ChunkHeader:
     """Validate a whole received chunk (header + payload) in place.
 
     Checks the header, that the payload fits, the payload checksum, and - when
@@ -148,14 +148,16 @@ def verify_chunk(buf: Buffer, *, transfer_id: str | None = None, key: bytes | No
     (a misrouted chunk). ``payload_sum``, when given, is the xxh3_64 a backend already
     computed over these payload bytes as they landed; it replaces re-hashing them.
     ``check_payload=False`` (and no ``payload_sum``) leaves the payload to the consumer,
-    which hashes the exact bytes it installs (:func:`check_payload`).
+    which hashes the exact bytes it installs (:func:`check_payload`). ``room``: the payload
+    bytes the slot holds, where ``buf`` is the header alone (a pool in device memory keeps its
+    headers on the host; its payload is left to the consumer).
     Raises :class:`ChunkError` or :class:`ChecksumError`.
     """
     mv = memoryview(buf)
     hdr = parse_header(mv)
-    if HEADER_SIZE + hdr.payload_len > mv.nbytes:
-        raise ChunkError(f"truncated chunk: header says {hdr.payload_len} payload bytes, "
-                         f"{mv.nbytes - HEADER_SIZE} available")
+    available = mv.nbytes - HEADER_SIZE if room is None else room
+    if hdr.payload_len > available:
+        raise ChunkError(f"truncated chunk: header says {hdr.payload_len} payload bytes, {available} available")
     if tag is None and transfer_id is not None:
         tag = transfer_tag(transfer_id)
     if tag is not None and hdr.transfer != tag:

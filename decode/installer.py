@@ -23,7 +23,7 @@ import torch
 
 from kvrelay.common.errors import ChecksumError, ConfigError, KVRelayError, TransferTimeout
 from kvrelay.common.keys import chunk_keys_from_digest
-from kvrelay.common.wire import HEADER_SIZE, check_regions, copy_checked
+from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.core.config import KVRelayConfig
 from kvrelay.core.drain import DrainPhase, read_phase
 from kvrelay.core.logs import bind
@@ -31,13 +31,14 @@ from kvrelay.core.placement import place_helper_thread
 from kvrelay.core.ranks import Piece, part_transfer_id
 from kvrelay.core.telemetry import unbind_gauge
 from kvrelay.core.worker_base import WorkerBase
+from kvrelay.decode.install import install_verified
 from kvrelay.decode.saver import DecodeSaver, SaveSpec
 from kvrelay.decode.specs import LoadSpec
-from kvrelay.kernels.blocks import scatter_range
 from kvrelay.kernels.span import Span
 from kvrelay.transport.backends import make_receiver_backend
+from kvrelay.transport.config import TransportConfig
 from kvrelay.transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone, TransferFailed
-from kvrelay.transport.pool import PAGE, round_up
+from kvrelay.transport.pool import PAGE, Placement, round_up
 from kvrelay.transport.receiver import Receiver
 
 log = logging.getLogger("vllm.kvrelay.decode")
@@ -177,9 +178,10 @@ class InstallWorker(WorkerBase):
                 size = receive_pool_bytes(int(tc.pool_bytes), slot, self.vllm_config.model_config.max_model_len,
                                           self.cfg.chunk_tokens)
                 tc = msgspec.structs.replace(tc, pool_bytes=size, **self._rank_ports())
-                box.append(Receiver(tc, self.cfg.timeouts, make_receiver_backend(tc), self.transfer_digest,
+                backend = make_receiver_backend(tc)
+                box.append(Receiver(tc, self.cfg.timeouts, backend, self.transfer_digest,
                                     slot_bytes=slot, consumer_wait_s=REGISTER_WAIT_S, verify_payload=False,
-                                    closing=self._stopping, numa_node=self.numa_node))
+                                    closing=self._stopping, placement=self._placement(tc, backend.writes_device_pool)))
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 box.append(exc)
 
@@ -189,6 +191,13 @@ class InstallWorker(WorkerBase):
         if isinstance(box[0], BaseException):
             raise box[0]
         return box[0]
+
+    def _placement(self, tc: TransportConfig, writes_device: bool) -> Placement:
+        """Where the receive pool lives: the KV cache's device (transport.pool_device) or host
+        pages on the NUMA node of the engine (connector.numa_node)."""
+        assert self.layout is not None
+        device = tc.pool_on(str(self.layout.device), writes_device)
+        return Placement(device, None if device is not None else self.numa_node)
 
     def _rank_ports(self) -> dict[str, int]:
         """Rank r listens on the node's control (and tcp data) port + r: prefill ranks find
@@ -314,7 +323,8 @@ class InstallWorker(WorkerBase):
                                    f"expected {self.layout.num_layers}x{len(blocks)}")
             t0, w0 = time.monotonic(), time.time()
             skip = max(0, load.spec.local_tokens // self.block_size - c * self.blocks_per_chunk)
-            self._scatter_verified(ev, blocks, skip, part.span)
+            assert self.receiver is not None and self.layout is not None
+            install_verified(self.layout, ev, self.receiver.payload(ev), blocks[skip:], skip, part.span)
             part.installed.add(c)
             self.metrics.load_latency.observe(time.monotonic() - t0)
             self.metrics.chunks.labels("decode", "installed").inc()
@@ -326,35 +336,6 @@ class InstallWorker(WorkerBase):
             self.metrics.chunks.labels("decode", "checksum" if isinstance(exc, ChecksumError) else "invalid").inc()
         finally:
             self.receiver.release(ev)
-
-    def _scatter_verified(self, ev: ChunkArrival, blocks: list[int], skip: int, span: Span) -> None:
-        """Install the chunk's payload (``[layer][block]``, range ``span`` of each block: a
-        piece's heads) into ``blocks[skip:]``, verified.
-
-        Bytes the transport hashed as they landed (tcp) are scattered from the slot. Otherwise
-        the one copy is the install itself, and the hash is taken over what it wrote: the
-        installed blocks read back from the engine's cache (plus the slot's bytes of the
-        ``skip`` blocks D already held), so the bytes verified are exactly the bytes installed
-        and a late write into the slot cannot slip in between. A mismatch raises ChecksumError
-        after the blocks were written; the caller reports them for recompute, which overwrites
-        them. Device caches take one private host copy, verified, then the scatter."""
-        assert self.receiver is not None and self.layout is not None
-        layout = self.layout
-        src = torch.frombuffer(self.receiver.payload(ev), dtype=torch.uint8)
-        src = src.view(layout.num_layers, len(blocks), span.nbytes)     # [L, n, span]
-        if not ev.verified and layout.device.type != "cpu":
-            private = torch.empty_like(src)
-            copy_checked(ev.header, src.numpy().data, private.numpy().data)     # verified in its copy
-            src = private
-        ids = torch.tensor(blocks[skip:], dtype=torch.int64)
-        if len(ids):
-            scatter_range(layout, ids.to(layout.device), src[:, skip:].to(layout.device), span)
-        if not ev.verified and layout.device.type == "cpu":
-            regions = []                      # the payload's [layer][block] order, as installed
-            for i in range(layout.num_layers):
-                regions.append(src[i, :skip].numpy().data)
-                regions += [row.numpy().data for b in blocks[skip:] for row in span.of(layout.block_view(i, b))]
-            check_regions(ev.header, regions)
 
     def _fail_rest(self, load: _Load, part: _Part, reason: str) -> None:
         for c in range(self._first_chunk(load), load.n_chunks):

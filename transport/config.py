@@ -50,6 +50,14 @@ class TimeoutConfig(Section, frozen=True):
                               "a slot would be reclaimed while its chunk may still legally be in flight")
 
 
+class PoolDevice(str, enum.Enum):
+    """Where a decode node's receive pool lives."""
+
+    AUTO = "auto"        # device memory where the backend can write it (nixl) and the KV cache is on a GPU
+    HOST = "host"        # pinned host pages (the store's tiers, hosts without GPUDirect RDMA)
+    GPU = "gpu"          # the KV cache's device: chunks land in HBM, the install is device to device
+
+
 class TransportConfig(Section, frozen=True):
     """The data plane and the decode node's receive pool."""
 
@@ -63,6 +71,23 @@ class TransportConfig(Section, frozen=True):
     secret_file: str = ""            # 0600 file holding the shared secret (or env KVRELAY_SECRET); no default
     allowed_decode: list[str] = msgspec.field(default_factory=list)  # prefill: push targets allowed
     max_message_bytes: Positive = 1 * MiB       # control frames above this are rejected
+    pool_device: PoolDevice = PoolDevice.AUTO   # decode: the receive pool in host memory or on the GPU
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.pool_device is PoolDevice.GPU and self.backend is not TransportKind.NIXL:
+            raise ConfigError(f"transport.pool_device gpu needs one-sided writes into device memory: "
+                              f"transport.backend nixl (not {self.backend.value}), or pool_device host")
+
+    def pool_on(self, kv_device: str, writes_device: bool) -> str | None:
+        """The receive pool's device for a decode engine whose KV cache is on ``kv_device``, whose
+        backend can (``writes_device``) land writes in device memory; None: host pages."""
+        on_gpu = kv_device.startswith("cuda")
+        if self.pool_device is PoolDevice.GPU and not on_gpu:
+            raise ConfigError(f"transport.pool_device gpu, but this decode engine's KV cache is on {kv_device}")
+        if self.pool_device is PoolDevice.HOST or not (on_gpu and writes_device):
+            return None
+        return kv_device
 
     def advertised_host(self) -> str:
         """The data-plane address a decode node announces (after the authenticated Hello).
@@ -97,6 +122,8 @@ FIELD_HELP: dict[str, str] = {
     'transport.allowed_decode': ("prefill: decode transfer endpoints (tcp://host:port) it may push to; [] = the "
                                  "decode nodes router.decode names"),
     'transport.max_message_bytes': 'control frames larger than this are rejected',
+    'transport.pool_device': "decode receive pool: auto (GPU memory with nixl on a GPU engine, else pinned host "
+                             "pages), host, or gpu (chunks land in HBM; the install is device to device)",
     'timeouts.lease_s': 'a slot not filled and consumed within this is reclaimed (seconds)',
     'timeouts.alloc_wait_s': 'back-pressure: how long an Alloc may wait for free slots',
     'timeouts.peer_s': 'a sender silent this long is declared dead; its transfers fail',

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from kvrelay.common.errors import ChecksumError, ChunkError, MisroutedChunk, TransportError
 from kvrelay.common.secrets import same
-from kvrelay.common.wire import verify_chunk
+from kvrelay.common.wire import HEADER_SIZE, verify_chunk
 from kvrelay.transport.events import ChunkArrival, ChunkRejected, FailReason, Refusal
 from kvrelay.transport.ledger import GrantedTransfer
 from kvrelay.transport.pool import SlotRef
@@ -67,9 +67,14 @@ class Landing:
                 return
             key = t.keys[chunk_index]
             self._seen(sender)
+        device = self.pool.on_device               # its payload is the consumer's to verify
         try:
-            hdr = verify_chunk(self.pool.view(ref), tag=t.tag, key=key, chunk_index=chunk_index,
-                               payload_sum=payload_sum, check_payload=self._verify_payload)
+            if device:
+                hdr = verify_chunk(self.pool.header_view(ref), tag=t.tag, key=key, chunk_index=chunk_index,
+                                   check_payload=False, room=self.pool.slot_bytes - HEADER_SIZE)
+            else:
+                hdr = verify_chunk(self.pool.view(ref), tag=t.tag, key=key, chunk_index=chunk_index,
+                                   payload_sum=payload_sum, check_payload=self._verify_payload)
         except ChunkError as exc:
             self.reject(t, chunk_index, exc)
             return
@@ -87,7 +92,7 @@ class Landing:
             t.landed.add(chunk_index)
             self.stats.chunks_arrived += 1
             self.stats.bytes_arrived += hdr.total_len
-            verified = payload_sum is not None or self._verify_payload
+            verified = not device and (payload_sum is not None or self._verify_payload)
             self.table.publish(t.transfer_id, ChunkArrival(t.transfer_id, chunk_index, key, ref, hdr, t_arr, verified))
             self.table.maybe_done(t)
 

@@ -33,25 +33,35 @@ enough slots are free or its deadline passes; nothing else blocks.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
-import mmap
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import shared_memory
+from typing import Any
 
 from kvrelay.common import numa
 from kvrelay.common.errors import PoolFullError, TransportError
+from kvrelay.common.wire import HEADER_SIZE
+from kvrelay.transport.arenas import DeviceArena, PrivateArena, SharedArena
 
 log = logging.getLogger(__name__)
 PAGE = 4096
 Clock = Callable[[], float]
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)     # Linux 5.14+; Python 3.11 lacks the name
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a pool's memory lives: ``device`` (``cuda:0``...) for a pool in device memory, None
+    for host pages, which ``numa_node`` binds (:mod:`kvrelay.common.numa`; None: the kernel's choice)."""
+
+    device: str | None = None
+    numa_node: int | None = None
+
+
+HOST = Placement()
 
 
 class SlotState(enum.Enum):
@@ -92,148 +102,6 @@ class PoolStats:
     quarantined: int = 0      # FREE slots not yet reusable (a late write may still land in them)
 
 
-class Arena:
-    """Page-aligned memory behind the pool. Subclasses: shared (``shm``) or private."""
-
-    buf: memoryview
-    name: str = ""
-    pinned: bool = False
-
-    @property
-    def address(self) -> int:
-        import ctypes
-
-        return ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
-
-    def populate(self) -> bool:
-        """Fault every page of the arena in, writable, now (blocks; idempotent).
-
-        False, with a warning, where the kernel cannot (before 5.14) or the memory is not
-        there (a full ``/dev/shm``): the pool still works and faults its pages lazily. Never
-        touches the bytes, so it cannot raise SIGBUS on a short tmpfs."""
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        t0 = time.monotonic()
-        rc = libc.madvise(ctypes.c_void_p(self.address), ctypes.c_size_t(self.buf.nbytes), MADV_POPULATE_WRITE)
-        if rc != 0:
-            err = ctypes.get_errno()
-            log.warning("receive pool not populated (%s): its pages fault in on first use",
-                        os.strerror(err))
-            return False
-        log.info("receive pool: %d MiB faulted in at start-up in %.2f s", self.buf.nbytes >> 20,
-                 time.monotonic() - t0)
-        return True
-
-    def pin_if_cuda(self) -> bool:
-        """Page-lock the arena for CUDA when a GPU is present (idempotent). No-op otherwise."""
-        if self.pinned:
-            return True
-        try:
-            import torch
-        except ImportError:
-            return False
-        if not torch.cuda.is_available():
-            return False
-        rc = torch.cuda.cudart().cudaHostRegister(self.address, self.buf.nbytes, 0)
-        self.pinned = int(rc) == 0
-        if not self.pinned:
-            _clear_cuda_error()     # else the next kernel launch in this process reports it
-            log.warning("cudaHostRegister failed (%s); receive pool is pageable", rc)
-        return self.pinned
-
-    def _unpin(self) -> None:
-        if self.pinned:
-            import torch
-
-            torch.cuda.cudart().cudaHostUnregister(self.address)
-            self.pinned = False
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-
-def _clear_cuda_error() -> None:
-    """Reset the runtime's last-error after a failed host registration (torch checks it after
-    every launch). Best effort: needs NVIDIA's cuda-python, else the error stays to be seen."""
-    try:
-        from cuda.bindings import runtime
-    except ImportError:
-        return
-    runtime.cudaGetLastError()
-
-
-class PrivateArena(Arena):
-    """Anonymous private memory: for backends whose peers never map the pool (nixl, tcp, ucx).
-
-    Measured here: NIXL/UCX CMA writes into private pages run ~20 % faster than into
-    tmpfs-backed shared pages, and faster again with transparent huge pages
-    (``MADV_HUGEPAGE``; the kernel walks one 2 MiB page instead of 512 small ones).
-    """
-
-    def __init__(self, nbytes: int) -> None:
-        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        with contextlib.suppress(AttributeError, OSError):    # fewer page walks for CMA/RDMA
-            self._mmap.madvise(mmap.MADV_HUGEPAGE)
-        self.buf = memoryview(self._mmap)
-
-    def close(self) -> None:
-        self._unpin()
-        self.buf.release()
-        try:
-            self._mmap.close()
-        except BufferError:
-            log.warning("private arena still has exported views; unmapped at exit")
-
-
-class SharedArena(Arena):
-    """A page-aligned shared-memory segment other processes can attach by name.
-
-    The creator uses :mod:`multiprocessing.shared_memory` (which unlinks the segment
-    if the process dies). Attaching maps ``/dev/shm/<name>`` directly, so the
-    attaching process never registers the segment with its resource tracker - in
-    Python 3.11 that registration would unlink the receiver's pool at exit.
-    """
-
-    def __init__(self, nbytes: int, *, name: str | None = None, create: bool = True) -> None:
-        self.owner = create
-        self.shm: shared_memory.SharedMemory | None = None
-        self._mmap: mmap.mmap | None = None
-        if create:
-            self.shm = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
-            assert self.shm.buf is not None
-            self.buf: memoryview = self.shm.buf
-            self.name: str = self.shm.name
-            return
-        if not name:
-            raise TransportError("attaching a shared arena needs its name")
-        try:
-            fd = os.open(f"/dev/shm/{name.lstrip('/')}", os.O_RDWR)
-        except OSError as exc:
-            raise TransportError(f"cannot attach shared memory {name!r}: {exc}") from exc
-        try:
-            # MAP_POPULATE: map the receiver's (populated) pages now, not on the first write to each
-            self._mmap = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
-            os.close(fd)
-        self.buf = memoryview(self._mmap)
-        self.name = name
-
-    def close(self) -> None:
-        self._unpin()
-        self.buf.release()
-        try:
-            if self.shm is not None:
-                self.shm.close()
-            if self._mmap is not None:
-                self._mmap.close()
-        except BufferError:     # a view is still exported (e.g. a registered array): unmapped at exit
-            log.warning("shared segment %s still has exported views; unlinking anyway", self.name)
-        if self.owner and self.shm is not None:
-            with contextlib.suppress(FileNotFoundError):
-                self.shm.unlink()
-
-
 def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
 
@@ -253,19 +121,29 @@ class ReceivePool:
 
     def __init__(self, pool_bytes: int, slot_bytes: int, *, lease_s: float = 10.0,
                  clock: Clock = time.monotonic, pin: bool = True, shared: bool = True,
-                 quarantine_s: float = 0.5, numa_node: int | None = None) -> None:
-        """``numa_node``: the NUMA node its pages are bound to before they are faulted in and
-        pinned (:mod:`kvrelay.common.numa`; None: the kernel's choice)."""
+                 quarantine_s: float = 0.5, placement: Placement = HOST) -> None:
+        """``placement``: host pages (bound to a NUMA node before they are faulted in and
+        pinned) or device memory, whose slot headers are then kept on the host."""
         self.slot_bytes = round_up(slot_bytes, PAGE)
         self.num_slots = pool_bytes // self.slot_bytes
         if self.num_slots < 1:
             raise TransportError(f"pool_bytes={pool_bytes} cannot hold one {self.slot_bytes}-byte slot")
         size = self.num_slots * self.slot_bytes
-        self.arena: Arena = SharedArena(size) if shared else PrivateArena(size)
-        self.numa_node = numa_node if numa.bind(self.arena.address, size, numa_node) else None
-        self.populated = self.arena.populate()
-        if pin:
-            self.arena.pin_if_cuda()
+        self.arena: SharedArena | PrivateArena | DeviceArena
+        self.on_device = placement.device is not None
+        self._headers = [bytearray(HEADER_SIZE) for _ in range(self.num_slots)] if self.on_device else []
+        self.numa_node: int | None = None
+        self.populated = False
+        if placement.device is not None:
+            if shared:
+                raise TransportError("a pool in device memory cannot be shared with another process (shm)")
+            self.arena = DeviceArena(size, placement.device)
+        else:
+            self.arena = SharedArena(size) if shared else PrivateArena(size)
+            self.numa_node = placement.numa_node if numa.bind(self.arena.address, size, placement.numa_node) else None
+            self.populated = self.arena.populate()
+            if pin:
+                self.arena.pin_if_cuda()
         self.lease_s = lease_s
         self._clock = clock
         self._slots = [_Slot() for _ in range(self.num_slots)]
@@ -284,9 +162,26 @@ class ReceivePool:
         return index * self.slot_bytes
 
     def view(self, ref: SlotRef | int, nbytes: int | None = None) -> memoryview:
-        """Writable view of a slot (``nbytes`` long, default the whole slot)."""
+        """Writable view of a host pool's slot (``nbytes`` long, default the whole slot)."""
+        if isinstance(self.arena, DeviceArena):
+            raise TransportError("a pool in device memory has no host view of its slots")
         off = self.offset(ref)
         return self.arena.buf[off:off + (self.slot_bytes if nbytes is None else nbytes)]
+
+    def header_view(self, ref: SlotRef | int) -> memoryview:
+        """The slot's chunk header, writable, in host memory (beside the slot for a pool in
+        device memory, whose headers arrive in the writes' notifications)."""
+        if self.on_device:
+            return memoryview(self._headers[ref.index if isinstance(ref, SlotRef) else ref])
+        return self.view(ref, HEADER_SIZE)
+
+    def payload(self, ref: SlotRef | int, nbytes: int) -> Any:
+        """The ``nbytes`` after the slot's header: a memoryview of host pages, or a uint8 tensor
+        view of device memory (``on_device``)."""
+        off = self.offset(ref) + HEADER_SIZE
+        if isinstance(self.arena, DeviceArena):
+            return self.arena.tensor[off:off + nbytes]
+        return self.arena.buf[off:off + nbytes]
 
     # -- allocation ---------------------------------------------------------------------
     def try_allocate(self, n: int, owner: str) -> list[SlotRef] | None:

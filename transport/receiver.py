@@ -43,6 +43,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
@@ -54,7 +55,7 @@ from kvrelay.transport.backends.base import ReceiverBackend, ReceiverHooks
 from kvrelay.transport.config import TimeoutConfig, TransportConfig
 from kvrelay.transport.events import ChunkArrival, Event, ReceiverStats, Refusal
 from kvrelay.transport.landing import Landing
-from kvrelay.transport.pool import ReceivePool
+from kvrelay.transport.pool import HOST, Placement, ReceivePool
 from kvrelay.transport.sessions import Gatekeeper, hello_refusal
 from kvrelay.transport.transfers import TableParts, TransferTable
 
@@ -71,17 +72,20 @@ class Receiver:
                  slot_bytes: int, consumer_wait_s: float = 0.0, verify_payload: bool = True,
                  clock: Callable[[], float] = time.monotonic, receiver_id: str | None = None,
                  secret: bytes | None = None, closing: Callable[[], str] | None = None,
-                 numa_node: int | None = None) -> None:
+                 placement: Placement = HOST) -> None:
         """``closing``: asked per Alloc; an answer (why) refuses it - the node is stopping (drain).
         ``consumer_wait_s``: an Alloc that arrives before the consumer called :meth:`expect`
         waits up to this long for it, so the held answer is what the consumer knows.
-        ``numa_node``: where the pool's pages live (:mod:`kvrelay.common.numa`)."""
+        ``placement``: where the pool's memory lives (host pages on a NUMA node, or a device)."""
         self.transport, self.timeouts, self._closing = transport, timeouts, closing
         self.backend = backend
         self.fingerprint = fingerprint
         self.receiver_id = receiver_id or f"recv-{uuid.uuid4().hex[:8]}"
+        if placement.device is not None and not backend.writes_device_pool:
+            raise TransportError(f"the {transport.backend.value} backend cannot write a pool in device memory "
+                                 "(transport.pool_device gpu takes nixl)")
         self.pool = ReceivePool(int(transport.pool_bytes), slot_bytes, lease_s=timeouts.lease_s,
-                                clock=clock, shared=backend.needs_shared_pool, numa_node=numa_node)
+                                clock=clock, shared=backend.needs_shared_pool, placement=placement)
         self.stats = ReceiverStats()
         self._clock = clock
         self._warned: dict[Refusal, float] = {}        # cause -> when it was last logged
@@ -116,7 +120,7 @@ class Receiver:
         by the caller, who must :meth:`release` it. Raises TransferTimeout."""
         return self.table.next_event(transfer_id, timeout)
 
-    def payload(self, arrival: ChunkArrival) -> memoryview:
+    def payload(self, arrival: ChunkArrival) -> Any:
         """The chunk's ``[layer][block]`` payload bytes inside the pool (zero-copy)."""
         return self.table.payload(arrival)
 

@@ -28,10 +28,11 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvrelay.common.errors import TransferTimeout, TransportError
 from kvrelay.common.polling import poll_queue, wait_queue
-from kvrelay.common.wire import HEADER_SIZE, transfer_tag
+from kvrelay.common.wire import transfer_tag
 from kvrelay.transport import protocol as P
 from kvrelay.transport.backends.base import ReceiverBackend
 from kvrelay.transport.config import TimeoutConfig
@@ -113,10 +114,10 @@ class TransferTable:
                 return ChunkRejected(transfer_id, ev.chunk_index, FailReason.LEASE_EXPIRED, str(exc))
         return ev
 
-    def payload(self, arrival: ChunkArrival) -> memoryview:
-        """The chunk's ``[layer][block]`` payload bytes inside the pool (zero-copy)."""
-        off = self.pool.offset(arrival.slot) + HEADER_SIZE
-        return self.pool.arena.buf[off:off + arrival.header.payload_len]
+    def payload(self, arrival: ChunkArrival) -> Any:
+        """The chunk's ``[layer][block]`` payload inside the pool (zero-copy): a memoryview of
+        host pages, or a uint8 tensor of device memory."""
+        return self.pool.payload(arrival.slot, arrival.header.payload_len)
 
     def finish(self, transfer_id: str) -> None:
         """The consumer is done with a transfer: drop its state and free anything unconsumed."""

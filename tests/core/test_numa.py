@@ -15,7 +15,7 @@ from kvrelay.common import numa
 from kvrelay.common.errors import ConfigError
 from kvrelay.core import config as kcfg
 from kvrelay.prefill.staging import StagingPool
-from kvrelay.transport.pool import ReceivePool
+from kvrelay.transport.pool import Placement, ReceivePool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,7 +69,7 @@ def test_buffers_are_bound_to_the_node_before_their_pages_exist():
     assert numa.pages_on(address, 1 << 20) == {node}
     del view
     buf.close()
-    pool = ReceivePool(4 << 20, 1 << 20, numa_node=node, pin=False)
+    pool = ReceivePool(4 << 20, 1 << 20, placement=Placement(numa_node=node), pin=False)
     assert pool.numa_node == node and numa.pages_on(pool.arena.address, 4 << 20) <= {node}
     pool.close()
     staged = StagingPool(1 << 20, 2, numa_node=node).take((1, 1, 1 << 20))

@@ -15,6 +15,7 @@ deterministic at all, A against B how much its batching alone changes.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from kvrelay.deploy import launch
 from kvrelay.deploy.tiny_model import ensure_tiny_model
 from tests.differential import run
 from tests.differential.configs import CASES, EngineCase, cfg_for, requests_for
+from tests.differential.surface import MODEL
 
 PORT = 27900
 
@@ -53,17 +55,64 @@ def self_compare(case: EngineCase, n: int, seed: int, work: Path) -> dict:
             "examples": [d.lines[:3] for d in batched[:3]]}
 
 
+def tail_compare(case: EngineCase, n: int, seed: int, work: Path) -> dict:
+    """One vLLM, each prompt twice: fresh, then with every full block in its prefix cache, so only
+    its last token is computed (prompt lengths of 128k + 1: a whole number of 16- and 128-token
+    blocks, plus one). What a decode node does with a pushed prompt, inside one vLLM."""
+    import random
+
+    import aiohttp
+
+    model = ensure_tiny_model(work / f"model-{case.attention}", attention=case.attention)
+    cfg = cfg_for(case, model, work / "tail", PORT)
+    (work / "tail").mkdir(parents=True, exist_ok=True)
+    with open(work / "tail" / "server.log", "w") as log:
+        proc = launch.spawn_group(launch.server_command(cfg, launch.NodeSpec(launch.Role.SINGLE, 0, PORT)),
+                                  launch.server_env(cfg, 0, 2), log)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, 100) for _ in range(128 * rng.randrange(1, 8) + 1)] for _ in range(n)]
+
+    async def answers(url: str) -> list[list[int]]:
+        out = []
+        async with aiohttp.ClientSession() as s:
+            for ids in prompts:
+                body = {"model": MODEL, "prompt": ids, "max_tokens": 24, "temperature": 0, "logprobs": 1}
+                async with s.post(f"{url}/v1/completions", json=body) as r:
+                    out.append((await r.json())["choices"][0]["logprobs"]["tokens"])
+        return out
+
+    t0 = time.monotonic()
+    try:
+        url = f"http://127.0.0.1:{PORT}"
+        launch.wait_healthy(url, proc, 900, str(work / "tail" / "server.log"))
+        fresh = asyncio.run(answers(url))
+        cached = asyncio.run(answers(url))
+    finally:
+        launch.stop_group(proc)
+    differ = [i for i, (a, b) in enumerate(zip(fresh, cached, strict=True)) if a != b]
+    return {"config": case.name, "prompts": n, "fresh_vs_last_token_alone": len(differ),
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--config", required=True, help="comma-separated configuration names (tests/differential/configs.py; float32: the default)")
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default="")
+    ap.add_argument("--tail", action="store_true", help="instead: each prompt fresh, then with only its last token "
+                    "computed (its prefix cached)")
     args = ap.parse_args(argv)
     by_name = {c.name: c for c in CASES} | {"float32": EngineCase("float32", doc="the default float32 model")}
     results = []
     for name in args.config.split(","):
         with tempfile.TemporaryDirectory(prefix="kvrelay-self-") as tmp:
+            if args.tail:
+                res = tail_compare(by_name[name], args.n, args.seed, Path(tmp))
+                print(f"[{name}] {res['prompts']} prompts: {res['fresh_vs_last_token_alone']} answers differ when "
+                      f"only the last token is computed ({res['wall_s']} s)", flush=True)
+                results.append(res)
+                continue
             res = self_compare(by_name[name], args.n, args.seed, Path(tmp))
         print(f"[{name}] {res['requests']} requests: {res['c1_vs_c1_again']} differ between two passes at "
               f"concurrency 1, {res['c1_vs_c4']} between concurrency 1 and 4 ({res['wall_s']} s)", flush=True)

@@ -164,7 +164,7 @@ def test_the_pool_is_resident_before_its_first_chunk(shared):
     """A new pool has every page faulted in (private: anonymous RSS; shared: shmem RSS), so
     no chunk pays for allocating and zeroing its slot's pages inside the transport's copy;
     an attached view of a shared pool maps them at once too."""
-    from kvrelay.transport.pool import SharedArena
+    from kvrelay.transport.arenas import SharedArena
 
     field = "RssShmem" if shared else "RssAnon"
     before = _rss_kib(field)

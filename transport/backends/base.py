@@ -150,6 +150,7 @@ class ReceiverBackend(abc.ABC):
     """Decode-node half. Created by :class:`kvrelay.transport.receiver.Receiver`."""
 
     needs_shared_pool: bool = False     # peers map the pool by name (shm)
+    writes_device_pool: bool = False    # peers' one-sided writes can land in device memory (nixl: VRAM)
 
     @abc.abstractmethod
     def start(self, pool: ReceivePool, hooks: ReceiverHooks) -> None:

@@ -78,6 +78,8 @@ class NixlInfo(msgspec.Struct, frozen=True):
     metadata: bytes
     base: int                 # address of the receiver's pool
     slots: int = 0            # receiver: slots in the pool (slot i at base + i * slot_bytes)
+    mem: str = "DRAM"         # the pool's memory: DRAM, or VRAM (transport.pool_device gpu)
+    device: int = 0           # ... on this device
 
 
 def _import_nixl() -> Any:
@@ -134,17 +136,21 @@ class NixlReceiver(ReceiverBackend):
         self._senders: dict[str, str] = {}        # remote agent name -> sender id of its latest Hello
 
     poll_driven = True
+    writes_device_pool = True
 
     def start(self, pool: ReceivePool, hooks: ReceiverHooks) -> None:
         self._pool, self._hooks = pool, hooks
         self._base = pool.arena.address
-        self._reg = self.agent.register_memory([(self._base, pool.arena.buf.nbytes, 0, "")], "DRAM")
+        arena = pool.arena       # host pages (DRAM), or device memory (VRAM: transport.pool_device gpu)
+        self._reg = self.agent.register_memory([(self._base, pool.num_slots * pool.slot_bytes, arena.device_index, "")],
+                                               arena.mem)
         self._thread = threading.Thread(target=self._poll_loop, name="kvrelay-nixl-rx", daemon=True)
         self._thread.start()
 
     def info(self) -> bytes:
+        arena = self._pool.arena
         return msgspec.msgpack.encode(NixlInfo(self.name, self.agent.get_agent_metadata(), self._base,
-                                               self._pool.num_slots))
+                                               self._pool.num_slots, arena.mem, arena.device_index))
 
     def on_hello(self, sender_id: str, info: bytes, data_token: bytes) -> None:
         try:
@@ -230,7 +236,7 @@ class NixlReceiver(ReceiverBackend):
             self._hooks.deliver(sender, header[40:56], chunk_index, ref, token)   # counted as stale
             return
         try:
-            self._pool.view(ref, HEADER_SIZE)[:] = header
+            self._pool.header_view(ref)[:] = header
         finally:
             self._pool.end_write(ref)
         self._hooks.deliver(sender, header[40:56], chunk_index, ref, token)
@@ -323,10 +329,10 @@ class ProcessAgent:
             key = (remote, block_bytes)
             if key not in self._remote_dlists:
                 per_slot = slot_blocks(slot_bytes, block_bytes)
-                descs = [(info.base + s * slot_bytes + HEADER_SIZE + j * block_bytes, block_bytes, 0)
+                descs = [(info.base + s * slot_bytes + HEADER_SIZE + j * block_bytes, block_bytes, info.device)
                          for s in range(info.slots) for j in range(per_slot)]
                 try:
-                    self._remote_dlists[key] = self.agent.prep_xfer_dlist(remote, descs, "DRAM")
+                    self._remote_dlists[key] = self.agent.prep_xfer_dlist(remote, descs, info.mem)
                 except Exception as exc:  # noqa: BLE001 - nixl binding errors
                     raise TransportError(f"NIXL could not prepare {remote}'s slot list: {exc}") from exc
             return self._remote_dlists[key]
@@ -441,11 +447,11 @@ class NixlSender(SenderBackend):
         dst = self._info.base + grant.offset + HEADER_SIZE
         remote, off = [], 0
         for _, n, _ in local:
-            remote.append((dst + off, n, 0))
+            remote.append((dst + off, n, self._info.device))
             off += n
         try:
             xfer = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, "DRAM"),
-                                              self.agent.get_xfer_descs(remote, "DRAM"), self._remote, notif)
+                                              self.agent.get_xfer_descs(remote, self._info.mem), self._remote, notif)
         except Exception as exc:  # noqa: BLE001 - nixl binding errors
             self._drop(temp)
             raise translate(exc, f"NIXL WRITE of chunk {chunk_index} failed to post") from exc

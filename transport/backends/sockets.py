@@ -40,6 +40,7 @@ import xxhash
 
 from kvrelay.common.errors import PeerDeadError, ProtocolError, TransportError
 from kvrelay.common.wire import HEADER_SIZE
+from kvrelay.transport.arenas import SharedArena
 from kvrelay.transport.backends.base import (
     Payload,
     ReceiverBackend,
@@ -51,7 +52,7 @@ from kvrelay.transport.backends.base import (
 )
 from kvrelay.transport.backends.gate import Gate
 from kvrelay.transport.events import Refusal
-from kvrelay.transport.pool import ReceivePool, SharedArena, SlotRef
+from kvrelay.transport.pool import ReceivePool, SlotRef
 from kvrelay.transport.protocol import Grant
 
 log = logging.getLogger(__name__)

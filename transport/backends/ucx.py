@@ -105,7 +105,7 @@ class UcxReceiver(ReceiverBackend):
 
     def start(self, pool: ReceivePool, hooks: ReceiverHooks) -> None:
         self._pool, self._hooks = pool, hooks
-        self._base: Any = np.frombuffer(pool.arena.buf, dtype=np.uint8)
+        self._base: Any = np.frombuffer(pool.view(0, pool.num_slots * pool.slot_bytes), dtype=np.uint8)
         self._thread = threading.Thread(target=self._poll_loop, name="kvrelay-ucx-rx", daemon=True)
         self._thread.start()
 
