@@ -10,10 +10,12 @@ device in the same run (these machines are noisy; a ratio travels, a GB/s does n
 3. ``pinned``: the receive pool pinned with ``cudaHostRegister``: host-to-device GB/s against
    pageable memory.
 4. ``nixl``: a NIXL WRITE from a registered KV cache in device memory into a receiver's host
-   pool over the real transport, against a host-to-device copy of the same bytes (>= 0.5x).
+   pool, and into a pool in device memory (``transport.pool_device: gpu``), over the real
+   transport, against a host-to-device copy of the same bytes (>= 0.5x).
 5. ``workers``: the connectors' prefill and decode worker halves (``tests/gpu/halves.py``) on
    caches laid out as vLLM lays them out on GPUs (NHD, HND), equal and mixed TP (ranks as
-   slices of one device), every decode rank's heads against the unsplit KV.
+   slices of one device), over tcp and over nixl (on a GPU: into a VRAM pool), every decode
+   rank's heads against the unsplit KV.
 
 ``--device cpu`` rehearses the same script without a GPU (the Triton steps run the reference
 and ``pinned`` is skipped), so the one device call is not spent on the script's own bugs.
@@ -137,7 +139,12 @@ def check_pinned(device: str) -> list[Row]:
 
 
 def check_nixl(device: str) -> list[Row]:
-    """A registered KV cache (VRAM on CUDA, DRAM in rehearsal) written by block ids into a host pool."""
+    """A registered KV cache (VRAM on CUDA, DRAM in rehearsal) written by block ids into a host
+    pool, and into a pool in device memory (transport.pool_device gpu; a tensor arena in rehearsal)."""
+    return [_nixl_into(device, None), _nixl_into(device, device)]
+
+
+def _nixl_into(device: str, pool_device: str | None) -> Row:
     import hashlib
 
     from kvrelay.common.keys import ROOT_KEY
@@ -146,6 +153,7 @@ def check_nixl(device: str) -> list[Row]:
     from kvrelay.transport.backends import make_receiver_backend, make_sender_backend
     from kvrelay.transport.backends.base import BlockPayload, MemRegion, MemType, SourceLayout
     from kvrelay.transport.events import ChunkArrival
+    from kvrelay.transport.pool import Placement
     from kvrelay.transport.receiver import Receiver
     from kvrelay.transport.sender import Sender
 
@@ -161,7 +169,7 @@ def check_nixl(device: str) -> list[Row]:
             for i in range(layers) for b in ids]
     key, nbytes, times, ok = ROOT_KEY[:31] + b"\x01", sum(len(h) for h in host), [], True
     with Receiver(cfg.transport, cfg.timeouts, make_receiver_backend(cfg.transport), fp,
-                  slot_bytes=HEADER_SIZE + nbytes) as rx, \
+                  slot_bytes=HEADER_SIZE + nbytes, placement=Placement(device=pool_device)) as rx, \
             Sender(cfg.transport, cfg.timeouts, rx.endpoint, make_sender_backend(cfg.transport), fp) as tx:
         tx.connect()
         tx.register_layout(layout)
@@ -176,26 +184,33 @@ def check_nixl(device: str) -> list[Row]:
             tx.wait(h)
             ev = rx.next_event(tid, 10)
             times.append(time.perf_counter() - t0)
-            ok = ok and isinstance(ev, ChunkArrival) and bytes(rx.payload(ev)) == b"".join(host)
+            landed = rx.payload(ev) if isinstance(ev, ChunkArrival) else b""
+            landed = landed.cpu().numpy().tobytes() if isinstance(landed, torch.Tensor) else bytes(landed)
+            ok = ok and landed == b"".join(host)
             if isinstance(ev, ChunkArrival):
                 rx.release(ev)
             rx.finish(tid)
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     t_h2d = timed(lambda: dst.copy_(src, non_blocking=True), device, 10)
-    return [Row(f"nixl from {'VRAM' if device == 'cuda' else 'DRAM'}", ok, nbytes, min(times), "h2d copy",
-                t_h2d / min(times), 0.5, "into the host receive pool, bytes verified")]
+    into = "a host pool" if pool_device is None else f"a {'VRAM' if device == 'cuda' else 'tensor'} pool"
+    return Row(f"nixl from {'VRAM' if device == 'cuda' else 'DRAM'} into {into}", ok, nbytes, min(times), "h2d copy",
+               t_h2d / min(times), 0.5, "bytes verified")
 
 
 def check_workers(device: str) -> list[Row]:
     from tests.gpu.halves import run_pair
 
     rows = []
-    for layout in ("nhd", "hnd"):
-        for tp_p, tp_d in ((1, 1), (2, 4), (4, 1)):
-            res = run_pair(layout, tp_p, tp_d, device, seed=tp_p * 10 + tp_d)
-            rows.append(Row(f"workers {layout} P{tp_p}->D{tp_d}", res.exact, res.bytes, res.seconds,
-                            note="; ".join(res.mismatches[:2]) or "every decode rank's heads exact"))
+    runs = [(layout, tp_p, tp_d, "tcp") for layout in ("nhd", "hnd") for tp_p, tp_d in ((1, 1), (2, 4), (4, 1))]
+    # nixl (on a GPU: into a VRAM pool, pool_device auto) where each decode rank hears from one
+    # prefill rank: ranks here are threads of one process, which shares one NIXL agent, and a
+    # receiver knows a peer agent as one sender (vLLM runs each rank in a process of its own)
+    runs += [("nhd", 2, 4, "nixl"), ("hnd", 1, 2, "nixl")]
+    for layout, tp_p, tp_d, backend in runs:
+        res = run_pair(layout, tp_p, tp_d, device, seed=tp_p * 10 + tp_d, backend=backend)
+        rows.append(Row(f"workers {layout} P{tp_p}->D{tp_d} {backend}", res.exact, res.bytes, res.seconds,
+                        note="; ".join(res.mismatches[:2]) or "every decode rank's heads exact"))
     return rows
 
 

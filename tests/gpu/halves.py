@@ -94,19 +94,20 @@ def vllm_config(g: Geometry, tp: int, rank: int, engine_id: str) -> SimpleNamesp
                            kv_transfer_config=SimpleNamespace(engine_id=engine_id))
 
 
-def relay_config(g: Geometry, tp_p: int, tp_d: int, port: int) -> kcfg.KVRelayConfig:
+def relay_config(g: Geometry, tp_p: int, tp_d: int, port: int, backend: str = "tcp") -> kcfg.KVRelayConfig:
     return kcfg.load(overrides=[f"{k}={v}" for k, v in {
-        "chunk_tokens": g.chunk_tokens, "transport.backend": "tcp", "transport.control_port": port,
+        "chunk_tokens": g.chunk_tokens, "transport.backend": backend, "transport.control_port": port,
         "transport.pool_bytes": "64MiB", "engine.prefill_tp": tp_p, "engine.decode_tp": tp_d, "timeouts.peer_s": 5,
         "connector.free_deadline_s": 10, "connector.helper_cpus": "inherit"}.items()])
 
 
 def run_pair(layout: str, tp_p: int, tp_d: int, device: str = "cpu", g: Geometry | None = None,
-             seed: int = 0) -> PairResult:
+             seed: int = 0, backend: str = "tcp") -> PairResult:
     """Prefill ranks at TP ``tp_p`` push one prompt's KV to decode ranks at TP ``tp_d``, caches on
-    ``device`` in ``layout``; every decode rank's heads are compared with the unsplit KV."""
+    ``device`` in ``layout``, over ``backend`` (nixl on a GPU: into a receive pool in device
+    memory, transport.pool_device auto); every decode rank's heads are compared with the unsplit KV."""
     g = g or Geometry()
-    cfg, run = relay_config(g, tp_p, tp_d, free_port_base()), uuid.uuid4().hex[:6]
+    cfg, run = relay_config(g, tp_p, tp_d, free_port_base(), backend), uuid.uuid4().hex[:6]
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn((g.layers, g.prompt_blocks, g.kv_heads, g.block_size, g.content), generator=gen).to(g.dtype)
     full = full.to(device)                                          # [L, n, H, N, C] logical

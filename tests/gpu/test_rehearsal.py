@@ -18,10 +18,11 @@ def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path: Path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = json.loads((tmp_path / "gpu_rehearsal.json").read_text())["rows"]
     steps = {r["step"] for r in rows}
-    assert {"kernels gather", "heads-nhd scatter", "heads-hnd gather", "nixl from DRAM",
-            "workers nhd P2->D4", "workers hnd P4->D1"} <= steps, steps
+    assert {"kernels gather", "heads-nhd scatter", "heads-hnd gather", "nixl from DRAM into a host pool",
+            "nixl from DRAM into a tensor pool", "workers nhd P2->D4 tcp", "workers hnd P4->D1 tcp",
+            "workers nhd P2->D4 nixl"} <= steps, steps
     assert all(r["ok"] for r in rows), [r for r in rows if not r["ok"]]
-    assert "step" in res.stdout and "workers nhd P1->D1" in res.stdout          # the printed table
+    assert "step" in res.stdout and "workers nhd P1->D1 tcp" in res.stdout      # the printed table
 
 
 BLOCK_VLLM = """
