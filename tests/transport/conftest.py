@@ -12,14 +12,18 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from kvrelay.bench.peer import SenderPeer
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.core import config
 from kvrelay.transport.backends import make_receiver_backend
+from kvrelay.transport.pool import Placement
 from kvrelay.transport.receiver import Receiver
 
 BACKENDS = ["tcp", "shm", "nixl", "ucx"]
+# ... and, where a GPU is present, nixl into a receive pool in device memory (transport.pool_device gpu)
+DEVICE_POOLS = {"nixl+vram": "cuda"} if torch.cuda.is_available() else {}
 FP = hashlib.sha256(b"conformance-fingerprint").digest()
 SLOT = (1 << 20) + HEADER_SIZE
 
@@ -62,12 +66,20 @@ def backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture
-def pair(backend: str) -> Iterator[tuple[Receiver, SenderPeer]]:
-    """A receiver here and a connected sender process, checked for leaks afterwards."""
-    with open_pair(make_cfg(backend)) as (receiver, peer):
+@pytest.fixture(params=BACKENDS + list(DEVICE_POOLS))
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[Receiver, SenderPeer]]:
+    """A receiver here and a connected sender process, checked for leaks afterwards (every
+    backend, and every pool kind the host has)."""
+    backend, device = request.param.partition("+")[0], DEVICE_POOLS.get(request.param)
+    with open_pair(make_cfg(backend), placement=Placement(device=device)) as (receiver, peer):
         yield receiver, peer
         assert_no_leases(receiver)
+
+
+def payload_bytes(receiver: Receiver, ev: Any) -> bytes:
+    """An arrival's payload as bytes, from a host slot or a slot in device memory."""
+    payload = receiver.payload(ev)
+    return payload.cpu().numpy().tobytes() if isinstance(payload, torch.Tensor) else bytes(payload)
 
 
 def keys_for(tid: str, n: int) -> list[bytes]:

@@ -14,10 +14,10 @@ import time
 import pytest
 
 from kvrelay.bench.peer import RemoteError
-from kvrelay.common.errors import TransferTimeout
-from kvrelay.common.wire import HEADER_SIZE
+from kvrelay.common.errors import ChecksumError, TransferTimeout
+from kvrelay.common.wire import HEADER_SIZE, check_payload
 from kvrelay.transport.events import ChunkArrival, ChunkRejected, FailReason, TransferDone, TransferFailed
-from tests.transport.conftest import SLOT, assert_no_leases, keys_for, make_cfg, open_pair
+from tests.transport.conftest import SLOT, assert_no_leases, keys_for, make_cfg, open_pair, payload_bytes
 
 
 def drain(receiver, tid, timeout=10.0):
@@ -26,13 +26,21 @@ def drain(receiver, tid, timeout=10.0):
     while True:
         ev = receiver.next_event(tid, timeout)
         if isinstance(ev, ChunkArrival):
-            out.append((ev, hashlib.sha256(receiver.payload(ev)).hexdigest()))
+            out.append((ev, hashlib.sha256(payload_bytes(receiver, ev)).hexdigest()))
             receiver.release(ev)
         else:
             out.append((ev, None))
         if isinstance(ev, TransferDone | TransferFailed):
             receiver.finish(tid)
             return out
+
+
+def drain_unreleased(receiver, tid, timeout=10.0):
+    """The arrivals of ``tid`` until it ends, not released (the caller checks, then releases)."""
+    out = []
+    while not isinstance(ev := receiver.next_event(tid, timeout), TransferDone | TransferFailed):
+        out.append((ev, None))
+    return out
 
 
 def wait_resolved(receiver, tid, timeout=10.0):
@@ -119,6 +127,16 @@ def test_corrupted_payload_is_rejected_by_checksum(pair):
     peer.call("write", tid, 0, "src", 0, 65536)
     peer.call("write", tid, 1, "src", 65536, 65536, 1, True)          # corrupted in flight
     peer.call("write", tid, 2, "src", 2 * 65536, 65536)
+    if receiver.pool.on_device:                                  # the consumer hashes what it installs
+        assert wait_resolved(receiver, tid)
+        arrived = {e.chunk_index: e for e, _ in drain_unreleased(receiver, tid)}
+        assert not arrived[1].verified
+        with pytest.raises(ChecksumError):
+            check_payload(arrived[1].header, payload_bytes(receiver, arrived[1]))
+        for e in arrived.values():
+            receiver.release(e)
+        receiver.finish(tid)
+        return
     assert not wait_resolved(receiver, tid)                      # a rejected chunk: never "landed"
     events = drain(receiver, tid)
     rejected = [e for e, _ in events if isinstance(e, ChunkRejected)]
