@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow                     # half a minute: the full suite runs it, the everyday tier does not
 def test_the_gpu_check_runs_end_to_end_on_cpu(tmp_path: Path):
     res = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "check.sh"), "--rehearse"], capture_output=True,
                          text=True, timeout=600, env={**os.environ, "OUT": str(tmp_path)})
