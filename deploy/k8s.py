@@ -2,29 +2,36 @@
 
 One source of truth: the same YAML that ``kvrelay up`` and the pool scripts read goes
 into a ConfigMap, and every pod runs ``kvrelay serve`` / ``kvrelay router`` on it, with
-only the per-pod settings as flags (bind ``0.0.0.0``, announce the pod IP). Rendered, in
+only the per-pod settings as flags (bind ``0.0.0.0``, announce the pod IP). Every object's
+name starts with ``--release`` (``kvrelay``) and every selector carries it as the
+``app.kubernetes.io/instance`` label, so several releases share a namespace. Rendered, in
 apply order:
 
-* a Namespace; ``kvrelay-config`` (ConfigMap) and ``kvrelay-secret`` (Secret: a new shared
-  secret unless ``--secret-file``; the file is written mode 0600);
-* ``kvrelay-prefill`` / ``kvrelay-decode``: Deployments (``deploy.prefill`` / ``deploy.decode``
+* a Namespace; ``<release>-config`` (ConfigMap) and ``<release>-secret`` (Secret: a new shared
+  secret unless ``--secret-file``; the file is written mode 0600), or no Secret at all with
+  ``--existing-secret NAME``; a ServiceAccount per role, with no API token mounted;
+* ``<release>-prefill`` / ``<release>-decode``: Deployments (``deploy.prefill`` / ``deploy.decode``
   replicas; ``--prefill-gpus`` / ``--decode-gpus`` GPUs each; CPU and memory requests sized
   from ``transport.pool_bytes`` and the store's tiers, since the receive pool is pinned and
   counts against memory from start-up), each behind a headless Service the router resolves
   (``dns+http://...``); probes run ``kvrelay probe``: the engine's ``/health`` *and*, on
-  decode pods, the transfer endpoint; a model cache volume and an optional HF token;
-* ``kvrelay-router``: a Deployment of ``--router-replicas`` (2) spread over nodes, a Service;
-* ``kvrelay-redis`` when ``store.enabled`` and ``--redis``;
+  decode pods, the transfer endpoint; a model cache volume and an optional HF token. GPU pods
+  roll one at a time in place (``maxSurge: 0``: a full cluster has no GPU for a surge pod);
+* ``<release>-router``: a Deployment of ``--router-replicas`` (2) spread over nodes, a Service;
+* ``<release>-redis`` when ``store.enabled`` and ``--redis``;
 * PodDisruptionBudgets (engine pools: one pod at a time; router: one always up);
-* NetworkPolicies: the transfer, control and store-event ports open only to the stack's own
+* NetworkPolicies: the transfer, control and store-event ports open only to the release's own
   pods, the engines' KV-event port (``router.decode_first``) only to the routers, the engines'
-  HTTP port to the stack and to ``--metrics-namespace``;
+  HTTP port to the routers and to Prometheus's pods in ``--metrics-namespace``;
 * a PodMonitor and a PrometheusRule (the alerts of ``deploy/monitoring/alerts.yaml``) for
   the Prometheus Operator.
 
-Every pod template carries the checksum of the ConfigMap and Secret, so changing either
-rolls the pods. Nothing is started; ``tests/deploy/test_k8s.py`` validates the manifests
-offline with ``kubernetes-validate`` (strict) against Kubernetes 1.31 to 1.34.
+Every pod runs as a non-root user with every capability dropped (``IPC_LOCK`` kept where the
+pinned pool is registered with a GPU or a NIC) and no privilege escalation. Every pod template
+carries the checksum of the ConfigMap and Secret, so changing either rolls the pods. Invalid
+names and quantities, and the built-in tiny model on GPU pods, are refused with one line.
+Nothing is started; ``tests/deploy/test_k8s.py`` validates the manifests offline with
+``kubernetes-validate`` (strict) against Kubernetes 1.31 to 1.34.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import generate_secret
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import k8s_pods as pods
-from kvrelay.deploy.k8s_pods import HTTP_PORT, KV_PORT, SECRET_DIR, K8sOptions, labels, meta
+from kvrelay.deploy.k8s_pods import HTTP_PORT, KV_PORT, SECRET_DIR, K8sOptions, labels
 
 EVENTS_PORT = 9400        # prefill pods (store on, cache_aware): store events for the router
 KV_EVENTS_PORT = 9401     # every engine pod (router.decode_first): vLLM's KV events for the routers
@@ -57,6 +64,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     kcfg.add_config_args(p)
     p.add_argument("--out", required=True, help="directory for the manifests (one file per object)")
     p.add_argument("--namespace", default="kvrelay", help="namespace of every object (rendered too)")
+    p.add_argument("--release", default="kvrelay", help="prefix of every object's name and the instance label of its "
+                   "selectors, so several releases share a namespace (default kvrelay)")
+    p.add_argument("--existing-secret", default="", metavar="NAME",
+                   help="a Secret you manage (keys: secret, and api_keys when router.api_keys is set); no Secret is "
+                        "rendered or written")
     p.add_argument("--image", default=K8sOptions.image, help="an image with kvrelay and vLLM installed (kvrelay "
                    f"on PATH); deploy/Dockerfile builds one: docker build -t kvrelay:{__version__} -f deploy/Dockerfile .")
     p.add_argument("--prefill-gpus", type=int, default=None,
@@ -114,7 +126,7 @@ def _toleration(text: str) -> dict[str, str]:
 def options_from_args(args: argparse.Namespace) -> K8sOptions:
     both = args.gpus_per_pod
     return K8sOptions(
-        namespace=args.namespace, image=args.image,
+        namespace=args.namespace, release=args.release, existing_secret=args.existing_secret, image=args.image,
         prefill_gpus=args.prefill_gpus if args.prefill_gpus is not None else both,
         decode_gpus=args.decode_gpus if args.decode_gpus is not None else both,
         engine_cpus=args.engine_cpus, engine_memory=args.engine_memory, router_replicas=args.router_replicas,
@@ -129,11 +141,12 @@ def cluster_config(cfg: kcfg.KVRelayConfig, opts: K8sOptions) -> kcfg.KVRelayCon
     """The tree every pod reads: pools by DNS, the secret from the mounted Secret."""
     data = kcfg.to_dict(cfg)
     svc = f"{opts.namespace}.svc.cluster.local"
-    prefill = f"dns+http://kvrelay-prefill.{svc}:{HTTP_PORT}"
+    prefill_host, decode_host = f"{opts.name('prefill')}.{svc}", f"{opts.name('decode')}.{svc}"
+    prefill = f"dns+http://{prefill_host}:{HTTP_PORT}"
     if data["router"]["policy"] == "cache_aware" and data["store"]["enabled"]:
         # the router follows every prefill pod's store events (router/cache_index.py)
         data["store"]["publish_port"] = EVENTS_PORT
-        prefill += f"=tcp://kvrelay-prefill.{svc}:{EVENTS_PORT}"
+        prefill += f"=tcp://{prefill_host}:{EVENTS_PORT}"
         data["router"]["tokenizer"] = data["router"]["tokenizer"] or data["engine"]["model"]
     elif data["router"]["policy"] == "cache_aware":
         data["router"]["policy"] = "least_outstanding"      # no store, no events to route by
@@ -142,12 +155,12 @@ def cluster_config(cfg: kcfg.KVRelayConfig, opts: K8sOptions) -> kcfg.KVRelayCon
         data["router"].update(kv_events=[], kv_events_port=KV_EVENTS_PORT,
                               tokenizer=data["router"]["tokenizer"] or data["engine"]["model"])
     data["router"].update(host="0.0.0.0", prefill=[prefill],
-                          decode=[f"dns+http://kvrelay-decode.{svc}:{HTTP_PORT}=tcp://kvrelay-decode.{svc}:{KV_PORT}"])
+                          decode=[f"dns+http://{decode_host}:{HTTP_PORT}=tcp://{decode_host}:{KV_PORT}"])
     data["transport"].update(secret_file=f"{SECRET_DIR}/secret", host="0.0.0.0", allowed_decode=[])
     data["deploy"].update(host="0.0.0.0", base_port=HTTP_PORT, kv_base_port=KV_PORT)
     data["engine"]["cpu_bind"] = "vllm"
     if opts.redis and data["store"]["enabled"]:
-        data["store"]["redis_url"] = f"redis://kvrelay-redis.{svc}:6379/0"
+        data["store"]["redis_url"] = f"redis://{opts.name('redis')}.{svc}:6379/0"
     if data["router"]["api_keys"]:              # client keys live in the Secret, never in the ConfigMap
         data["router"].update(api_keys=[], api_keys_file=f"{SECRET_DIR}/{API_KEYS}")
     return kcfg.from_dict(data)
@@ -188,43 +201,58 @@ def _checksum(objs: list[dict[str, Any]]) -> str:
     return hashlib.sha256(json.dumps(objs, sort_keys=True).encode()).hexdigest()
 
 
-def _prometheus_rule(ns: str) -> dict[str, Any]:
+def _prometheus_rule(opts: K8sOptions) -> dict[str, Any]:
     groups = yaml.safe_load(ALERTS.read_text())["groups"]
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": meta("kvrelay", ns, "metrics"),
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": opts.meta("alerts", "metrics"),
             "spec": {"groups": groups}}
+
+
+def _refusals(cfg: kcfg.KVRelayConfig, gpus: dict[str, int]) -> None:
+    if not cfg.engine.model and any(gpus.values()):
+        raise ConfigError("engine.model is empty, which would put the built-in tiny test model on GPU pods: set "
+                          "--engine.model (a Hugging Face id or a path in the model cache)")
 
 
 def render(cfg: kcfg.KVRelayConfig, opts: K8sOptions, secret: str) -> list[dict[str, Any]]:
     """Every object, in apply order."""
-    ns = opts.namespace
     cfg, gpus = with_gpus(cfg, opts)
+    _refusals(cfg, gpus)
     tree = cluster_config(cfg, opts)
-    config = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta("kvrelay-config", ns, "config"),
-               "data": {"kvrelay.yaml": yaml.safe_dump(kcfg.to_dict(tree), sort_keys=False)}},
-              {"apiVersion": "v1", "kind": "Secret", "metadata": meta("kvrelay-secret", ns, "config"),
-               "type": "Opaque", "stringData": {"secret": secret, **({API_KEYS: "\n".join(cfg.router.api_keys) + "\n"}
-                                                                      if cfg.router.api_keys else {})}}]
+    config = [{"apiVersion": "v1", "kind": "ConfigMap", "metadata": opts.meta("config", "config"),
+               "data": {"kvrelay.yaml": yaml.safe_dump(kcfg.to_dict(tree), sort_keys=False)}}]
+    if not opts.existing_secret:
+        config.append({"apiVersion": "v1", "kind": "Secret", "metadata": opts.meta("secret", "config"), "type": "Opaque",
+                       "stringData": {"secret": secret, **({API_KEYS: "\n".join(cfg.router.api_keys) + "\n"}
+                                                           if cfg.router.api_keys else {})}})
     checksum = _checksum(config)
     objs: list[dict[str, Any]] = [{"apiVersion": "v1", "kind": "Namespace",
-                                   "metadata": {"name": ns, "labels": {"app.kubernetes.io/part-of": pods.PART_OF}}},
-                                  *config]
+                                   "metadata": {"name": opts.namespace, "labels": {"app.kubernetes.io/part-of": pods.PART_OF}}},
+                                  *config, pods.service_account(opts, "engine")]
     for role, n in (("prefill", cfg.deploy.prefill), ("decode", cfg.deploy.decode)):
         pod = pods.EnginePod(role, gpus[role], tree.engine.prefill_tp if role == "prefill" else tree.engine.decode_tp,
                              opts.engine_cpus, memory_bytes(tree, role, opts.engine_memory), cfg.engine.drain_timeout_s)
-        objs += [pods.headless_service(role, ns), pods.engine_deployment(pod, n, opts, checksum),
-                 pods.disruption_budget(role, ns, {"maxUnavailable": 1})]
+        objs += [pods.headless_service(role, opts), pods.engine_deployment(pod, n, opts, checksum),
+                 pods.disruption_budget(role, opts, {"maxUnavailable": 1})]
     objs += pods.router_objects(tree.router.port, opts, checksum)
     if opts.redis and cfg.store.enabled:
-        objs += pods.redis_objects(ns)
+        objs += pods.redis_objects(opts)
     objs += pods.network_policies(tree, opts, EVENTS_PORT)
-    objs.append({"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta("kvrelay", ns, "metrics"),
-                 "spec": {"selector": {"matchLabels": {"app.kubernetes.io/part-of": pods.PART_OF}},
+    objs.append({"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": opts.meta("pods", "metrics"),
+                 "spec": {"selector": {"matchLabels": {"app.kubernetes.io/part-of": pods.PART_OF,
+                                                       "app.kubernetes.io/instance": opts.release}},
                           "podMetricsEndpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}]}})
-    objs.append(_prometheus_rule(ns))
+    objs.append(_prometheus_rule(opts))
     return objs
 
 
 def write(objs: list[dict[str, Any]], out: Path) -> list[Path]:
+    try:
+        return _write(objs, out)
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write the manifests there: {exc.strerror or exc}") from exc
+
+
+def _write(objs: list[dict[str, Any]], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, obj in enumerate(objs):
@@ -239,6 +267,7 @@ def write(objs: list[dict[str, Any]], out: Path) -> list[Path]:
 def main(args: argparse.Namespace) -> int:
     cfg = kcfg.config_from_args(args)
     opts = options_from_args(args)
+    parse_size(opts.engine_memory, "--engine-memory")
     try:
         secret = Path(args.secret_file).read_text().strip() if args.secret_file else generate_secret()
     except OSError as exc:

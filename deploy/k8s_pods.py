@@ -7,6 +7,7 @@ decides which to render from the config tree and the flags (:class:`K8sOptions`)
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,10 @@ from kvrelay.common.errors import ConfigError
 from kvrelay.core import config as kcfg
 
 PART_OF = "kvrelay"
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+QUANTITY = re.compile(r"\d+(\.\d+)?m?")
+USER = 1000                # engine and router containers run as this user, never root
 CONFIG_DIR, SECRET_DIR, MODEL_DIR = "/etc/kvrelay/config", "/etc/kvrelay/secret", "/models"
 HTTP_PORT = 8100          # every engine pod serves vLLM on this port
 KV_PORT = 9100            # decode pods: transfer control port (tcp data on KV_PORT + 100)
@@ -28,6 +33,8 @@ class K8sOptions:
     """What the cluster decides and the config tree does not (the flags of ``kvrelay deploy k8s``)."""
 
     namespace: str = "kvrelay"
+    release: str = "kvrelay"          # prefixes every object's name; two releases share a namespace
+    existing_secret: str = ""         # a Secret made outside (keys: secret, api_keys): none is rendered
     image: str = f"kvrelay:{__version__}"
     prefill_gpus: int | None = None   # GPUs per prefill pod; None: engine.prefill_tp (1 unless set)
     decode_gpus: int | None = None
@@ -45,19 +52,41 @@ class K8sOptions:
     redis: bool = False
 
     def __post_init__(self) -> None:
+        for flag, value, longest in (("--namespace", self.namespace, 63), ("--release", self.release, 40),
+                                     ("--metrics-namespace", self.metrics_namespace, 63)):
+            if not DNS_LABEL.fullmatch(value) or len(value) > longest:
+                raise ConfigError(f"{flag} {value!r}: lower-case letters, digits and '-', starting and ending with "
+                                  f"a letter or digit, at most {longest} characters")
+        if self.existing_secret and not DNS_NAME.fullmatch(self.existing_secret):
+            raise ConfigError(f"--existing-secret {self.existing_secret!r} is not a valid Secret name")
+        if not self.image.strip() or any(c.isspace() for c in self.image):
+            raise ConfigError(f"--image {self.image!r}: an image reference such as registry/kvrelay:0.1.0")
+        if not QUANTITY.fullmatch(self.engine_cpus) or self.engine_cpus in ("0", "0m"):
+            raise ConfigError(f"--engine-cpus {self.engine_cpus!r}: a CPU quantity such as 8 or 7500m")
         for flag, n in (("--prefill-gpus", self.prefill_gpus), ("--decode-gpus", self.decode_gpus)):
             if n is not None and n < 0:
                 raise ConfigError(f"{flag} must be at least 0 (0: CPU pods), got {n}")
         if self.router_replicas < 1:
             raise ConfigError(f"--router-replicas must be at least 1, got {self.router_replicas}")
 
+    def name(self, part: str) -> str:
+        """An object's name: the release, then what it is."""
+        return f"{self.release}-{part}"
 
-def labels(component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/component": component}
+    @property
+    def secret(self) -> str:
+        return self.existing_secret or self.name("secret")
+
+    def labels(self, component: str) -> dict[str, str]:
+        return labels(component, self.release)
+
+    def meta(self, part: str, component: str) -> dict[str, Any]:
+        return {"name": self.name(part), "namespace": self.namespace, "labels": self.labels(component)}
 
 
-def meta(name: str, ns: str, component: str) -> dict[str, Any]:
-    return {"name": name, "namespace": ns, "labels": labels(component)}
+def labels(component: str, release: str = "kvrelay") -> dict[str, str]:
+    return {"app.kubernetes.io/part-of": PART_OF, "app.kubernetes.io/instance": release,
+            "app.kubernetes.io/component": component}
 
 
 @dataclass(frozen=True)
@@ -82,8 +111,8 @@ def _probe(role: str, kind: str) -> dict[str, Any]:
 
 
 def _volumes(opts: K8sOptions, engine: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    vols: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": "kvrelay-config"}},
-                                  {"name": "secret", "secret": {"secretName": "kvrelay-secret", "defaultMode": 0o400}}]
+    vols: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": opts.name("config")}},
+                                  {"name": "secret", "secret": {"secretName": opts.secret, "defaultMode": 0o440}}]
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
                                     {"name": "secret", "mountPath": SECRET_DIR, "readOnly": True}]
     if engine:
@@ -97,7 +126,8 @@ def _volumes(opts: K8sOptions, engine: bool) -> tuple[list[dict[str, Any]], list
 def _engine_env(opts: K8sOptions) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        {"name": "HF_HOME", "value": f"{MODEL_DIR}/huggingface"}]
+        {"name": "HF_HOME", "value": f"{MODEL_DIR}/huggingface"},
+        {"name": "HOME", "value": f"{MODEL_DIR}/home"}]      # caches of a non-root user (kvrelay's digests, vLLM's)
     if opts.hf_token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": opts.hf_token_secret, "key": "token",
                                                                         "optional": True}}})
@@ -117,7 +147,7 @@ def _resources(pod: EnginePod, opts: K8sOptions) -> dict[str, Any]:
 
 
 def engine_deployment(pod: EnginePod, replicas: int, opts: K8sOptions, checksum: str) -> dict[str, Any]:
-    role, ns = pod.role, opts.namespace
+    role = pod.role
     args = ["serve", "--role", role, "--config", f"{CONFIG_DIR}/kvrelay.yaml", "--port", str(HTTP_PORT)]
     ports = [{"name": "http", "containerPort": HTTP_PORT}]
     if role == "decode":
@@ -132,41 +162,59 @@ def engine_deployment(pod: EnginePod, replicas: int, opts: K8sOptions, checksum:
         "env": _engine_env(opts), "resources": _resources(pod, opts),
         "startupProbe": _probe(role, "startup"), "readinessProbe": _probe(role, "readiness"),
         "livenessProbe": _probe(role, "liveness"), "volumeMounts": mounts}
-    if opts.rdma_resource:                  # registering pinned memory with the NIC needs it
-        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
+    # registering pinned memory (the receive pool) with a NIC or the GPU needs IPC_LOCK; nothing else is kept
+    container["securityContext"] = container_security(("IPC_LOCK",) if opts.rdma_resource or pod.gpus else ())
     spec: dict[str, Any] = {"terminationGracePeriodSeconds": math.ceil(pod.drain_timeout_s) + 45,   # drain, then stop
-                            "containers": [container], "volumes": vols}
+                            "serviceAccountName": opts.name("engine"), "automountServiceAccountToken": False,
+                            "securityContext": POD_SECURITY, "containers": [container], "volumes": vols}
     if opts.node_selector:
         spec["nodeSelector"] = dict(opts.node_selector)
     if opts.tolerations:
         spec["tolerations"] = [dict(t) for t in opts.tolerations]
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(f"kvrelay-{role}", ns, role),
-            "spec": {"replicas": replicas, "selector": {"matchLabels": labels(role)},
-                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-                     "template": {"metadata": {"labels": labels(role), "annotations": {CHECKSUM: checksum}},
+    # a GPU pool replaces a pod in place: a surge pod would wait for GPUs a full cluster does not have
+    rolling = {"maxUnavailable": 1, "maxSurge": 0} if pod.gpus else {"maxUnavailable": 0, "maxSurge": 1}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": opts.meta(role, role),
+            "spec": {"replicas": replicas, "selector": {"matchLabels": opts.labels(role)},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
+                     "template": {"metadata": {"labels": opts.labels(role), "annotations": {CHECKSUM: checksum}},
                                   "spec": spec}}}
 
 
-def headless_service(role: str, ns: str) -> dict[str, Any]:
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": USER, "runAsGroup": USER, "fsGroup": USER,
+                "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security(add: tuple[str, ...] = ()) -> dict[str, Any]:
+    """No privilege escalation, every capability dropped but ``add``."""
+    caps: dict[str, Any] = {"drop": ["ALL"], **({"add": list(add)} if add else {})}
+    return {"allowPrivilegeEscalation": False, "capabilities": caps}
+
+
+def service_account(opts: K8sOptions, component: str) -> dict[str, Any]:
+    """A service account of its own, with no API token mounted (no pod talks to the API server)."""
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": opts.meta(component, component),
+            "automountServiceAccountToken": False}
+
+
+def headless_service(role: str, opts: K8sOptions) -> dict[str, Any]:
     ports = [{"name": "http", "port": HTTP_PORT, "targetPort": "http"}]
     if role == "decode":
         ports.append({"name": "kv", "port": KV_PORT, "targetPort": "kv"})
-    spec: dict[str, Any] = {"clusterIP": "None", "selector": labels(role), "ports": ports}
+    spec: dict[str, Any] = {"clusterIP": "None", "selector": opts.labels(role), "ports": ports}
     if role == "decode":
         # a draining decode pod is not ready but still finishes its streams: prefill pods keep it in
         # their push allowlist (router.decode resolves through this Service); the router health-checks
         # every address itself, so a starting pod gets no traffic
         spec["publishNotReadyAddresses"] = True
-    return {"apiVersion": "v1", "kind": "Service", "metadata": meta(f"kvrelay-{role}", ns, role), "spec": spec}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": opts.meta(role, role), "spec": spec}
 
 
-def disruption_budget(component: str, ns: str, rule: dict[str, int]) -> dict[str, Any]:
-    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta(f"kvrelay-{component}", ns, component),
-            "spec": {**rule, "selector": {"matchLabels": labels(component)}}}
+def disruption_budget(component: str, opts: K8sOptions, rule: dict[str, int]) -> dict[str, Any]:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": opts.meta(component, component),
+            "spec": {**rule, "selector": {"matchLabels": opts.labels(component)}}}
 
 
 def router_objects(port: int, opts: K8sOptions, checksum: str) -> list[dict[str, Any]]:
-    ns = opts.namespace
     vols, mounts = _volumes(opts, engine=False)
     http = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5}
     container = {"name": "router", "image": opts.image, "command": ["kvrelay"],
@@ -174,38 +222,45 @@ def router_objects(port: int, opts: K8sOptions, checksum: str) -> list[dict[str,
                  "ports": [{"name": "http", "containerPort": port}],
                  "readinessProbe": http, "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10},
                  "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
-                 "volumeMounts": mounts}
+                 "securityContext": container_security(), "volumeMounts": mounts}
     spread = {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [
-        {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": labels("router")},
+        {"weight": 100, "podAffinityTerm": {"labelSelector": {"matchLabels": opts.labels("router")},
                                             "topologyKey": "kubernetes.io/hostname"}}]}}
-    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta("kvrelay-router", ns, "router"),
-           "spec": {"replicas": opts.router_replicas, "selector": {"matchLabels": labels("router")},
-                    "template": {"metadata": {"labels": labels("router"), "annotations": {CHECKSUM: checksum}},
-                                 "spec": {"affinity": spread, "containers": [container], "volumes": vols}}}}
-    svc = {"apiVersion": "v1", "kind": "Service", "metadata": meta("kvrelay-router", ns, "router"),
-           "spec": {"selector": labels("router"), "ports": [{"name": "http", "port": port, "targetPort": "http"}]}}
-    budget = disruption_budget("router", ns, {"minAvailable": 1})
-    return [dep, svc] + ([budget] if opts.router_replicas > 1 else [])
+    pod = {"affinity": spread, "serviceAccountName": opts.name("router"), "automountServiceAccountToken": False,
+           "securityContext": POD_SECURITY, "containers": [container], "volumes": vols}
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": opts.meta("router", "router"),
+           "spec": {"replicas": opts.router_replicas, "selector": {"matchLabels": opts.labels("router")},
+                    "template": {"metadata": {"labels": opts.labels("router"), "annotations": {CHECKSUM: checksum}},
+                                 "spec": pod}}}
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": opts.meta("router", "router"),
+           "spec": {"selector": opts.labels("router"), "ports": [{"name": "http", "port": port, "targetPort": "http"}]}}
+    budget = disruption_budget("router", opts, {"minAvailable": 1})
+    return [service_account(opts, "router"), dep, svc] + ([budget] if opts.router_replicas > 1 else [])
 
 
-def redis_objects(ns: str) -> list[dict[str, Any]]:
+def redis_objects(opts: K8sOptions) -> list[dict[str, Any]]:
     container = {"name": "redis", "image": "redis:7", "ports": [{"name": "redis", "containerPort": 6379}],
-                 "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5}}
-    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta("kvrelay-redis", ns, "redis"),
-           "spec": {"replicas": 1, "selector": {"matchLabels": labels("redis")},
-                    "template": {"metadata": {"labels": labels("redis")}, "spec": {"containers": [container]}}}}
-    svc = {"apiVersion": "v1", "kind": "Service", "metadata": meta("kvrelay-redis", ns, "redis"),
-           "spec": {"selector": labels("redis"), "ports": [{"name": "redis", "port": 6379, "targetPort": "redis"}]}}
+                 "readinessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 5},
+                 "securityContext": container_security()}
+    pod = {"automountServiceAccountToken": False, "securityContext": {**POD_SECURITY, "runAsUser": 999, "runAsGroup": 999,
+                                                                       "fsGroup": 999},      # the redis image's user
+           "containers": [container]}
+    dep = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": opts.meta("redis", "redis"),
+           "spec": {"replicas": 1, "selector": {"matchLabels": opts.labels("redis")},
+                    "template": {"metadata": {"labels": opts.labels("redis")}, "spec": pod}}}
+    svc = {"apiVersion": "v1", "kind": "Service", "metadata": opts.meta("redis", "redis"),
+           "spec": {"selector": opts.labels("redis"), "ports": [{"name": "redis", "port": 6379, "targetPort": "redis"}]}}
     return [dep, svc]
 
 
-def _from_stack() -> dict[str, Any]:
-    return {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": PART_OF}}}
+def _from_stack(opts: K8sOptions) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": PART_OF,
+                                            "app.kubernetes.io/instance": opts.release}}}
 
 
-def _policy(name: str, ns: str, component: str, rules: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": meta(name, ns, component),
-            "spec": {"podSelector": {"matchLabels": labels(component)}, "policyTypes": ["Ingress"], "ingress": rules}}
+def _policy(opts: K8sOptions, component: str, rules: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": opts.meta(component, component),
+            "spec": {"podSelector": {"matchLabels": opts.labels(component)}, "policyTypes": ["Ingress"], "ingress": rules}}
 
 
 def network_policies(cfg: kcfg.KVRelayConfig, opts: K8sOptions, events_port: int) -> list[dict[str, Any]]:
@@ -213,26 +268,24 @@ def network_policies(cfg: kcfg.KVRelayConfig, opts: K8sOptions, events_port: int
     the stack's own pods; an engine's HTTP port - vLLM's unauthenticated OpenAI API as well as its
     /metrics - the routers and the Prometheus pods (``metrics_pods`` in ``metrics_namespace``)
     alone; the router's port is open (clients authenticate with API keys)."""
-    ns = opts.namespace
     scrape = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": opts.metrics_namespace}},
               "podSelector": {"matchLabels": dict(opts.metrics_pods)}}
-    routers_only = {"podSelector": {"matchLabels": labels("router")}}
+    routers_only = {"podSelector": {"matchLabels": opts.labels("router")}}
     http = {"from": [routers_only, scrape], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
     ranks = cfg.engine.decode_tp                 # decode rank r: KV_PORT + r and KV_DATA_PORT + r
-    decode = {"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": base + r} for base in (KV_PORT, KV_DATA_PORT)
+    decode = {"from": [_from_stack(opts)], "ports": [{"protocol": "TCP", "port": base + r} for base in (KV_PORT, KV_DATA_PORT)
                                                  for r in range(ranks)]}
     prefill: list[dict[str, Any]] = [http]
     decode_rules: list[dict[str, Any]] = [http, decode]
     if cfg.store.publish_port:
-        prefill.append({"from": [_from_stack()], "ports": [{"protocol": "TCP", "port": events_port}]})
+        prefill.append({"from": [_from_stack(opts)], "ports": [{"protocol": "TCP", "port": events_port}]})
     if cfg.router.kv_events_port:               # the KV events carry prompt token ids: the routers alone
-        routers = {"from": [{"podSelector": {"matchLabels": labels("router")}}],
+        routers = {"from": [routers_only],
                    "ports": [{"protocol": "TCP", "port": cfg.router.kv_events_port}]}
         prefill.append(routers)
         decode_rules.append(routers)
-    objs = [_policy("kvrelay-prefill", ns, "prefill", prefill), _policy("kvrelay-decode", ns, "decode", decode_rules),
-            _policy("kvrelay-router", ns, "router", [{"ports": [{"protocol": "TCP", "port": cfg.router.port}]}])]
+    objs = [_policy(opts, "prefill", prefill), _policy(opts, "decode", decode_rules),
+            _policy(opts, "router", [{"ports": [{"protocol": "TCP", "port": cfg.router.port}]}])]
     if opts.redis and cfg.store.enabled:
-        objs.append(_policy("kvrelay-redis", ns, "redis", [{"from": [_from_stack()],
-                                                            "ports": [{"protocol": "TCP", "port": 6379}]}]))
+        objs.append(_policy(opts, "redis", [{"from": [_from_stack(opts)], "ports": [{"protocol": "TCP", "port": 6379}]}]))
     return objs

@@ -36,8 +36,9 @@ def _validate(obj: dict) -> None:
 
 def _render(tmp: Path, *flags: str) -> dict[str, dict]:
     out = tmp / "k8s"
+    model = () if "--engine.model" in flags else ("--engine.model", "org/model")    # GPU pods refuse the tiny one
     subprocess.run([sys.executable, "-m", "kvrelay.cli", "deploy", "k8s", "--out", str(out), "--namespace", "llm",
-                    *flags], check=True, capture_output=True, text=True)
+                    *model, *flags], check=True, capture_output=True, text=True)
     objs = {}
     for path in sorted(out.glob("*.yaml")):
         obj = yaml.safe_load(path.read_text())
@@ -79,8 +80,8 @@ def test_manifests_validate_strictly_and_carry_the_deployment(tmp_path: Path) ->
     assert kcfg.push_allowlist(cfg) == [f"tcp://kvrelay-decode.llm.svc.cluster.local:{k8s.KV_PORT}"]
     secret = objs["Secret/kvrelay-secret"]["stringData"]["secret"]
     assert len(secret) >= 32 and secret not in objs["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]
-    pm = objs["PodMonitor/kvrelay"]["spec"]
-    assert pm["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "kvrelay"}
+    pm = objs["PodMonitor/kvrelay-pods"]["spec"]
+    assert pm["selector"]["matchLabels"] == {"app.kubernetes.io/part-of": "kvrelay", "app.kubernetes.io/instance": "kvrelay"}
     assert pm["podMetricsEndpoints"][0]["path"] == "/metrics"
     for role in ("prefill", "decode"):
         assert objs[f"PodDisruptionBudget/kvrelay-{role}"]["spec"]["maxUnavailable"] == 1
@@ -216,6 +217,7 @@ def test_decode_first_engines_publish_kv_events_to_the_routers_alone(tmp_path: P
         events = json.loads(cmd[cmd.index("--kv-events-config") + 1])
         assert events["endpoint"] == f"tcp://*:{k8s.KV_EVENTS_PORT}" and events["publisher"] == "zmq"
     routers = [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvrelay",
+                                                "app.kubernetes.io/instance": "kvrelay",
                                                 "app.kubernetes.io/component": "router"}}}]
     for role in ("prefill", "decode"):
         by_port = {p["port"]: rule["from"] for rule in objs[f"NetworkPolicy/kvrelay-{role}"]["spec"]["ingress"]
@@ -233,7 +235,7 @@ def k8s_pods_http(objs: dict, role: str) -> list:
 def test_network_policies_keep_the_data_plane_inside_the_stack(tmp_path: Path) -> None:
     objs = _render(tmp_path, "--store.enabled", "true", "--router.policy", "cache_aware", "--redis",
                    "--engine.model", "m")
-    stack = {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvrelay"}}}
+    stack = {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvrelay", "app.kubernetes.io/instance": "kvrelay"}}}
     decode = objs["NetworkPolicy/kvrelay-decode"]["spec"]
     assert decode["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
     by_port = {p["port"]: rule["from"] for rule in decode["ingress"] for p in rule["ports"]}
@@ -241,6 +243,7 @@ def test_network_policies_keep_the_data_plane_inside_the_stack(tmp_path: Path) -
     # an engine's HTTP port is also vLLM's unauthenticated API: the routers and Prometheus's pods alone
     # (before: the whole stack and every pod of the monitoring namespace)
     routers = {"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvrelay",
+                                               "app.kubernetes.io/instance": "kvrelay",
                                                "app.kubernetes.io/component": "router"}}}
     prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
                   "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
@@ -251,7 +254,7 @@ def test_network_policies_keep_the_data_plane_inside_the_stack(tmp_path: Path) -
     assert prefill[k8s.EVENTS_PORT] == [stack]
     redis = objs["NetworkPolicy/kvrelay-redis"]["spec"]["ingress"]
     assert redis == [{"from": [stack], "ports": [{"protocol": "TCP", "port": 6379}]}]
-    rule = objs["PrometheusRule/kvrelay"]["spec"]["groups"]
+    rule = objs["PrometheusRule/kvrelay-alerts"]["spec"]["groups"]
     assert rule == yaml.safe_load(k8s.ALERTS.read_text())["groups"]
 
 
@@ -277,3 +280,50 @@ def test_gpus_that_contradict_the_tp_key_are_refused(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "deploy", "k8s", "--out", str(tmp_path), "--decode-gpus",
                           "4", "--engine.decode_tp", "2"], capture_output=True, text=True)
     assert res.returncode == 2 and "engine.decode_tp" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_two_releases_share_a_namespace_and_an_existing_secret_is_referenced_not_rendered(tmp_path: Path) -> None:
+    a = _render(tmp_path / "a", "--release", "a", "--redis", "--store.enabled", "true")
+    b = _render(tmp_path / "b", "--release", "b", "--existing-secret", "llm-kv-secret")
+    objects = lambda objs: {k for k in objs if not k.startswith("Namespace/")}     # noqa: E731 - the one namespace
+    assert not objects(a) & objects(b), objects(a) & objects(b)
+    assert not [k for k in b if k.startswith("Secret/")] and not list((tmp_path / "b" / "k8s").glob("*secret*"))
+    for objs, release in ((a, "a"), (b, "b")):
+        for obj in objs.values():
+            if not obj["apiVersion"].startswith("monitoring.coreos.com/"):
+                _validate(obj)
+        for dep in (o for k, o in objs.items() if k.startswith("Deployment/")):
+            assert dep["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] == release
+            pod = dep["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+            assert pod.get("automountServiceAccountToken") is False
+            for c in pod["containers"]:
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
+                assert set(sc["capabilities"].get("add", [])) <= {"IPC_LOCK"}
+    secret_vol = next(v for v in b["Deployment/b-decode"]["spec"]["template"]["spec"]["volumes"] if v["name"] == "secret")
+    assert secret_vol["secret"]["secretName"] == "llm-kv-secret"
+    cfg = kcfg.from_dict(yaml.safe_load(b["ConfigMap/b-config"]["data"]["kvrelay.yaml"]))
+    assert cfg.router.prefill[0].startswith("dns+http://b-prefill.llm.svc.cluster.local:")
+    gpu = a["Deployment/a-decode"]["spec"]["strategy"]["rollingUpdate"]
+    assert gpu == {"maxUnavailable": 1, "maxSurge": 0}             # a full cluster has no GPU for a surge pod
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--namespace", "Bad_NS"], "--namespace 'Bad_NS': lower-case letters"),
+    (["--release", "x" * 50], "--release"),
+    (["--engine-cpus", "lots"], "--engine-cpus 'lots'"),
+    (["--engine-memory", "lots"], "--engine-memory"),
+    (["--image", ""], "--image ''"),
+    (["--existing-secret", "Not A Name"], "--existing-secret"),
+    (["--out", "/etc/passwd"], "--out /etc/passwd: cannot write the manifests there"),
+    (["--engine.model", ""], "engine.model is empty"),
+], ids=["namespace", "release", "cpus", "memory", "image", "secret", "out", "tiny-on-gpu"])
+def test_invalid_input_exits_2_with_one_line(tmp_path: Path, flags: list[str], says: str) -> None:
+    out = ["--out", str(tmp_path / "k8s")] if "--out" not in flags else []
+    model = [] if "--engine.model" in flags else ["--engine.model", "org/model"]
+    res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "deploy", "k8s", *out, *model, *flags],
+                         capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in res.stderr, res.stderr
