@@ -149,10 +149,26 @@ class KVRelayConfig(Section, frozen=True):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        block = engine_block_size(self.engine)
+        if self.chunk_tokens % block:
+            raise ConfigError(f"chunk_tokens {self.chunk_tokens} is not a multiple of the engines' block size {block} "
+                              "(--block-size, 16 unless set): a chunk is whole blocks, e.g. 256")
         if max(self.engine.prefill_tp, self.engine.decode_tp) > 1 and self.connector.metrics_port:
             raise ConfigError("connector.metrics_port with tensor parallelism: every rank would open the same "
                               "exporter port; read the kvrelay series from the engine's own /metrics (they sum "
                               "the ranks) and set connector.metrics_port: 0")
+
+
+def engine_block_size(engine: EngineConfig) -> int:
+    """The KV block size the engines' flags set (``--block-size N``), else vLLM's default of 16."""
+    sizes = {16}
+    for args in (engine.extra_args, engine.prefill_args, engine.decode_args):
+        for i, arg in enumerate(args):
+            value = args[i + 1] if arg == "--block-size" and i + 1 < len(args) else \
+                arg.partition("=")[2] if arg.startswith("--block-size=") else ""
+            if value.isdigit():
+                sizes = {int(value)} if sizes == {16} else sizes | {int(value)}
+    return max(sizes)
 
 
 @functools.cache
@@ -209,6 +225,8 @@ def _convert(data: Mapping[str, Any]) -> KVRelayConfig:
         return msgspec.convert(_as_text(dict(data), _schema()), KVRelayConfig, strict=False)
     except msgspec.ValidationError as exc:
         msg = str(exc).replace("`$.", "`").replace("`$`", "`<root>`")
+        if (leaf := re.fullmatch(r"(\w+): (.*) - at `([\w.]+)`", msg)) is not None:    # a field's own check
+            msg = f"{leaf.group(2)} - at `{leaf.group(3)}.{leaf.group(1)}`"
         if (where := re.search(r"at `([\w.]+)`", msg)) is not None:
             msg += _enum_values(where.group(1))
         if (unknown := re.search(r"unknown field `(\w+)`(?: - at `([\w.]+)`)?", msg)) is not None:
@@ -327,11 +345,29 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE", help="deployment YAML")
     for key, default in leaf_fields():
         shown = default.value if isinstance(default, enum.Enum) else default
-        kebab = key.replace("_", "-")               # vLLM's own flags are kebab-case: both spellings work
-        names = [f"--{key}"] + ([f"--{kebab}"] if kebab != key else [])
+        kebab = key.replace("_", "-")               # vLLM's own flags are kebab-case, as --help shows them
         more: dict[str, Any] = {"action": "append"} if isinstance(default, list) else {}
-        group.add_argument(*names, dest=f"cfg:{key}", metavar="V", default=None, **more,
+        group.add_argument(f"--{kebab}", dest=f"cfg:{key}", metavar=_metavar(key, default), default=None, **more,
                            help=f"{FIELD_HELP.get(key, '')} (default: {shown})".strip())
+        if kebab != key:                            # the YAML spelling works too, unlisted
+            parser.add_argument(f"--{key}", dest=f"cfg:{key}", default=None, help=argparse.SUPPRESS, **more)
+
+
+def _metavar(key: str, default: Any) -> str:
+    """What a flag takes, as ``--help`` shows it."""
+    if isinstance(default, bool):
+        return "{true,false}"
+    if isinstance(default, enum.Enum):
+        return "{" + ",".join(str(m.value) for m in type(default)) + "}"
+    if key.endswith(("_bytes", ".size")):
+        return "SIZE"
+    if key.endswith("_s") and isinstance(default, int | float):
+        return "SECONDS"
+    if key.endswith("port") and isinstance(default, int):
+        return "PORT"
+    if isinstance(default, int | float) or default is None and key.endswith("_len"):
+        return "N"
+    return "ARG" if isinstance(default, list) else "TEXT"
 
 
 def _flag_value(key: str, value: Any) -> Any:
@@ -345,9 +381,17 @@ def _flag_value(key: str, value: Any) -> Any:
 
 
 def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
+    """Defaults < ``--config`` YAML < flags; then a positional MODEL (``engine.model``) and the vLLM
+    arguments given after ``--`` (appended to ``engine.extra_args``)."""
     overrides = [f"{k[4:]}={_flag_value(k[4:], v)}" for k, v in vars(args).items()
                  if k.startswith("cfg:") and v is not None]
-    return load(getattr(args, "config", None), overrides)
+    if getattr(args, "model_arg", None):
+        overrides.append(f"engine.model={args.model_arg}")
+    cfg = load(getattr(args, "config", None), overrides)
+    if tail := getattr(args, "vllm_args", None):
+        cfg = load(getattr(args, "config", None),
+                   [*overrides, f"engine.extra_args={shlex.join([*cfg.engine.extra_args, *tail])}"])
+    return cfg
 
 
 def to_dict(cfg: KVRelayConfig) -> dict[str, Any]:

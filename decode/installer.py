@@ -38,7 +38,7 @@ from kvrelay.kernels.span import Span
 from kvrelay.transport.backends import make_receiver_backend
 from kvrelay.transport.config import TransportConfig
 from kvrelay.transport.events import ChunkArrival, ChunkRejected, Refusal, TransferDone, TransferFailed
-from kvrelay.transport.pool import PAGE, Placement, round_up
+from kvrelay.transport.pool import Placement, receive_pool_bytes
 from kvrelay.transport.receiver import Receiver
 
 log = logging.getLogger("vllm.kvrelay.decode")
@@ -51,25 +51,6 @@ REGISTER_WAIT_S = 0.5
 # missing after all (an orphaned transfer dropped meanwhile), the model thread waits no longer
 # than this for it, and the rest is recomputed.
 NOW_WAIT_S = 0.05
-AUTO_POOL_PROMPTS = 2            # pool_bytes 0 (auto): room for this many prompts of max_model_len
-AUTO_POOL_MIN_BYTES = 256 << 20
-
-
-def receive_pool_bytes(configured: int, slot_bytes: int, max_model_len: int, chunk_tokens: int) -> int:
-    """The receive pool's size: ``configured``, or (0) room for AUTO_POOL_PROMPTS maximal prompts.
-
-    Raises ConfigError when a configured pool cannot hold one prompt of ``max_model_len``
-    tokens: every such prompt would be refused and recomputed, so fail at start-up instead."""
-    per_prompt = -(-max_model_len // chunk_tokens) * round_up(slot_bytes, PAGE)
-    if configured == 0:
-        return max(AUTO_POOL_PROMPTS * per_prompt, AUTO_POOL_MIN_BYTES)
-    if configured < per_prompt:
-        raise ConfigError(f"transport.pool_bytes={configured} cannot hold one prompt of max_model_len="
-                          f"{max_model_len} tokens ({per_prompt} bytes in {slot_bytes}-byte chunk slots); "
-                          f"raise it, or set 0 to size it automatically")
-    return configured
-
-
 @dataclass
 class _Part:
     """One sub-transfer of a load: the piece (head range) one prefill rank sends this rank."""

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 
+from kvrelay.common.config_fields import parse_size
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import SECRET_ENV
+from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.core.config import KVRelayConfig, RoutingPolicy
 from kvrelay.core.engine_compat import facts_from_args, pair_refusals, read_hf_config
 from kvrelay.core.ranks import Sharding
@@ -20,6 +22,7 @@ from kvrelay.deploy.devices import pool_problems, visible_gpus
 from kvrelay.deploy.launch import PUBLISH_OFFSET, Role, kv_events_port, node_specs
 from kvrelay.router import preflight as router_preflight
 from kvrelay.transport.config import TransportKind
+from kvrelay.transport.pool import receive_pool_bytes
 
 TCP_DATA_OFFSET = 100      # the tcp backend's data port, unless transport.data_port: control port + 100
 
@@ -79,13 +82,35 @@ def _tp_problems(cfg: KVRelayConfig) -> list[str]:
 
 def engine_problems(cfg: KVRelayConfig) -> list[str]:
     """Engine configurations the PD pair cannot serve exactly (:mod:`kvrelay.core.engine_compat`),
-    read from ``engine.*`` and the model's ``config.json``."""
+    read from ``engine.*`` and the model's ``config.json``, and a receive pool too small for them."""
     e = cfg.engine
     hf = read_hf_config(e.model)
     pair = pair_refusals(facts_from_args([*e.extra_args, *e.prefill_args], hf),
                          facts_from_args([*e.extra_args, *e.decode_args], hf), cfg.chunk_tokens)
     return [f"engine: {r} (kvrelay refuses configurations it cannot serve exactly: docs/guide/compatibility.md)"
-            for r in pair]
+            for r in pair] + _receive_pool_problems(cfg, hf)
+
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2}
+
+
+def _receive_pool_problems(cfg: KVRelayConfig, hf: dict) -> list[str]:
+    """A configured ``transport.pool_bytes`` that cannot hold one prompt of the context length,
+    from a local model's ``config.json`` (each decode rank holds its heads' share)."""
+    pool = parse_size(cfg.transport.pool_bytes, "transport.pool_bytes")
+    layers, heads = int(hf.get("num_hidden_layers") or 0), int(hf.get("num_attention_heads") or 0)
+    if not pool or not layers or not heads or "kv_lora_rank" in hf:
+        return []                                   # auto-sized, or nothing to size it by (MLA: a latent)
+    kv_heads = max(1, int(hf.get("num_key_value_heads") or heads) // cfg.engine.decode_tp)
+    head_dim = int(hf.get("head_dim") or int(hf.get("hidden_size") or 0) // heads)
+    dtype = cfg.engine.dtype if cfg.engine.dtype != "auto" else str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16")
+    per_token = 2 * layers * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 2)
+    max_len = cfg.engine.max_model_len or int(hf.get("max_position_embeddings") or 4096)
+    try:
+        receive_pool_bytes(pool, HEADER_SIZE + cfg.chunk_tokens * per_token, max_len, cfg.chunk_tokens)
+    except ConfigError as exc:
+        return [str(exc)]
+    return []
 
 
 def problems(cfg: KVRelayConfig) -> list[str]:

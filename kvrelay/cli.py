@@ -223,12 +223,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("up", help="bring up a local PD stack: N prefill + M decode vLLM servers + router",
                        description="Starts deploy.prefill prefill and deploy.decode decode vLLM servers "
-                       "(the built-in tiny model unless engine.model is set) and the router on router.port; "
-                       "Ctrl-C stops everything. Every flag below is also a YAML key.")
+                       "(the built-in tiny model unless MODEL or engine.model is set) and the router on "
+                       "router.port; Ctrl-C stops everything. Every flag below is also a YAML key; vLLM "
+                       "arguments after -- go to every engine (engine.extra_args).")
+    u.add_argument("model_arg", nargs="?", metavar="MODEL", help="the model every engine serves (engine.model): "
+                   "a Hugging Face id or a local path")
     u.add_argument("--request", metavar="PROMPT", help="once up, send this prompt through the router and print "
                    "the completion")
     u.add_argument("--exit-after-request", action="store_true", help="stop the stack after --request")
     kcfg.add_config_args(u)
+    u.usage = "kvrelay up [MODEL] [options] [-- VLLM_ARGS...]"
     u.set_defaults(func=_cmd_up)
 
     r = sub.add_parser("router", help="run the OpenAI-compatible PD router (pools from router.* keys)")
@@ -363,7 +367,13 @@ def _add_bench_commands(b: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    tail: list[str] = []
+    if "--" in argv:                          # kvrelay up MODEL -- --enable-lora ...: vLLM's own arguments
+        at = argv.index("--")
+        argv, tail = argv[:at], argv[at + 1:]
     args = build_parser().parse_args(argv)
+    args.vllm_args = tail
     try:
         return int(args.func(args))
     except KVRelayError as exc:               # ConfigError and every other error kvrelay raises on purpose

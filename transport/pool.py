@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.common import numa
-from kvrelay.common.errors import PoolFullError, TransportError
+from kvrelay.common.errors import ConfigError, PoolFullError, TransportError
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.transport.arenas import DeviceArena, PrivateArena, SharedArena
 
@@ -329,3 +329,22 @@ class ReceivePool:
             self._closed = True
             self._cond.notify_all()
         self.arena.close()
+
+
+AUTO_POOL_PROMPTS = 2            # transport.pool_bytes 0 (auto): room for this many prompts of max_model_len
+AUTO_POOL_MIN_BYTES = 256 << 20
+
+
+def receive_pool_bytes(configured: int, slot_bytes: int, max_model_len: int, chunk_tokens: int) -> int:
+    """The receive pool's size: ``configured``, or (0) room for AUTO_POOL_PROMPTS maximal prompts.
+
+    Raises ConfigError when a configured pool cannot hold one prompt of ``max_model_len``
+    tokens: every such prompt would be refused and recomputed, so fail at start-up instead."""
+    per_prompt = -(-max_model_len // chunk_tokens) * round_up(slot_bytes, PAGE)
+    if configured == 0:
+        return max(AUTO_POOL_PROMPTS * per_prompt, AUTO_POOL_MIN_BYTES)
+    if configured < per_prompt:
+        raise ConfigError(f"transport.pool_bytes={configured} cannot hold one prompt of max_model_len="
+                          f"{max_model_len} tokens ({per_prompt} bytes in {slot_bytes}-byte chunk slots); "
+                          f"raise it, or set 0 to size it automatically")
+    return configured

@@ -12,7 +12,8 @@ pytest.importorskip("vllm")
 
 from kvrelay.common.errors import ConfigError  # noqa: E402
 from kvrelay.core import config as kcfg  # noqa: E402
-from kvrelay.decode.installer import AUTO_POOL_MIN_BYTES, InstallWorker, receive_pool_bytes  # noqa: E402
+from kvrelay.decode.installer import InstallWorker  # noqa: E402
+from kvrelay.transport.pool import AUTO_POOL_MIN_BYTES, receive_pool_bytes  # noqa: E402
 
 MiB = 1 << 20
 

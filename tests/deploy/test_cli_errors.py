@@ -35,6 +35,10 @@ def _dead_url() -> str:
     (["router"], "router.prefill and router.decode must list at least one node each"),
     (["config", "--engine.decode-args=--tensor-parallel-size 2"], "set the tensor-parallel size with engine.prefill_tp"),
     (["config", "--engine.decode-args=--pipeline-parallel-size 2"], "pipeline and data parallelism are not supported"),
+    (["config", "--store.cpu-bytes", "-1"], "size must be >= 0, got -1 - at `store.cpu_bytes`"),
+    (["config", "--chunk-tokens", "100"], "chunk_tokens 100 is not a multiple of the engines' block size 16"),
+    (["config", "--check", "--engine.model", "TINY", "--transport.pool-bytes", "4"],
+     "transport.pool_bytes=4 cannot hold one prompt of max_model_len=4096"),
 ])
 def test_a_bad_argument_or_a_dead_server_is_one_clear_line(argv, says, tmp_path: Path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -43,6 +47,10 @@ def test_a_bad_argument_or_a_dead_server_is_one_clear_line(argv, says, tmp_path:
     monkeypatch.setenv("KVRELAY_SECRET", "x" * 32)
     dead = _dead_url()
     subst = {"PROMPTS": str(tmp_path / "prompts.txt"), "TYPO_YAML": str(tmp_path / "typo.yaml"), "DEAD": dead, "OUT": str(tmp_path / "d.png")}
+    if "TINY" in argv:
+        from kvrelay.deploy.tiny_model import make_tiny_model
+
+        subst["TINY"] = str(make_tiny_model(tmp_path / "tiny"))
     argv = [subst.get(a, a) for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -89,3 +97,31 @@ def test_docs_config_md_is_current():
 
     path = Path(__file__).resolve().parents[2] / "docs" / "guide" / "configuration.md"
     assert path.read_text() == render(), "docs/guide/configuration.md is stale: run kvrelay config --markdown docs/guide/configuration.md"
+
+
+def test_up_takes_the_model_first_and_vllms_own_arguments_after_a_double_dash(capsys):
+    """``kvrelay up MODEL -- --enable-lora ...``, as ``vllm serve MODEL --enable-lora ...`` reads."""
+    import yaml
+
+    from kvrelay.cli import build_parser
+    from kvrelay.core import config as kcfg
+
+    args = build_parser().parse_args(["up", "org/model", "--deploy.decode", "2"])
+    args.vllm_args = ["--enable-lora", "--max-loras", "2"]
+    cfg = kcfg.config_from_args(args)
+    assert (cfg.engine.model, cfg.engine.extra_args, cfg.deploy.decode) == ("org/model", ["--enable-lora", "--max-loras",
+                                                                                         "2"], 2)
+    assert main(["config", "--engine.extra-args=--enforce-eager", "--", "--enable-lora"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["engine"]["extra_args"] == ["--enforce-eager", "--enable-lora"]
+
+
+def test_help_lists_each_flag_once_with_what_it_takes(capsys):
+    from kvrelay.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvrelay up [MODEL] [options] [-- VLLM_ARGS...]")
+    assert "--transport.pool-bytes SIZE" in out and "--transport.pool_bytes" not in out
+    assert "--transport.backend {nixl,tcp,shm,ucx}" in out and "--router.decode-first {true,false}" in out
+    assert " V\n" not in out and " V," not in out                        # no untyped metavar left
