@@ -274,7 +274,7 @@ def _router_path(url: str) -> dict[str, float]:
         for s in fam.samples:
             if s.name == "kvrelay_router_requests_total" and s.labels.get("outcome") == "ok":
                 ok += s.value
-            if s.name == "kvrelay_router_errors_total" and s.value:
+            if s.name in ("kvrelay_router_request_failures_total", "kvrelay_router_fallbacks_total") and s.value:
                 errors[s.labels["cause"]] = s.value
     if errors:    # e.g. first_token_fallback: the scripted answers lack what the split path needs
         raise RuntimeError(f"the router counted errors in the run ({errors}; {ok:.0f} requests ok): "

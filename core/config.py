@@ -159,6 +159,15 @@ class KVRelayConfig(Section, frozen=True):
                               "the ranks) and set connector.metrics_port: 0")
 
 
+TINY_NAME = "kvrelay-tiny"       # what the built-in tiny model is served as
+
+
+def served_name(cfg: KVRelayConfig) -> str:
+    """The model name the engines serve (vLLM's ``model_name`` label): ``engine.served_model_name``,
+    else the model, else the tiny model's."""
+    return cfg.engine.served_model_name or cfg.engine.model or TINY_NAME
+
+
 def engine_block_size(engine: EngineConfig) -> int:
     """The KV block size the engines' flags set (``--block-size N``), else vLLM's default of 16."""
     sizes = {16}

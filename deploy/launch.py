@@ -29,12 +29,11 @@ import yaml
 from kvrelay.common.private_files import runtime_dir
 from kvrelay.common.secrets import API_KEY_ENV, SECRET_ENV, write_private, write_secret_file
 from kvrelay.core import config as kcfg
-from kvrelay.core.config import KVRelayConfig
+from kvrelay.core.config import TINY_NAME as TINY_NAME  # the benches read launch.TINY_NAME
+from kvrelay.core.config import KVRelayConfig, served_name
 from kvrelay.core.telemetry import read_events
 from kvrelay.core.vllm_plugin import BUSY_LOOP_ENV
 from kvrelay.deploy.devices import gpu_placement, visible_gpus
-
-TINY_NAME = "kvrelay-tiny"
 
 
 class Role(str, enum.Enum):
@@ -63,12 +62,6 @@ def model_path(cfg: KVRelayConfig) -> str:
     from kvrelay.deploy.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(Path(cfg.engine.tiny_model_dir).expanduser()))
-
-
-def served_name(cfg: KVRelayConfig) -> str:
-    if cfg.engine.served_model_name:
-        return cfg.engine.served_model_name
-    return cfg.engine.model or TINY_NAME
 
 
 def node_specs(cfg: KVRelayConfig) -> list[NodeSpec]:

@@ -53,7 +53,7 @@ from prometheus_client import generate_latest
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import KeyUse, derive_key, load_secret
 from kvrelay.common.tasks import cancel_all
-from kvrelay.core.config import FirstToken, KVRelayConfig, RoutingPolicy
+from kvrelay.core.config import FirstToken, KVRelayConfig, RoutingPolicy, served_name
 from kvrelay.core.logs import set_ids
 from kvrelay.core.params import ParamsSigner
 from kvrelay.core.tracing import annotate, request_span, tracer
@@ -97,7 +97,8 @@ class Router:
         """``resolver``: how ``dns+`` pool entries are looked up (the system resolver by default)."""
         self.cfg = cfg
         self._resolver = resolver
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(served_name(cfg), inflight=lambda: self.admission.inflight,
+                                     queued=lambda: self.admission.queued)
         self._labelled: set[str] = set()
         rc = cfg.router
         breaker = Breaker(rc.breaker_failures, rc.breaker_backoff_s, rc.breaker_max_backoff_s,
@@ -108,7 +109,7 @@ class Router:
         if rc.decode_first:                  # both pools weigh what a node's cache holds against its load
             prefill.policy = decode.policy = RoutingPolicy.CACHE_AWARE
         self.prefill, self.decode = prefill, decode
-        self.metrics.follow((self.prefill, self.decode))
+        self.metrics.follow((self.prefill, self.decode), self.node_label)
         self.tracer = tracer(cfg.tracing.endpoint, cfg.tracing.protocol, "kvrelay-router")
         self._secret = load_secret(cfg.transport) if secret is None else secret
         signer = ParamsSigner(self._secret, rc.params_ttl_s)

@@ -3,7 +3,7 @@
 Runs as aiohttp middleware before any handler reads a body: the API key (401), the per-key
 rate limit (429 + ``Retry-After``), the per-client limit on open requests (429,
 ``router.max_inflight_per_client``) and the body size (413). Each refusal is an OpenAI-style
-error body and a count in ``kvrelay_router_errors_total{cause}``. Admission by capacity comes
+error body and a count in ``kvrelay_router_client_errors_total{cause}``. Admission by capacity comes
 after the body is read (:class:`kvrelay.router.limits.Admission`, in the completions handler).
 """
 

@@ -144,5 +144,5 @@ async def end(out: web.StreamResponse) -> None:
 
 
 def gone_cause(exc: ClientGone) -> str:
-    """The error label of a client that went away (``kvrelay_router_errors_total{kind}``)."""
+    """The error label of a client that went away (``kvrelay_router_client_errors_total{cause}``)."""
     return "client_too_slow" if isinstance(exc, ClientTooSlow) else "client_disconnect"

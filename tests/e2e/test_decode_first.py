@@ -33,7 +33,7 @@ from kvrelay.deploy import launch
 from kvrelay.router.kv_events import KVEvents
 from kvrelay.router.kv_index import KVIndex
 from kvrelay.router.pools import Node
-from tests.e2e.harness import CASES, TURN1, _cfg, run_case, run_turn2, start_stack
+from tests.e2e.harness import CASES, MODEL, TURN1, _cfg, run_case, run_turn2, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -237,8 +237,8 @@ def test_every_case_is_exact_and_a_repeat_goes_back_to_its_decode_node_alone(df_
         homes.add(names.get(d1))
     assert homes == {"decode0", "decode1"}, homes             # new prompts spread; only held ones stick
     c = _counters(handle.router_url)
-    assert c['kvrelay_router_decisions_total{path="decode_only"}'] >= len(CASES)
-    assert c['kvrelay_router_cached_prompt_tokens_total{role="decode"}'] > 0
+    assert c[f'kvrelay_router_decisions_total{{model_name="{MODEL}",path="decode_only"}}'] >= len(CASES)
+    assert c[f'kvrelay_router_cached_prompt_tokens_total{{model_name="{MODEL}",role="decode"}}'] > 0
 
 
 def test_the_next_turn_lands_where_its_history_is(df_stack, reference):
@@ -246,10 +246,10 @@ def test_the_next_turn_lands_where_its_history_is(df_stack, reference):
     placed = Placed(handle.router_url)
     answer1, n1, d1, _ = placed.case(TURN1)
     assert answer1 == reference["turn1"]
-    before = _counters(handle.router_url)['kvrelay_router_cached_prompt_tokens_total{role="decode"}']
+    before = _counters(handle.router_url)[f'kvrelay_router_cached_prompt_tokens_total{{model_name="{MODEL}",role="decode"}}']
     assert run_turn2(placed.client, reference["turn1"]) == reference["turn2"]
     assert placed.headers["decode"] == d1                  # where turn 1's prompt and answer are cached
-    gained = _counters(handle.router_url)['kvrelay_router_cached_prompt_tokens_total{role="decode"}'] - before
+    gained = _counters(handle.router_url)[f'kvrelay_router_cached_prompt_tokens_total{{model_name="{MODEL}",role="decode"}}'] - before
     assert gained >= n1 // 128 * 128, (gained, n1)
 
 
@@ -268,5 +268,5 @@ def test_a_killed_events_publisher_leaves_load_only_routing_and_exact_answers(df
         assert text == reference[case.name], case.name
         assert p_node, f"{case.name}: with decode1's blocks forgotten, {n} tokens are left: P computes them"
     after = _counters(handle.router_url)
-    key = 'kvrelay_router_cached_prompt_tokens_total{role="decode"}'
+    key = f'kvrelay_router_cached_prompt_tokens_total{{model_name="{MODEL}",role="decode"}}'
     assert after[key] == before[key]                  # nothing of decode1 is claimed any more

@@ -237,9 +237,9 @@ def test_clients_that_never_read_are_dropped_and_cost_no_node_anything(flood_sta
 
     def delta(prefix: str) -> float:
         return sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix))
-    slow = delta('kvrelay_router_errors_total{cause="client_too_slow"')
+    slow = delta('kvrelay_router_client_errors_total{cause="client_too_slow"')
     print(f"slow readers: dropped and gone from the engines {gone:.1f} s after they asked; {slow:g} too slow")
     assert slow == 4
     assert delta("kvrelay_router_migrations_total") == 0
     assert delta("kvrelay_router_breaker_opens_total") == 0
-    assert delta('kvrelay_router_errors_total{cause="decode_failed') == 0
+    assert delta('kvrelay_router_request_failures_total{cause="decode_failed"') == 0

@@ -147,7 +147,7 @@ def test_a_killed_decode_node_loses_no_stream_and_no_token(loss_stack, want):
     print(f"decode loss: {N} streams in {time.monotonic() - t0:.0f} s, {moved:.0f} migrated")
     _check(streams, want)
     assert moved >= 1, "the kill moved no stream (every stream had ended?)"
-    assert _router_count(url, 'kvrelay_router_migrated_requests_total{outcome="exact"}') == moved
+    assert _router_count(url, f'kvrelay_router_migrated_requests_total{{model_name="{MODEL}",outcome="exact"}}') == moved
 
 
 def test_a_killed_prefill_node_then_both_lose_nothing(loss_stack, want):
@@ -163,4 +163,4 @@ def test_a_killed_prefill_node_then_both_lose_nothing(loss_stack, want):
     _until(lambda: not _healthy_prefill(url), "no prefill node in rotation")
     streams = asyncio.run(_load(url, LOSS[:4], lambda ss: True, lambda: None))
     _check(streams, want)
-    assert _router_count(url, 'kvrelay_router_errors_total{cause="no_prefill_decode_only"}') >= 1
+    assert _router_count(url, f'kvrelay_router_fallbacks_total{{cause="no_prefill_decode_only",model_name="{MODEL}"}}') >= 1

@@ -306,7 +306,7 @@ def test_client_sees_what_one_vllm_emits(pd_stack, reference):
 
 def _fallbacks(router_url: str) -> float:
     """The router's count of requests sent down the decode path for a feature it cannot split."""
-    return scrape(f"{router_url}/metrics").get('kvrelay_router_errors_total{cause="first_token_fallback"}', 0.0)
+    return scrape(f"{router_url}/metrics").get(f'kvrelay_router_fallbacks_total{{cause="first_token_fallback",model_name="{MODEL}"}}', 0.0)
 
 
 def _text(events: list) -> str:
@@ -336,11 +336,27 @@ def test_features_that_cannot_be_split_fall_back_and_stay_exact(pd_stack, refere
         return str(a["choices"][0].get("text") or a["choices"][0]["message"]["content"])
     for name in [n for n in FORMAT_REQS if n.startswith("fb")]:
         path, body = FORMAT_REQS[name]
-        before = _fallbacks(pd_stack.router_url)
+        before, failed = _fallbacks(pd_stack.router_url), _failures(pd_stack.router_url)
         got, want = json.loads(raw_post(pd_stack.router_url, path, body)), json.loads(reference[name])
         split = pd_stack.cfg.router.first_token.value == "prefill"       # only then is there a fallback
         assert _fallbacks(pd_stack.router_url) == before + split, f"{name} did not take the decode path"
+        assert _failures(pd_stack.router_url) == failed, f"{name}: a fallback counted as a failure"
         assert text(got) == text(want) and got["usage"] == want["usage"], name
+
+
+def _failures(router_url: str) -> float:
+    return sum(v for k, v in scrape(f"{router_url}/metrics").items() if k.startswith("kvrelay_router_request_failures"))
+
+
+def test_the_routers_latency_families_are_vllms_with_its_model_name(pd_stack):
+    """The router's first-token, inter-token and whole-request histograms carry vLLM's names
+    (``vllm:time_to_first_token_seconds``...) under the router's prefix, with ``model_name``."""
+    run_case(openai_client(pd_stack.router_url), next(c for c in CASES if c.stream))
+    series = scrape(f"{pd_stack.router_url}/metrics")
+    for family in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        count = series.get(f'kvrelay_router_{family}_count{{model_name="{MODEL}"}}', 0.0)
+        assert count > 0, (family, [k for k in series if family in k][:3])
+    assert all(f'model_name="{MODEL}"' in k for k in series if k.startswith("kvrelay_router_") and "{" in k)
 
 
 # Each kvrelay family's Prometheus type: what is counted is a counter (``_total``), what is held

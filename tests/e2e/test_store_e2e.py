@@ -9,6 +9,7 @@ saves the chunks its answers complete (``store.save_decoded``) into the same Red
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import subprocess
 import time
@@ -20,6 +21,7 @@ from kvrelay.bench.local_redis import REDIS, redis_server
 from kvrelay.deploy.launch import Role
 from tests.e2e.harness import (
     DSAVE_ANSWER,
+    MODEL,
     TURN1,
     dsave_messages,
     openai_client,
@@ -215,7 +217,8 @@ def _warm(stack, node: str, prefix: str, tmp_path) -> None:
 
 
 def _pending_tokens(router_url: str, node: str) -> float:
-    series = f'kvrelay_router_prefill_pending_tokens{{node="{node}"}}'
+    label = "node-" + hashlib.sha256(node.encode()).hexdigest()[:10]      # the router's opaque label of the URL
+    series = f'kvrelay_router_prefill_pending_tokens{{model_name="{MODEL}",node="{label}"}}'
     value = scrape(f"{router_url}/metrics").get(series)
     assert value is not None, f"no pending-tokens series for {node}"
     return value

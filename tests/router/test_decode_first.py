@@ -101,15 +101,15 @@ def test_the_node_holding_the_prompt_serves_it_alone_when_little_is_left(tiny_mo
                 assert resp.status == 200
             assert len(ds[1].requests) == 1 and not ds[0].requests and not p.requests   # no prefill hop
             assert "kv_transfer_params" not in ds[1].requests[0]
-            assert await metric(s, url, 'kvrelay_router_decisions_total{path="decode_only"} 1.0')
-            assert await metric(s, url, 'kvrelay_router_cached_prompt_tokens_total{role="decode"} 512.0')
+            assert await metric(s, url, 'kvrelay_router_decisions_total{model_name="kvrelay-tiny",path="decode_only"} 1.0')
+            assert await metric(s, url, 'kvrelay_router_cached_prompt_tokens_total{model_name="kvrelay-tiny",role="decode"} 512.0')
             # a prompt no node holds: more than 100 tokens to compute, so a prefill node computes it
             other = [7] * 600
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": other}) as resp:
                 assert resp.status == 200
             await until(lambda: p.requests)   # P's prefill is a background task beside D's answer
             assert len(p.requests) == 1 and "kv_transfer_params" in p.requests[0]
-            assert await metric(s, url, 'kvrelay_router_decisions_total{path="disaggregated"} 1.0')
+            assert await metric(s, url, 'kvrelay_router_decisions_total{model_name="kvrelay-tiny",path="disaggregated"} 1.0')
     run(go())
 
 
@@ -139,10 +139,10 @@ def test_requests_that_cannot_be_tokenised_or_must_go_alone_are_counted(tiny_mod
         async with decode_first(tiny_model, n_d=1) as (url, s, r, p, ds, pubs):
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi", "n": 2}) as resp:
                 assert resp.status == 200
-            assert await metric(s, url, 'kvrelay_router_decisions_total{path="decode_required"} 1.0')
+            assert await metric(s, url, 'kvrelay_router_decisions_total{model_name="kvrelay-tiny",path="decode_required"} 1.0')
             async with s.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi"}) as resp:
                 assert resp.status == 200     # 2 tokens: at most disagg_min_tokens, D alone
-            assert await metric(s, url, 'kvrelay_router_decisions_total{path="decode_only"} 1.0')
+            assert await metric(s, url, 'kvrelay_router_decisions_total{model_name="kvrelay-tiny",path="decode_only"} 1.0')
             assert not p.requests
     run(go())
 

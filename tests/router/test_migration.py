@@ -281,7 +281,7 @@ def test_a_stream_that_finished_before_its_node_died_is_complete_and_never_conti
                 answer = await r.json()
             assert answer["choices"][0]["text"] == _want(6) and answer["choices"][0]["finish_reason"] == "stop"
             assert len(dying.prompts) + len(spare.prompts) == 2
-            assert sum(m._value.get() for m in router.metrics.migrations._metrics.values()) == 0
+            assert sum(m._value.get() for m in router.metrics.migrations.metric._metrics.values()) == 0
     run(go())
 
 
@@ -369,8 +369,8 @@ def test_a_client_that_never_reads_costs_only_itself(first_token):
                 assert f.written < f.n * 1024, "the router took the whole answer into its buffers"
             m = router.metrics
             assert m.errors.labels("client_too_slow")._value.get() == 2
-            assert sum(c._value.get() for c in m.migrations._metrics.values()) == 0
-            assert sum(c._value.get() for c in m.breaker_opens._metrics.values()) == 0
+            assert sum(c._value.get() for c in m.migrations.metric._metrics.values()) == 0
+            assert sum(c._value.get() for c in m.breaker_opens.metric._metrics.values()) == 0
             assert sum(len(f.prompts) for f in floods) <= 3      # never continued elsewhere
             for c in clients:
                 c.close()

@@ -197,8 +197,8 @@ def test_decode_failure_is_a_clean_502_and_bad_json_is_judged_by_vllm():
             assert dn.requests[-1] == {"raw": b"{oops"} and len(pn.requests) == 1
             async with s.get(f"{url}/metrics") as r:
                 text = await r.text()
-            assert 'kvrelay_router_errors_total{cause="decode_failed"} 1.0' in text
-            assert 'kvrelay_router_errors_total{cause="bad_request"} 1.0' in text
+            assert 'kvrelay_router_request_failures_total{cause="decode_failed",model_name="kvrelay-tiny"} 1.0' in text
+            assert 'kvrelay_router_client_errors_total{cause="bad_request",model_name="kvrelay-tiny"} 1.0' in text
     run(go())
 
 
@@ -213,7 +213,7 @@ def test_client_disconnect_aborts_the_decode_stream():
             await asyncio.sleep(0.2)
             async with s.get(f"{url}/metrics") as m:
                 text = await m.text()
-            assert 'kvrelay_router_errors_total{cause="client_disconnect"} 1.0' in text
+            assert 'kvrelay_router_client_errors_total{cause="client_disconnect",model_name="kvrelay-tiny"} 1.0' in text
             assert "decode_failed" not in text
     run(go())
 
@@ -499,7 +499,7 @@ def test_with_no_healthy_prefill_node_the_decode_node_serves_alone():
                 assert r.status == 200
             assert "kv_transfer_params" not in ds[0].requests[0]        # D computes the prompt itself
             async with s.get(f"{url}/metrics") as r:
-                assert 'kvrelay_router_errors_total{cause="no_prefill_decode_only"} 1.0' in await r.text()
+                assert 'kvrelay_router_fallbacks_total{cause="no_prefill_decode_only",model_name="kvrelay-tiny"} 1.0' in await r.text()
     run(go())
 
 
@@ -522,7 +522,7 @@ def test_a_draining_or_vanished_decode_node_hands_the_request_to_another_without
             assert len(ds[1].requests) == 1 and "kv_transfer_params" not in ds[1].requests[0]
             assert not d0.healthy and all(n.outstanding == 0 for n in router.decode.nodes)
             async with s.get(f"{url}/metrics") as m:
-                assert 'kvrelay_router_errors_total{cause="decode_redirected"} 1.0' in await m.text()
+                assert 'kvrelay_router_fallbacks_total{cause="decode_redirected",model_name="kvrelay-tiny"} 1.0' in await m.text()
     run(go("draining"))
     run(go("gone"))
 
@@ -620,7 +620,7 @@ def test_no_response_names_a_node_unless_expose_nodes():
                     metrics = await r.text()
                 port = dn.url.rsplit(":", 1)[1]
                 assert health["decode"]["healthy"] == 1 and health["prefill"]["total"] == 1
-                assert "kvrelay_router_breaker_opens_total{node=" in metrics
+                assert "kvrelay_router_breaker_opens_total{model_name=\"kvrelay-tiny\",node=" in metrics
                 for text in (json.dumps(health), failed, metrics):
                     assert (port in text) == expose, (expose, text[:300])
     run(go())
@@ -641,7 +641,7 @@ def test_a_client_that_hangs_up_mid_body_is_counted_not_logged_as_a_server_error
             await asyncio.sleep(0.3)
             async with s.get(f"{url}/metrics") as m:
                 text = await m.text()
-            assert 'kvrelay_router_errors_total{cause="client_disconnect"} 1.0' in text
+            assert 'kvrelay_router_client_errors_total{cause="client_disconnect",model_name="kvrelay-tiny"} 1.0' in text
     with caplog.at_level(logging.ERROR, logger="aiohttp.server"):
         run(go())
     assert not [r for r in caplog.records if r.name == "aiohttp.server"], caplog.text

@@ -279,5 +279,5 @@ def test_a_client_that_leaves_mid_split_is_its_own_outcome():
             async with s.get(f"{url}/metrics") as m:
                 return await m.text()
     text = run(go())
-    assert 'kvrelay_router_errors_total{cause="client_disconnect"} 1.0' in text
+    assert 'kvrelay_router_client_errors_total{cause="client_disconnect",model_name="kvrelay-tiny"} 1.0' in text
     assert "decode_failed" not in text

@@ -42,7 +42,7 @@ def test_api_keys_401_with_an_openai_error_body():
             async with s.get(f"{url}/v1/models") as r:
                 assert r.status == 401
             async with s.get(f"{url}/metrics") as r:
-                assert 'kvrelay_router_errors_total{cause="unauthorized"} 4.0' in await r.text()
+                assert 'kvrelay_router_client_errors_total{cause="unauthorized",model_name="kvrelay-tiny"} 4.0' in await r.text()
     run(go())
     keys = ApiKeys.from_config(kcfg.from_dict({}).router, {"KVRELAY_API_KEY": "from-env"})
     assert keys.enabled and keys.check("Bearer from-env") == "from-env" and keys.check("Bearer x") is None
@@ -66,7 +66,7 @@ def test_oversize_body_gets_a_json_413_and_reaches_no_engine():
                 assert r.status == 413 and r.content_type == "application/json"
             assert not pn.requests and not dn.requests
             async with s.get(f"{url}/metrics") as r:
-                assert 'kvrelay_router_errors_total{cause="body_too_large"} 2.0' in await r.text()
+                assert 'kvrelay_router_client_errors_total{cause="body_too_large",model_name="kvrelay-tiny"} 2.0' in await r.text()
     run(go())
 
 
@@ -88,7 +88,7 @@ def test_a_flood_past_admission_gets_429s_while_the_admitted_requests_complete()
             async with s.post(f"{url}/v1/completions", json=BODY) as r:   # capacity is back
                 assert r.status == 200
             async with s.get(f"{url}/metrics") as r:
-                assert 'kvrelay_router_errors_total{cause="overloaded"} 7.0' in await r.text()
+                assert 'kvrelay_router_request_failures_total{cause="overloaded",model_name="kvrelay-tiny"} 7.0' in await r.text()
     run(go())
 
 
@@ -107,7 +107,7 @@ def test_one_client_holds_at_most_its_share_of_open_requests():
             assert await asyncio.gather(*first) == [200, 200]
             assert await one() == 200
             async with s.get(f"{url}/metrics") as r:
-                assert 'kvrelay_router_errors_total{cause="client_inflight_limit"} 1.0' in await r.text()
+                assert 'kvrelay_router_client_errors_total{cause="client_inflight_limit",model_name="kvrelay-tiny"} 1.0' in await r.text()
     run(go())
 
 
@@ -144,7 +144,7 @@ def test_slow_body_clients_hold_no_admission_slot_and_get_a_json_408():
             assert len(dn.requests) == 3                          # no slow body reached an engine
             async with s.get(f"{url}/metrics") as r:
                 text = await r.text()
-                assert 'kvrelay_router_errors_total{cause="body_timeout"} 6.0' in text
+                assert 'kvrelay_router_client_errors_total{cause="body_timeout",model_name="kvrelay-tiny"} 6.0' in text
                 assert 'cause="overloaded"' not in text
     run(go())
 
