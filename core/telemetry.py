@@ -196,6 +196,8 @@ class Metrics:
                                     "(written without the deployment's secret), by tier", ["tier"])
         self.store_hits = sourced("kvrelay_store_hits", "Chunks the store served, by tier", ["tier"])
         self.store_bytes = sourced("kvrelay_store_bytes_loaded", "Bytes the store served, by tier", ["tier"])
+        self.store_errors = sourced("kvrelay_store_tier_errors", "Store tier operations that failed (Redis "
+                                    "unreachable), by tier: each one a miss, and the tier skipped a while", ["tier"])
         self.store_misses = sourced("kvrelay_store_misses", "Chunk reads no store tier could serve")
         self.store_evictions = sourced("kvrelay_store_evictions", "Chunks evicted from the CPU tier")
         self.refusals = sourced("kvrelay_receiver_refusals", "Writes and messages the decode node's receiver "

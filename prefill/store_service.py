@@ -81,6 +81,7 @@ class StoreService:
         m, stats = self.metrics, self.store.stats
         for tier in self.store.lower:
             m.store_forged.bind(functools.partial(getattr, tier, "forged"), tier.name)
+            m.store_errors.bind(functools.partial(getattr, tier, "errors", 0), tier.name)
         for name in ["cpu", *(t.name for t in self.store.lower)]:
             m.store_hits.bind(functools.partial(lambda n: stats.hits.get(n, 0), name), name)
             m.store_bytes.bind(functools.partial(lambda n: stats.bytes_loaded.get(n, 0), name), name)

@@ -44,22 +44,35 @@ def test_rules_fire_on_bad_series_and_stay_quiet_on_good_ones(tmp_path: Path) ->
                           _series("kvrelay_tokens_recomputed_total", "0+300x20"),
                           _series("kvrelay_chunks_total", "0+2x20", side="decode", outcome="checksum"),
                           _series("kvrelay_router_nodes", "1x20", pool="decode", state="out"),
-                          _series("kvrelay_pool_slots_busy", "127x20"), _series("kvrelay_pool_slots", "127x20")],
+                          _series("kvrelay_pool_slots_busy", "127x20", pod="d-0"),
+                          _series("kvrelay_pool_slots", "127x20", pod="d-0"),
+                          _series("kvrelay_router_requests_total", "0+100x20", endpoint="/v1/completions", outcome="ok"),
+                          _series("kvrelay_router_request_failures_total", "0+10x20", cause="decode_failed"),
+                          _series("kvrelay_store_tier_errors_total", "0+1x20", tier="redis")],
          "alert_rule_test": [
              {"eval_time": "15m", "alertname": "KVRelayRecomputeRatioHigh",
               "exp_alerts": [{"exp_labels": {"severity": "warning"}, "exp_annotations": {
                   "summary": "30% of prompt tokens recomputed on decode nodes instead of loaded",
                   "description": "Pushed KV is failing (checksums, timeouts, dead prefill nodes): PD is paying "
-                                 "for prefill twice."}}]},
+                                 "for prefill twice.", "runbook_url": "README.md#alerts"}}]},
              {"eval_time": "15m", "alertname": "KVRelayChecksumRejections",
               "exp_alerts": [{"exp_labels": {"severity": "critical"}, "exp_annotations": {
-                  "summary": "decode nodes rejected 10 chunks for a bad checksum (corruption on the transfer path)"}}]},
+                  "summary": "decode nodes rejected 10 chunks for a bad checksum (corruption on the transfer path)",
+                  "runbook_url": "README.md#alerts"}}]},
              {"eval_time": "15m", "alertname": "KVRelayNodesOutOfRotation",
               "exp_alerts": [{"exp_labels": {"severity": "warning", "pool": "decode"},
-                              "exp_annotations": {"summary": "1 decode node(s) failing health checks"}}]},
+                              "exp_annotations": {"summary": "1 decode node(s) failing health checks (as the routers "
+                                                             "see them)", "runbook_url": "README.md#alerts"}}]},
              {"eval_time": "15m", "alertname": "KVRelayReceivePoolNearFull",
-              "exp_alerts": [{"exp_labels": {"severity": "warning"}, "exp_annotations": {
-                  "summary": "a decode node's receive pool is 100% busy; pushes will back off"}}]}]},
+              "exp_alerts": [{"exp_labels": {"severity": "warning", "pod": "d-0"}, "exp_annotations": {
+                  "summary": "decode pod d-0's receive pool is 100% busy; pushes back off", "runbook_url": "README.md#alerts"}}]},
+             {"eval_time": "15m", "alertname": "KVRelayRequestFailures",      # 10 of 100: a 5xx rate of 10 %
+              "exp_alerts": [{"exp_labels": {"severity": "critical"}, "exp_annotations": {
+                  "summary": "10% of requests failed at the router (5xx: nodes failing or none healthy)", "runbook_url": "README.md#alerts"}}]},
+             {"eval_time": "15m", "alertname": "KVRelayStoreTierFailing",
+              "exp_alerts": [{"exp_labels": {"severity": "warning", "tier": "redis"}, "exp_annotations": {
+                  "summary": "the store's redis tier failed 5 times in 5 m (Redis unreachable): every read is a miss",
+                  "runbook_url": "README.md#alerts"}}]}]},
         {"interval": "1m",            # healthy: 1 % recomputed, no rejections, all nodes in
          "input_series": [_series("kvrelay_tokens_loaded_total", "0+990x20"),
                           _series("kvrelay_tokens_recomputed_total", "0+10x20"),
@@ -109,3 +122,16 @@ def test_alerts_say_where_their_series_come_from_as_the_readme_does() -> None:
     assert "engine's own /metrics" in header and "never beside it" in header
     readme = (ROOT / "README.md").read_text()
     assert "engine's own `/metrics`" in readme
+
+
+def test_every_alert_has_a_runbook_in_the_readme_and_is_scoped_by_namespace() -> None:
+    rules = yaml.safe_load(RULES.read_text())["groups"][0]["rules"]
+    readme = (ROOT / "README.md").read_text()
+    headings = {line.lstrip("#").strip().lower().replace(" ", "-") for line in readme.splitlines() if line.startswith("#")}
+    for rule in rules:
+        url = rule["annotations"]["runbook_url"]
+        assert url.startswith("README.md#") and url.split("#", 1)[1] in headings, (rule["alert"], url)
+        assert f"`{rule['alert']}`" in readme, f"{rule['alert']} has no row in the README's alert table"
+        assert "by (namespace" in rule["expr"], f"{rule['alert']} is not scoped by namespace"
+    names = {r["alert"] for r in rules}
+    assert {"KVRelayRequestFailures", "KVRelayStoreTierFailing"} <= names

@@ -366,7 +366,7 @@ TYPES = {
     "kvrelay_bytes": "counter", "kvrelay_push_forced_frees": "counter", "kvrelay_store_chunks_stored": "counter",
     "kvrelay_store_tokens_loaded": "counter", "kvrelay_events_dropped": "counter",
     "kvrelay_store_records_forged": "counter", "kvrelay_store_hits": "counter", "kvrelay_store_bytes_loaded": "counter",
-    "kvrelay_store_misses": "counter", "kvrelay_store_evictions": "counter", "kvrelay_receiver_refusals": "counter",
+    "kvrelay_store_misses": "counter", "kvrelay_store_tier_errors": "counter", "kvrelay_store_evictions": "counter", "kvrelay_receiver_refusals": "counter",
     "kvrelay_params_refused": "counter",
     "kvrelay_chunk_load_latency_seconds": "histogram", "kvrelay_chunk_store_latency_seconds": "histogram",
     "kvrelay_transfer_latency_seconds": "histogram",
