@@ -299,7 +299,8 @@ def _add_ops_commands(sub: argparse._SubParsersAction) -> None:
     dep = sub.add_parser("deploy", help="render deployment manifests from the config tree")
     dsub = dep.add_subparsers(dest="target", metavar="TARGET", required=True)
     k = dsub.add_parser("k8s", help="Kubernetes manifests (pools, router, Redis, Secret, ConfigMap, PDBs, PodMonitor)",
-                        description=(k8s.__doc__ or "").split("\n\n")[1])
+                        description=(k8s.__doc__ or "").split("\n\n", 1)[1].replace("``", "`"),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)      # the whole object list
     k8s.add_args(k)
     k.set_defaults(func=k8s.main)
 

@@ -327,3 +327,10 @@ def test_invalid_input_exits_2_with_one_line(tmp_path: Path, flags: list[str], s
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in res.stderr, res.stderr
+
+
+def test_help_lists_every_object_it_renders() -> None:
+    res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "deploy", "k8s", "--help"], capture_output=True, text=True)
+    for kind in ("Namespace", "ConfigMap", "ServiceAccount", "Deployments", "PodDisruptionBudgets", "NetworkPolicies",
+                 "PodMonitor", "PrometheusRule", "--existing-secret"):
+        assert kind in res.stdout, kind
