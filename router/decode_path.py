@@ -60,7 +60,12 @@ class DecodePath:
         for attempt in range(2):
             tried += (node,)
             ok, why = await self._post_prefill(node, job.endpoint, pbody, f"{job.ids.engine}-p")
-            if ok or why == "client_error":
+            if ok:
+                return
+            if why == "client_error":         # D took the request P refused: D recomputes once its wait ends
+                self.client.metrics.errors.labels("prefill_refused").inc()
+                log.warning("prefill on %s refused the prefill of %s that its decode node took; the decode node "
+                            "recomputes the prompt after connector.first_chunk_s", node.url, job.ids.client)
                 return
             self.client.metrics.errors.labels("prefill_failed").inc()
             log.warning("prefill on %s failed (%s) for %s (attempt %d)", node.url, why, job.ids.client, attempt + 1)

@@ -183,7 +183,9 @@ def prefill_body(body: dict[str, Any], *, token_ids: bool = True) -> dict[str, A
     """The request P computes: the client's, for one token, not streamed. ``token_ids``: the
     split path continues from P's token, so its ids come back; the decode path discards P's
     token, so P's copy carries no seed (it needs no sampler state)."""
-    pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    # a constraint on the answer's length cannot hold for one token (vLLM refuses min_tokens >
+    # max_tokens with a 400, and D would then wait first_chunk_s for a push that never comes)
+    pbody = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens")}
     pbody.update(max_tokens=1, stream=False)
     if token_ids:
         pbody["return_token_ids"] = True

@@ -645,3 +645,18 @@ def test_a_client_that_hangs_up_mid_body_is_counted_not_logged_as_a_server_error
     with caplog.at_level(logging.ERROR, logger="aiohttp.server"):
         run(go())
     assert not [r for r in caplog.records if r.name == "aiohttp.server"], caplog.text
+
+
+def test_a_min_tokens_request_is_prefilled_without_it_so_the_prefill_node_takes_it():
+    """Token 1 from D: P computes one discarded token. vLLM answers ``min_tokens`` > ``max_tokens``
+    with a 400, and D, which took the request, then waited ``connector.first_chunk_s`` (20-30 s)
+    for a push that never came - 80 such stalls in one LoRA sweep. P's copy carries no min_tokens."""
+    async def go() -> None:
+        async with one_pair(first_token="decode") as (url, s, pn, dn):
+            body = {"model": "m", "prompt": "x", "max_tokens": 20, "min_tokens": 5}
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 200
+            await asyncio.sleep(0.2)
+            assert pn.requests and "min_tokens" not in pn.requests[-1] and pn.requests[-1]["max_tokens"] == 1
+            assert dn.requests[-1]["min_tokens"] == 5                    # D answers the client's request as sent
+    run(go())
