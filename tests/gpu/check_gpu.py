@@ -199,7 +199,7 @@ def _nixl_into(device: str, pool_device: str | None) -> Row:
 
 
 def check_workers(device: str) -> list[Row]:
-    from tests.gpu.halves import run_pair
+    from tests.gpu.halves import Geometry, run_pair
 
     rows = []
     runs = [(layout, tp_p, tp_d, "tcp") for layout in ("nhd", "hnd") for tp_p, tp_d in ((1, 1), (2, 4), (4, 1))]
@@ -207,8 +207,11 @@ def check_workers(device: str) -> list[Row]:
     # prefill rank: ranks here are threads of one process, which shares one NIXL agent, and a
     # receiver knows a peer agent as one sender (vLLM runs each rank in a process of its own)
     runs += [("nhd", 2, 4, "nixl"), ("hnd", 1, 2, "nixl")]
+    # on a GPU, a request of some size (2,048 tokens of an 8-layer, 8-head bf16 model: 32 MiB); the rehearsal's is tiny
+    g = Geometry(layers=8, blocks=1024, kv_heads=8, block_size=16, content=128, chunk_tokens=256, prompt=2048,
+                 dtype=torch.bfloat16) if device == "cuda" else None
     for layout, tp_p, tp_d, backend in runs:
-        res = run_pair(layout, tp_p, tp_d, device, seed=tp_p * 10 + tp_d, backend=backend)
+        res = run_pair(layout, tp_p, tp_d, device, g, seed=tp_p * 10 + tp_d, backend=backend)
         src = torch.empty(res.bytes, dtype=torch.uint8, pin_memory=device == "cuda")
         dst = torch.empty(res.bytes, dtype=torch.uint8, device=device)
         t_h2d = timed(lambda: dst.copy_(src, non_blocking=True), device, 10)   # noqa: B023 - used at once
