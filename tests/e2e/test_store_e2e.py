@@ -9,7 +9,6 @@ saves the chunks its answers complete (``store.save_decoded``) into the same Red
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import subprocess
 import time
@@ -217,8 +216,7 @@ def _warm(stack, node: str, prefix: str, tmp_path) -> None:
 
 
 def _pending_tokens(router_url: str, node: str) -> float:
-    label = "node-" + hashlib.sha256(node.encode()).hexdigest()[:10]      # the router's opaque label of the URL
-    series = f'kvrelay_router_prefill_pending_tokens{{model_name="{MODEL}",node="{label}"}}'
+    series = f'kvrelay_router_prefill_pending_tokens{{model_name="{MODEL}",node="{node}"}}'   # router.expose_nodes: the URL
     value = scrape(f"{router_url}/metrics").get(series)
     assert value is not None, f"no pending-tokens series for {node}"
     return value
