@@ -267,7 +267,6 @@ def _write(objs: list[dict[str, Any]], out: Path) -> list[Path]:
 def main(args: argparse.Namespace) -> int:
     cfg = kcfg.config_from_args(args)
     opts = options_from_args(args)
-    parse_size(opts.engine_memory, "--engine-memory")
     try:
         secret = Path(args.secret_file).read_text().strip() if args.secret_file else generate_secret()
     except OSError as exc:
