@@ -170,14 +170,14 @@ def served_name(cfg: KVRelayConfig) -> str:
 
 def engine_block_size(engine: EngineConfig) -> int:
     """The KV block size the engines' flags set (``--block-size N``), else vLLM's default of 16."""
-    sizes = {16}
+    given = []
     for args in (engine.extra_args, engine.prefill_args, engine.decode_args):
         for i, arg in enumerate(args):
             value = args[i + 1] if arg == "--block-size" and i + 1 < len(args) else \
                 arg.partition("=")[2] if arg.startswith("--block-size=") else ""
             if value.isdigit():
-                sizes = {int(value)} if sizes == {16} else sizes | {int(value)}
-    return max(sizes)
+                given.append(int(value))
+    return max(given, default=16)
 
 
 @functools.cache
