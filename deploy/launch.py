@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -337,13 +338,17 @@ class Stack:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[spec.name]
         return self._spawn(spec.name, self.node_command(spec), env, mode)
 
-    def start(self, progress: bool = True) -> None:
+    def start(self, progress: bool = True, hold: Collection[str] = ()) -> None:
+        """Start every node and the router, and wait until each answers. The nodes named in
+        ``hold`` are in the router's pools but not started (out of rotation until
+        :meth:`restart` starts one: capacity added to a running stack)."""
         model_path(self.cfg)                                  # create the tiny model once, up front
         self.ensure_secret()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         write_private(self.log_dir / "nodes.yaml", yaml.safe_dump(kcfg.without_secrets(self.cfg), sort_keys=False))
-        for k in range(len(self.specs)):
-            self._spawn_node(k)
+        for k, spec in enumerate(self.specs):
+            if spec.name not in hold:
+                self._spawn_node(k)
         router_yaml = self.log_dir / "router.yaml"
         write_private(router_yaml, yaml.safe_dump(kcfg.to_dict(self.router_config()), sort_keys=False))
         self._spawn("router", [sys.executable, "-m", "kvrelay.cli", "router", "--config", str(router_yaml)],
@@ -353,9 +358,9 @@ class Stack:
     def _wait_all(self, progress: bool) -> None:
         from kvrelay.common.optional import progress_bar
 
-        names = [s.name for s in self.specs]
-        bar = progress_bar(total=len(names) + 1, desc="starting kvrelay stack", disable=not progress, unit="node")
-        for s in self.specs:
+        started = [s for s in self.specs if s.name in self.procs]
+        bar = progress_bar(total=len(started) + 1, desc="starting kvrelay stack", disable=not progress, unit="node")
+        for s in started:
             wait_healthy(self.url(s), self.procs[s.name], self.cfg.deploy.startup_timeout_s,
                          str(self.log_dir / f"{s.name}.log"))
             bar.update(1)

@@ -365,6 +365,12 @@ def _add_bench_commands(b: argparse.ArgumentParser) -> None:
                          description=(multiturn.__doc__ or "").split("\n\n")[1])
     multiturn.add_args(mt)
     mt.set_defaults(func=multiturn.main)
+    from kvrelay.bench import soak
+
+    sk = bsub.add_parser("soak", help="an hour of mixed traffic under scheduled faults: exactness, hangs, leaks and "
+                         "a recovery matrix", description=(soak.__doc__ or "").split("\n\n")[0])
+    soak.add_args(sk)
+    sk.set_defaults(func=soak.main)
 
 
 def main(argv: list[str] | None = None) -> int:

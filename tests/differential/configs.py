@@ -4,7 +4,8 @@ For each :class:`EngineCase`: one plain vLLM and one 1P2D kvrelay stack, both st
 the case's engine flags (and the same dtype and one pinned thread per engine), answer the
 same seeded requests. The stack is asked through every path a request can take:
 
-* the split path in both ``router.first_token`` modes at once (two routers, 4 in flight each);
+* the split path in both ``router.first_token`` modes at once (two routers, 4 in flight each),
+  or in the one a configuration allows (a half-precision model: token 1 from D);
 * decode-first with D alone (the second router serves prompts of up to 256 tokens on D);
 * a second round through the stack's router: the prefill node's own prefix cache is off,
   so every repeated prompt is a store hit (and, with LoRA, every prompt asked of another
@@ -76,6 +77,7 @@ class EngineCase:
     ci: bool = False                            # in the everyday CI run (the rest run with --matrix)
     concurrency: int = 4                        # requests in flight per router (1: one at a time, in turn)
     embeds: int = 0                             # requests sent as prompt embeddings (--enable-prompt-embeds)
+    modes: tuple[str, ...] = ("prefill", "decode")   # the router.first_token modes it is served in
     near: bool = False                          # not bitwise on vLLM's CPU build: near-tie flips (measured)
     doc: str = ""
 
@@ -84,8 +86,10 @@ CASES = (
     EngineCase("lora", LORA_ARGS, adapters=2, runtime_adapters=1, ci=True, concurrency=1,
                doc="three LoRA adapters (one loaded at run time) and the base model, interleaved, --max-loras 1"),
     EngineCase("alternating", attention="alternating", ci=True, doc="sliding and full layers in turn"),
-    EngineCase("bf16", ("--dtype", "bfloat16"), near=True, doc="a bfloat16 model"),
-    EngineCase("fp16", ("--dtype", "float16"), near=True, doc="a float16 model"),
+    EngineCase("bf16", ("--dtype", "bfloat16"), modes=("decode",), near=True,
+               doc="a bfloat16 model (token 1 from D: refused from P)"),
+    EngineCase("fp16", ("--dtype", "float16"), modes=("decode",), near=True,
+               doc="a float16 model (token 1 from D: refused from P)"),
     EngineCase("block64", ("--block-size", "64"), doc="64-token blocks (4 per chunk)"),
     EngineCase("d-no-prefix-cache", decode_args=("--no-enable-prefix-caching",), doc="prefix caching off on D"),
     EngineCase("budget1536", ("--max-num-batched-tokens", "1536"), doc="a 1,536-token chunked-prefill budget"),
@@ -194,7 +198,8 @@ def run_case(case: EngineCase, n: int, seed: int, work: Path, log: Callable[[str
                              engine__extra_args=engine_args(case, work / "stack"),
                              engine__max_model_len=case.max_model_len,
                              engine__prefill_args=["--no-enable-prefix-caching", *case.prefill_args],
-                             engine__decode_args=list(case.decode_args), **DECODE_FIRST)
+                             engine__decode_args=list(case.decode_args), router__first_token=case.modes[0],
+                             **DECODE_FIRST)
     finally:
         if before is None:
             os.environ.pop(RUNTIME_LORA, None)
@@ -202,7 +207,7 @@ def run_case(case: EngineCase, n: int, seed: int, work: Path, log: Callable[[str
             os.environ[RUNTIME_LORA] = before
     try:
         _load_runtime_adapters(case, handle, work / "stack", log)
-        _ask_paths(handle, reqs, want[:len(reqs)], out, log, case.concurrency)
+        _ask_paths(handle, reqs, want[:len(reqs)], out, log, case)
         out.store_hits = sum(1 for e in read_events(handle.events_path)
                              if e["event"] == "store_load" and e.get("loaded_tokens", 0) > 0)
         out.migrated = _migrate(handle, moving, want[len(reqs):], out)
@@ -227,13 +232,14 @@ def _load_runtime_adapters(case: EngineCase, handle: Any, work: Path, log: Calla
 
 
 def _ask_paths(handle: Any, reqs: list[Request], want: list[Answer], out: Outcome, log: Callable[[str], None],
-               concurrency: int) -> None:
+               case: EngineCase) -> None:
     """Round 1 through both first_token modes (at once, unless one at a time), then round 2 (store
     hits) through one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    routers, proc = run.routers_of(handle.stack, handle.cfg.router.port + 1)
+    routers, proc = run.routers_of(handle.stack, handle.cfg.router.port + 1, len(case.modes) > 1)
     try:
+        concurrency = case.concurrency
         with ThreadPoolExecutor(len(routers) if concurrency > 1 else 1) as pool:
             asked = {mode: pool.submit(run.ask, url, reqs, concurrency, f"round1/{mode}")
                      for mode, url in routers.items()}
@@ -245,7 +251,8 @@ def _ask_paths(handle: Any, reqs: list[Request], want: list[Answer], out: Outcom
         again = run.ask(routers[mode], reqs[::-1], concurrency, "round2")[::-1]
         _note(out, reqs, want, again, f"{out.case}/{mode}/round2", log)
     finally:
-        launch.stop_group(proc)
+        if proc is not None:
+            launch.stop_group(proc)
 
 
 def _note(out: Outcome, reqs: list[Request], want: list[Answer], have: list[Answer], target: str,

@@ -129,11 +129,15 @@ def other_mode(first_token: str) -> str:
     return "decode" if first_token == "prefill" else "prefill"
 
 
-def routers_of(stack: launch.Stack, port: int) -> tuple[dict[str, str], subprocess.Popen]:
-    """``{first_token: router URL}`` for both modes over ``stack``, and the extra router's process."""
+def routers_of(stack: launch.Stack, port: int, both: bool = True) -> tuple[dict[str, str], subprocess.Popen | None]:
+    """``{first_token: router URL}`` for both modes over ``stack`` (``both``; else the stack's own
+    router alone), and the extra router's process."""
     own = stack.cfg.router.first_token.value
+    routers = {own: f"http://127.0.0.1:{stack.cfg.router.port}"}
+    if not both:
+        return routers, None
     proc, url = extra_router(stack, port, other_mode(own))
-    return {own: f"http://127.0.0.1:{stack.cfg.router.port}", other_mode(own): url}, proc
+    return {**routers, other_mode(own): url}, proc
 
 
 def busy_prefill_args(blocks: int = 33, budget: int = 512) -> list[str]:

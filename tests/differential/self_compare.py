@@ -72,6 +72,12 @@ def tail_compare(case: EngineCase, n: int, seed: int, work: Path) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(4, 100) for _ in range(128 * rng.randrange(1, 8) + 1)] for _ in range(n)]
 
+    async def hits(url: str) -> float:
+        async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+            text = await r.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("vllm:prefix_cache_hits_total"))
+
     async def answers(url: str) -> list[list[int]]:
         out = []
         async with aiohttp.ClientSession() as s:
@@ -86,11 +92,64 @@ def tail_compare(case: EngineCase, n: int, seed: int, work: Path) -> dict:
         url = f"http://127.0.0.1:{PORT}"
         launch.wait_healthy(url, proc, 900, str(work / "tail" / "server.log"))
         fresh = asyncio.run(answers(url))
+        before = asyncio.run(hits(url))
         cached = asyncio.run(answers(url))
+        hit = asyncio.run(hits(url)) - before
     finally:
         launch.stop_group(proc)
     differ = [i for i, (a, b) in enumerate(zip(fresh, cached, strict=True)) if a != b]
     return {"config": case.name, "prompts": n, "fresh_vs_last_token_alone": len(differ),
+            "prefix_cache_hit_tokens": hit, "prompt_tokens": sum(map(len, prompts)),
+            "wall_s": round(time.monotonic() - t0, 1)}
+
+
+def chunk_compare(case: EngineCase, n: int, seed: int, work: Path) -> dict:
+    """One vLLM, each prompt (256 m + r tokens, 0 < r < 256) twice from an empty prefix cache:
+    whole, then after its first 256 m tokens alone, so that only the last r are computed beside
+    a cached prefix: what a decode node does with the whole chunks a prefill node pushed."""
+    import random
+
+    import aiohttp
+
+    model = ensure_tiny_model(work / f"model-{case.attention}", attention=case.attention)
+    cfg = cfg_for(case, model, work / "chunk", PORT)
+    (work / "chunk").mkdir(parents=True, exist_ok=True)
+    env = {**launch.server_env(cfg, 0, 2), "VLLM_SERVER_DEV_MODE": "1"}      # POST /reset_prefix_cache
+    with open(work / "chunk" / "server.log", "w") as log:
+        proc = launch.spawn_group(launch.server_command(cfg, launch.NodeSpec(launch.Role.SINGLE, 0, PORT)), env, log)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(4, 100) for _ in range(256 * rng.randrange(1, 6) + rng.randrange(1, 256))]
+               for _ in range(n)]
+
+    async def ask(s: aiohttp.ClientSession, url: str, ids: list[int], tokens: int) -> list[str]:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": tokens, "temperature": 0, "logprobs": 1}
+        async with s.post(f"{url}/v1/completions", json=body) as r:
+            return (await r.json())["choices"][0]["logprobs"]["tokens"]
+
+    async def both(url: str) -> tuple[list, list]:
+        whole, split = [], []
+        async with aiohttp.ClientSession() as s:
+            for ids in prompts:
+                async with s.post(f"{url}/reset_prefix_cache") as r:
+                    assert (await r.json())["success"]
+                whole.append(await ask(s, url, ids, 24))
+                async with s.post(f"{url}/reset_prefix_cache") as r:
+                    assert (await r.json())["success"]
+                await ask(s, url, ids[:len(ids) // 256 * 256], 1)
+                split.append(await ask(s, url, ids, 24))
+        return whole, split
+
+    t0 = time.monotonic()
+    try:
+        url = f"http://127.0.0.1:{PORT}"
+        launch.wait_healthy(url, proc, 900, str(work / "chunk" / "server.log"))
+        whole, split = asyncio.run(both(url))
+    finally:
+        launch.stop_group(proc)
+    differ = [i for i, (a, b) in enumerate(zip(whole, split, strict=True)) if a != b]
+    return {"config": case.name, "prompts": n, "whole_vs_after_cached_chunks": len(differ),
+            "first_differing_token": [next(k for k, (x, y) in enumerate(zip(whole[i], split[i])) if x != y)
+                                      for i in differ],
             "wall_s": round(time.monotonic() - t0, 1)}
 
 
@@ -102,15 +161,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="")
     ap.add_argument("--tail", action="store_true", help="instead: each prompt fresh, then with only its last token "
                     "computed (its prefix cached)")
+    ap.add_argument("--chunks", action="store_true", help="instead: each prompt whole, then with its whole "
+                    "256-token chunks cached (what a decode node computes)")
     args = ap.parse_args(argv)
     by_name = {c.name: c for c in CASES} | {"float32": EngineCase("float32", doc="the default float32 model")}
     results = []
     for name in args.config.split(","):
         with tempfile.TemporaryDirectory(prefix="kvrelay-self-") as tmp:
+            if args.chunks:
+                res = chunk_compare(by_name[name], args.n, args.seed, Path(tmp))
+                print(f"[{name}] {res['prompts']} prompts: {res['whole_vs_after_cached_chunks']} answers differ "
+                      f"when the prompt's whole chunks are cached (first differing token: "
+                      f"{res['first_differing_token']}; {res['wall_s']} s)", flush=True)
+                results.append(res)
+                continue
             if args.tail:
                 res = tail_compare(by_name[name], args.n, args.seed, Path(tmp))
                 print(f"[{name}] {res['prompts']} prompts: {res['fresh_vs_last_token_alone']} answers differ when "
-                      f"only the last token is computed ({res['wall_s']} s)", flush=True)
+                      f"only the last token is computed; {res['prefix_cache_hit_tokens']:.0f} of "
+                      f"{res['prompt_tokens']} prompt tokens hit the prefix cache ({res['wall_s']} s)", flush=True)
                 results.append(res)
                 continue
             res = self_compare(by_name[name], args.n, args.seed, Path(tmp))
