@@ -139,7 +139,7 @@ async def drive(args: argparse.Namespace, stack: launch.Stack, injector: Injecto
             bar.write(f"{kind.value}: {done.skipped or done.detail} ({done.repaired - done.at:.0f} s)")
 
     async def samples() -> None:
-        await asyncio.sleep(args.warmup)
+        await asyncio.sleep(max(0.0, args.warmup - 5))          # the first before the first fault
         while clock() < deadline:
             await asyncio.to_thread(sampler.sample, clock())
             await asyncio.sleep(min(30.0, max(0.0, deadline - clock())))
@@ -181,6 +181,26 @@ def idle_engines(stack: launch.Stack, timeout_s: float = 90.0) -> dict[str, floa
         if not any(now.values()) or time.monotonic() > deadline:
             return now
         time.sleep(1.0)
+
+
+def router_counters(stack: launch.Stack) -> dict[str, float]:
+    """The router's migrations, failures, fallbacks and client errors, by family and cause."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.cfg.router.port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name.startswith(("kvrelay_router_migrat", "kvrelay_router_request_failures", "kvrelay_router_breaker",
+                                "kvrelay_router_fallbacks", "kvrelay_router_client_errors")):
+            for s in fam.samples:
+                if s.name.endswith("_total") and s.value:
+                    cause = s.labels.get("cause") or s.labels.get("outcome") or ""
+                    key = fam.name.removeprefix("kvrelay_router_") + (f"{{{cause}}}" if cause else "")
+                    out[key] = out.get(key, 0.0) + s.value
+    return out
 
 
 def summarize(args: argparse.Namespace, outcomes: list[Outcome], injections: list[Injection], want: dict[int, str],
@@ -242,7 +262,9 @@ def run(args: argparse.Namespace, out: Path) -> dict:
         sampler = Sampler(stack)
         outcomes, injections, t0, t1 = asyncio.run(drive(args, stack, injector, pool, sampler))
         idle = idle_engines(stack)
-        return summarize(args, outcomes, injections, want, t0, t1, sampler, idle)
+        summary = summarize(args, outcomes, injections, want, t0, t1, sampler, idle)
+        summary["router"] = router_counters(stack)
+        return summary
 
 
 def main(args: argparse.Namespace) -> int:

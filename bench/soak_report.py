@@ -63,8 +63,8 @@ class MatrixRow:
     kind: FaultKind
     injected: int
     in_flight: int
-    exact: int
-    different: int
+    completed: int               # greedy ones equal to one vLLM's, and sampled ones
+    different: int               # greedy answers that completed different from one vLLM's
     told: int
     lost: int
     hung: int
@@ -134,20 +134,24 @@ def table(summary: dict) -> str:
              f"{summary['concurrency']} clients; warm-up rate {summary['baseline_rps']:.2f} completed/s",
              f"greedy answers completed: {ex['greedy_completed']}, different from one vLLM: {ex['differences']}",
              f"hung past the client timeout: {summary['hung']}; lost without an error: {summary['lost']}",
-             "", f"{'fault':<17} {'n':>2} {'in flight':>9} {'exact':>5} {'diff':>4} {'told':>4} {'lost':>4} "
+             "", f"{'fault':<17} {'n':>2} {'in flight':>9} {'done':>5} {'diff':>4} {'told':>4} {'lost':>4} "
              f"{'hung':>4}  {'repaired s':<18} {'full rate after s':<18}"]
     for r in m:
         if r["skipped"]:
             lines.append(f"{r['kind']:<17} not run: {r['skipped']}")
             continue
-        lines.append(f"{r['kind']:<17} {r['injected']:>2} {r['in_flight']:>9} {r['exact']:>5} {r['different']:>4} "
+        lines.append(f"{r['kind']:<17} {r['injected']:>2} {r['in_flight']:>9} {r['completed']:>5} {r['different']:>4} "
                      f"{r['told']:>4} {r['lost']:>4} {r['hung']:>4}  {_list(r['repaired_s']):<18} "
                      f"{_list(r['full_rate_s']):<18}")
-    lines += ["", "full rate: a 20 s window completing >= 90 % of the warm-up rate; '-': not before the next fault",
+    lines += ["", "in flight: greedy and sampled requests open when the fault fired; done: completed (greedy ones equal "
+              "to one vLLM's), diff: greedy ones that completed different; told: an HTTP error or error event",
+              "full rate: a 20 s window completing >= 90 % of the warm-up rate; '-': not before the next fault",
               "", f"{'process':<10} {'RSS MiB start':>13} {'end':>7} {'growth':>7} {'fds start':>9} {'end':>5} {'growth':>7}"]
     for name, g in summary["growth"].items():
         lines.append(f"{name:<10} {g['rss_kib'][0] / 1024:>13.0f} {g['rss_kib'][1] / 1024:>7.0f} {g['rss_growth']:>7.1%} "
                      f"{g['fds'][0]:>9} {g['fds'][1]:>5} {g['fd_growth']:>7.1%}")
+    lines += ["", "router: " + ", ".join(f"{k} {v:g}" for k, v in summary.get("router", {}).items()),
+              "ends: " + ", ".join(f"{k} {v}" for k, v in sorted(summary["ends"].items()))]
     lines += ["", "engines at the end: " + ", ".join(f"{k} {v:g}" for k, v in summary["idle"].items()),
               "checks: " + ", ".join(f"{k} {'PASS' if v else 'FAIL'}" for k, v in summary["checks"].items())]
     return "\n".join(lines)

@@ -148,7 +148,7 @@ def chunk_compare(case: EngineCase, n: int, seed: int, work: Path) -> dict:
         launch.stop_group(proc)
     differ = [i for i, (a, b) in enumerate(zip(whole, split, strict=True)) if a != b]
     return {"config": case.name, "prompts": n, "whole_vs_after_cached_chunks": len(differ),
-            "first_differing_token": [next(k for k, (x, y) in enumerate(zip(whole[i], split[i])) if x != y)
+            "first_differing_token": [next(k for k, (x, y) in enumerate(zip(whole[i], split[i], strict=False)) if x != y)
                                       for i in differ],
             "wall_s": round(time.monotonic() - t0, 1)}
 
