@@ -414,12 +414,11 @@ SECRET_FIELDS = {"router": ("api_keys", "api_keys_file", "tls_cert", "tls_key")}
 def engine_view(cfg: KVRelayConfig) -> dict[str, Any]:
     """The tree an engine's connector is given on vLLM's command line (``--kv-transfer-config``),
     where anyone who can run ``ps`` reads it: no client API keys or router TLS files, no deploy
-    section, and of the router only ``router.decode`` (:func:`push_allowlist` reads it) and
-    ``router.first_token`` (what a half-precision engine refuses). The shared
+    section, and of the router only ``router.decode`` (:func:`push_allowlist` reads it). The shared
     secret and the Redis password never appear in any tree (files or the environment)."""
     data = to_dict(cfg)
     data.pop("deploy", None)
-    data["router"] = {"decode": data["router"]["decode"], "first_token": data["router"]["first_token"]}
+    data["router"] = {"decode": data["router"]["decode"]}
     return data
 
 

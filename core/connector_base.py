@@ -31,8 +31,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvrelay.common.errors import EngineIncompatible
-from kvrelay.core.config import FirstToken, from_connector_extra
-from kvrelay.core.engine_compat import Refusal, facts_from_vllm, first_token_refusals, refusals
+from kvrelay.core.config import from_connector_extra
+from kvrelay.core.engine_compat import Refusal, facts_from_vllm, refusals
 from kvrelay.core.engine_stats import RelayPromMetrics, RelayStats, StatsTracker
 from kvrelay.core.worker_base import WorkerBase, WorkerHalf
 
@@ -82,12 +82,10 @@ class SchedulerHalf(Protocol):
 W = TypeVar("W", bound=WorkerHalf)
 
 
-def refuse_incompatible(vllm_config: Any, kv_cache_config: Any = None, *, first_token_from_prefill: bool = False) -> None:
+def refuse_incompatible(vllm_config: Any, kv_cache_config: Any = None) -> None:
     """Raise :class:`EngineIncompatible` for an engine configuration kvrelay cannot serve exactly
-    (:mod:`kvrelay.core.engine_compat`), in the router's ``first_token`` mode too: the engine
-    fails at start, never at a request."""
-    facts = facts_from_vllm(vllm_config)
-    found = refusals(facts) + first_token_refusals(facts, first_token_from_prefill)
+    (:mod:`kvrelay.core.engine_compat`): the engine fails at start, never at a request."""
+    found = refusals(facts_from_vllm(vllm_config))
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     if len(groups) > 1:
         found.append(Refusal(f"{len(groups)} KV-cache groups (hybrid KV-cache manager)",
@@ -102,11 +100,9 @@ class RelayConnector(KVConnectorBase_V1, Generic[W]):
     configuration it cannot serve exactly is refused here, when vLLM builds it."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
-        cfg = from_connector_extra(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
-        refuse_incompatible(vllm_config, kv_cache_config,
-                            first_token_from_prefill=cfg.router.first_token is FirstToken.PREFILL)
+        refuse_incompatible(vllm_config, kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
-        self.cfg = cfg
+        self.cfg = from_connector_extra(getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None))
         self._sched = self.make_scheduler(vllm_config) if role == KVConnectorRole.SCHEDULER else None
         self._worker = self.make_worker(vllm_config) if role == KVConnectorRole.WORKER else None
         self._stats = StatsTracker(self._worker.metrics) if isinstance(self._worker, WorkerBase) else None   # on /metrics

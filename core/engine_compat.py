@@ -27,13 +27,7 @@ What is refused and why (docs/guide/compatibility.md is generated from
 * a prefill and a decode node with different block sizes, or a chunk that is not a whole
   number of blocks;
 * a sliding window on every layer (vLLM's sliding-window KV manager): a 300-request sweep with
-  the store on found 7 answers whose first token, from the prefill node, differed;
-* ``router.first_token: prefill`` under a half-precision model (float16, bfloat16): the decode
-  node continues from prompt + token 1, so it computes token 1's KV in a prefill where one vLLM
-  computes it in a decode step. The two agree to the last bit in no dtype, but only in half
-  precision did it change answers (measured on vLLM's CPU build: 1 of 16 greedy bfloat16 answers,
-  from the token after token 1; with ``first_token: decode`` 0 of 16, and one vLLM computing a
-  prompt's last tokens beside its cached chunks agreed with itself in 24 of 24).
+  the store on found 7 answers whose first token, from the prefill node, differed.
 """
 
 from __future__ import annotations
@@ -45,7 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HALF_PRECISION = frozenset({"float16", "bfloat16"})
 SPEC_EXACT: frozenset[str] = frozenset()         # none proven yet (n-gram: see the module docstring)
 _DTYPE_NAMES = {"half": "float16", "float": "float32", "fp16": "float16", "bf16": "bfloat16", "fp32": "float32",
                 "torch.float16": "float16", "torch.bfloat16": "bfloat16", "torch.float32": "float32"}
@@ -175,23 +168,10 @@ def refusals(facts: EngineFacts) -> list[Refusal]:
     return found
 
 
-def first_token_refusals(facts: EngineFacts, from_prefill: bool) -> list[Refusal]:
-    """Why token 1 cannot come from the prefill node (``router.first_token: prefill``) for an
-    engine configured as ``facts``: a half-precision model (see the module docstring)."""
-    model = _DTYPE_NAMES.get(facts.model_dtype, facts.model_dtype)
-    if not from_prefill or model not in HALF_PRECISION:
-        return []
-    return [Refusal(f"router.first_token prefill with a {model} model",
-                    f"the decode node would compute token 1's KV in a prefill where one vLLM computes it in a "
-                    f"decode step, which in {model} changes answers at near-ties (measured); use "
-                    "router.first_token: decode")]
-
-
 def pair_refusals(prefill: EngineFacts, decode: EngineFacts, chunk_tokens: int,
-                  default_block: int | None = None, *, first_token_from_prefill: bool = False) -> list[Refusal]:
-    """Why a prefill and a decode engine cannot exchange chunks (both engines' own refusals too),
-    or cannot in the router's ``first_token`` mode."""
-    found = [*refusals(prefill), *refusals(decode), *first_token_refusals(decode, first_token_from_prefill)]
+                  default_block: int | None = None) -> list[Refusal]:
+    """Why a prefill and a decode engine cannot exchange chunks (both engines' own refusals too)."""
+    found = [*refusals(prefill), *refusals(decode)]          # one engine's refusals once (deduplicated below)
     p_block, d_block = prefill.block_size or default_block, decode.block_size or default_block
     if p_block != d_block:
         found.append(Refusal(f"--block-size {p_block or 'default'} (prefill) vs {d_block or 'default'} (decode)",

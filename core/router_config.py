@@ -133,9 +133,8 @@ FIELD_HELP: dict[str, str] = {
     'router.params_ttl_s': 'the signed kv_transfer_params the router sends engines expire after this (>= request_timeout_s)',
     'router.chat_parsers': 'the engines run a reasoning or tool-call parser: chat requests are not split (decode path)',
     'router.first_token': ("prefill: stream token 1 from the prefill node at once, D continues from prompt + token 1 "
-                           "(requests with features that cannot be split fall back per request; a decode node lost "
-                           "mid-answer is replaced; refused for float16/bfloat16 models, where D computing token 1's "
-                           "KV in a prefill changes answers); decode: D emits every token"),
+                           "(requests with features that cannot be split fall back per request); decode: D emits "
+                           "every token"),
     'connector.runtime_dir': ("private directory (0700, the service user's) for a node's shared state files: "
                               "gauge snapshots, drain files; '' = /dev/shm/kvrelay-<uid>. kvrelay refuses to start "
                               "if it is a symlink, someone else's or open to other users"),

@@ -16,7 +16,6 @@ from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import SECRET_ENV
 from kvrelay.common.wire import HEADER_SIZE
 from kvrelay.core.config import KVRelayConfig, RoutingPolicy
-from kvrelay.core.router_config import FirstToken
 from kvrelay.core.engine_compat import facts_from_args, pair_refusals, read_hf_config
 from kvrelay.core.ranks import Sharding
 from kvrelay.deploy.devices import pool_problems, visible_gpus
@@ -86,10 +85,9 @@ def engine_problems(cfg: KVRelayConfig) -> list[str]:
     read from ``engine.*`` and the model's ``config.json``, and a receive pool too small for them."""
     e = cfg.engine
     hf = read_hf_config(e.model)
-    dtype = [] if e.dtype == "auto" else ["--dtype", e.dtype]       # what launch.server_command passes
+    dtype = [] if e.dtype == "auto" else ["--dtype", e.dtype]       # what launch.server_command passes first
     pair = pair_refusals(facts_from_args([*dtype, *e.extra_args, *e.prefill_args], hf),
-                         facts_from_args([*dtype, *e.extra_args, *e.decode_args], hf), cfg.chunk_tokens,
-                         first_token_from_prefill=cfg.router.first_token is FirstToken.PREFILL)
+                         facts_from_args([*dtype, *e.extra_args, *e.decode_args], hf), cfg.chunk_tokens)
     return [f"engine: {r} (kvrelay refuses configurations it cannot serve exactly: docs/guide/compatibility.md)"
             for r in pair] + _receive_pool_problems(cfg, hf)
 

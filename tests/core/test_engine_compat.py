@@ -12,13 +12,7 @@ import pytest
 
 from kvrelay.common.errors import EngineIncompatible
 from kvrelay.core import config as kcfg
-from kvrelay.core.engine_compat import (
-    facts_from_args,
-    facts_from_vllm,
-    first_token_refusals,
-    pair_refusals,
-    refusals,
-)
+from kvrelay.core.engine_compat import facts_from_args, facts_from_vllm, pair_refusals, refusals
 from kvrelay.deploy.config_check import engine_problems
 
 
@@ -84,16 +78,12 @@ def test_prefill_and_decode_must_agree_on_blocks_and_kv_dtype():
     assert [r.flag for r in kv] == ["--kv-cache-dtype bfloat16 (prefill) vs auto (decode)"]
 
 
-def test_token_one_from_p_is_refused_for_a_half_precision_model():
-    """Measured: with token 1 from P, a bfloat16 model changed 1 of 16 answers (D computes token 1's
-    KV in a prefill, one vLLM in a decode step); with every token from D, 0 of 16."""
-    for args, hf in ((["--dtype", "bfloat16"], {}), (["--dtype", "half"], {}), ([], {"torch_dtype": "bfloat16"})):
-        assert first_token_refusals(facts_from_args(args, hf), from_prefill=False) == []
-        assert "router.first_token prefill" in first_token_refusals(facts_from_args(args, hf), from_prefill=True)[0].flag
-    assert first_token_refusals(facts_from_args(["--dtype", "float32"]), from_prefill=True) == []
-    half = kcfg.from_dict({"engine": {"dtype": "bfloat16"}, "router": {"first_token": "prefill"}})
-    assert any("router.first_token prefill with a bfloat16 model" in p for p in engine_problems(half))
-    assert not engine_problems(kcfg.from_dict({"engine": {"dtype": "bfloat16"}, "router": {"first_token": "decode"}}))
+def test_config_check_reads_the_model_dtype_from_engine_dtype_too():
+    """``engine.dtype`` reaches vLLM as ``--dtype``: a KV cache in it is the model's, not another dtype."""
+    same = kcfg.from_dict({"engine": {"dtype": "bfloat16", "extra_args": ["--kv-cache-dtype", "bfloat16"]}})
+    assert engine_problems(same) == []
+    other = kcfg.from_dict({"engine": {"dtype": "float32", "extra_args": ["--kv-cache-dtype", "bfloat16"]}})
+    assert any("--kv-cache-dtype bfloat16" in p for p in engine_problems(other))
 
 
 def test_config_check_names_the_flag_and_serve_refuses_before_vllm_starts(tmp_path):
@@ -129,11 +119,6 @@ def test_an_engine_started_by_hand_is_refused_when_vllm_builds_the_connector():
         refuse_incompatible(SimpleNamespace(cache_config=SimpleNamespace(block_size=128, cache_dtype="bfloat16"),
                                             speculative_config=None,
                                             model_config=SimpleNamespace(hf_text_config=None, dtype="torch.float32")))
-    half = SimpleNamespace(cache_config=SimpleNamespace(block_size=128, cache_dtype="auto"), speculative_config=None,
-                           model_config=SimpleNamespace(hf_text_config=None, dtype="torch.bfloat16"))
-    refuse_incompatible(half)
-    with pytest.raises(EngineIncompatible, match="router.first_token prefill with a bfloat16 model"):
-        refuse_incompatible(half, first_token_from_prefill=True)
     groups = SimpleNamespace(kv_cache_groups=[object(), object()])
     with pytest.raises(EngineIncompatible, match="2 KV-cache groups"):
         refuse_incompatible(ok, groups)

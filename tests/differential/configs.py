@@ -5,7 +5,7 @@ the case's engine flags (and the same dtype and one pinned thread per engine), a
 same seeded requests. The stack is asked through every path a request can take:
 
 * the split path in both ``router.first_token`` modes at once (two routers, 4 in flight each),
-  or in the one a configuration allows (a half-precision model: token 1 from D);
+  or in the ones a case names (:attr:`EngineCase.modes`);
 * decode-first with D alone (the second router serves prompts of up to 256 tokens on D);
 * a second round through the stack's router: the prefill node's own prefix cache is off,
   so every repeated prompt is a store hit (and, with LoRA, every prompt asked of another
@@ -86,10 +86,8 @@ CASES = (
     EngineCase("lora", LORA_ARGS, adapters=2, runtime_adapters=1, ci=True, concurrency=1,
                doc="three LoRA adapters (one loaded at run time) and the base model, interleaved, --max-loras 1"),
     EngineCase("alternating", attention="alternating", ci=True, doc="sliding and full layers in turn"),
-    EngineCase("bf16", ("--dtype", "bfloat16"), modes=("decode",), near=True,
-               doc="a bfloat16 model (token 1 from D: refused from P)"),
-    EngineCase("fp16", ("--dtype", "float16"), modes=("decode",), near=True,
-               doc="a float16 model (token 1 from D: refused from P)"),
+    EngineCase("bf16", ("--dtype", "bfloat16"), near=True, doc="a bfloat16 model"),
+    EngineCase("fp16", ("--dtype", "float16"), near=True, doc="a float16 model"),
     EngineCase("block64", ("--block-size", "64"), doc="64-token blocks (4 per chunk)"),
     EngineCase("d-no-prefix-cache", decode_args=("--no-enable-prefix-caching",), doc="prefix caching off on D"),
     EngineCase("budget1536", ("--max-num-batched-tokens", "1536"), doc="a 1,536-token chunked-prefill budget"),
