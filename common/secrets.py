@@ -47,6 +47,7 @@ class KeyUse(bytes, enum.Enum):
     PARAMS = b"kvrelay/params/v1"        # the router's signature on kv_transfer_params
     STORE = b"kvrelay/store/v1"          # MAC on records in the shared store tiers
     EVENTS = b"kvrelay/events/v1"        # salts the chunk keys store events publish
+    DATA = b"kvrelay/data/v1"            # MAC on data frames (transport.data_mac)
 
 
 def generate_secret() -> str:

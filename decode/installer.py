@@ -305,7 +305,8 @@ class InstallWorker(WorkerBase):
             t0, w0 = time.monotonic(), time.time()
             skip = max(0, load.spec.local_tokens // self.block_size - c * self.blocks_per_chunk)
             assert self.receiver is not None and self.layout is not None
-            install_verified(self.layout, ev, self.receiver.payload(ev), blocks[skip:], skip, part.span)
+            install_verified(self.layout, ev, self.receiver.payload(ev), blocks[skip:], skip, part.span,
+                             self.receiver.data_mac)
             part.installed.add(c)
             self.metrics.load_latency.observe(time.monotonic() - t0)
             self.metrics.chunks.labels("decode", "installed").inc()

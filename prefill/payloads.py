@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvrelay.common.wire import DType, make_header
+from kvrelay.common.wire import DataMac, DType, make_header
 from kvrelay.core.hooks import load_function
 from kvrelay.kernels.blocks import gather_into_host
 from kvrelay.kernels.layout import KVLayout
@@ -79,8 +79,8 @@ class PayloadMaker:
     """Builds each chunk's (payload, header, buffer to keep). ``staging`` is set once the KV
     caches are registered (its slots are a chunk's size)."""
 
-    def __init__(self, hook: PushHook | None) -> None:
-        self.hook = hook
+    def __init__(self, hook: PushHook | None, mac: DataMac | None = None) -> None:
+        self.hook, self.mac = hook, mac           # mac: transport.data_mac's signer (None: off)
         self.staging: StagingPool | None = None
 
     def make(self, chunk: Chunk, layout: KVLayout, registered: bool) -> tuple[Payload, bytes, ChunkBuffer]:
@@ -88,9 +88,10 @@ class PayloadMaker:
         ids = chunk.block_ids
 
         def header(regions: list[Any], payload_sum: int | None = None) -> bytes:
-            return make_header(chunk.key, chunk.transfer_id, chunk.index, regions, num_layers=layout.num_layers,
-                               num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE),
-                               payload_sum=payload_sum).pack()
+            hdr = make_header(chunk.key, chunk.transfer_id, chunk.index, regions, num_layers=layout.num_layers,
+                              num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE),
+                              payload_sum=payload_sum)
+            return (hdr if self.mac is None else self.mac.sign(hdr, regions)).pack()
 
         if chunk.saved is None and self.hook is None and registered and chunk.span is None:
             views = [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids]

@@ -159,7 +159,7 @@ class PushWorker(WorkerBase):
         super().__init__(cfg, vllm_config)
         self._pushes: dict[str, list[_Push]] = {}     # request -> one push per decode rank it feeds
         self.lanes = Lanes(cfg.transport, cfg.timeouts, make_backend, self._run)
-        self.payloads = PayloadMaker(load_hook(cfg.connector.push_hook))
+        self.payloads = PayloadMaker(load_hook(cfg.connector.push_hook), cfg.transport.data_signer())
         self.store: StoreService | None = None
         if cfg.store.active:
             self.store = StoreService(cfg, vllm_config, self.events)

@@ -16,6 +16,8 @@ import msgspec
 
 from kvrelay.common.config_fields import MiB, Port, Positive, Seconds, Section, Size
 from kvrelay.common.errors import ConfigError
+from kvrelay.common.secrets import KeyUse, derive_key, load_secret
+from kvrelay.common.wire import DataMac
 
 
 class TransportKind(str, enum.Enum):
@@ -72,9 +74,13 @@ class TransportConfig(Section, frozen=True):
     allowed_decode: list[str] = msgspec.field(default_factory=list)  # prefill: push targets allowed
     max_message_bytes: Positive = 1 * MiB       # control frames above this are rejected
     pool_device: PoolDevice = PoolDevice.AUTO   # decode: the receive pool in host memory or on the GPU
+    data_mac: bool = False           # every pushed chunk carries a keyed MAC, checked before D installs it
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.data_mac and self.pool_device is PoolDevice.GPU:
+            raise ConfigError("transport.data_mac is checked on the host, over the bytes D installs: it needs "
+                              "transport.pool_device host (or auto, which then keeps the pool on the host)")
         if self.pool_device is PoolDevice.GPU and self.backend is not TransportKind.NIXL:
             raise ConfigError(f"transport.pool_device gpu needs one-sided writes into device memory: "
                               f"transport.backend nixl (not {self.backend.value}), or pool_device host")
@@ -85,9 +91,16 @@ class TransportConfig(Section, frozen=True):
         on_gpu = kv_device.startswith("cuda")
         if self.pool_device is PoolDevice.GPU and not on_gpu:
             raise ConfigError(f"transport.pool_device gpu, but this decode engine's KV cache is on {kv_device}")
-        if self.pool_device is PoolDevice.HOST or not (on_gpu and writes_device):
+        if self.pool_device is PoolDevice.HOST or self.data_mac or not (on_gpu and writes_device):
             return None
         return kv_device
+
+    def data_signer(self, secret: bytes | None = None) -> DataMac | None:
+        """The data-frame MAC when ``data_mac`` is on (keyed from ``secret``, else the loaded
+        shared secret); None when off."""
+        if not self.data_mac:
+            return None
+        return DataMac(derive_key(load_secret(self) if secret is None else secret, KeyUse.DATA))
 
     def advertised_host(self) -> str:
         """The data-plane address a decode node announces (after the authenticated Hello).
@@ -122,6 +135,9 @@ FIELD_HELP: dict[str, str] = {
     'transport.allowed_decode': ("prefill: decode transfer endpoints (tcp://host:port) it may push to; [] = the "
                                  "decode nodes router.decode names"),
     'transport.max_message_bytes': 'control frames larger than this are rejected',
+    'transport.data_mac': ("sign every pushed chunk with a keyed MAC (BLAKE2b, from the shared secret) that D checks "
+                           "before installing it: protects KV on the wire against forgery, at one more pass over "
+                           "each chunk on each side; off: checksums catch accidents only (set it on both roles)"),
     'transport.pool_device': "decode receive pool: auto (GPU memory with nixl on a GPU engine, else pinned host "
                              "pages), host, or gpu (chunks land in HBM; the install is device to device)",
     'timeouts.lease_s': 'a slot not filled and consumed within this is reclaimed (seconds)',

@@ -95,6 +95,7 @@ class Receiver:
         self.landing = Landing(self.table, self._refused, self._seen, verify_payload)
         secret = load_secret(transport) if secret is None else secret
         self._gate = Gatekeeper(secret, timeouts.connect_s, self._refused, clock)
+        self.data_mac = transport.data_signer(secret)     # the consumer checks it over what it installs
         self._peers: dict[str, float] = {}                          # sender id -> last seen
         try:
             self._control = ListeningSocket(zmq.ROUTER, "the control endpoint", transport.host, transport.control_port,

@@ -86,6 +86,7 @@ class Sender:
         self.receiver_id = ""
         secret = load_secret(transport) if secret is None else secret
         self._hello_key, self._session_root = derive_key(secret, KeyUse.HELLO), derive_key(secret, KeyUse.SESSION)
+        self.data_mac = transport.data_signer(secret)     # signs the headers write_chunk builds itself
         self._session, self._key, self._seq = b"", b"", 0
         self.layout: SourceLayout | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -268,8 +269,10 @@ class Sender:
                 return None
             raise TransportError(f"chunk {chunk_index} of {alloc.transfer_id!r} has no slot")
         if header is None:
-            header = make_header(alloc.keys[chunk_index], alloc.transfer_id, chunk_index, host_buffers(payload),
-                                 num_layers=num_layers, num_blocks=num_blocks, dtype=dtype).pack()
+            regions = host_buffers(payload)
+            hdr = make_header(alloc.keys[chunk_index], alloc.transfer_id, chunk_index, regions,
+                              num_layers=num_layers, num_blocks=num_blocks, dtype=dtype)
+            header = (hdr if self.data_mac is None else self.data_mac.sign(hdr, regions)).pack()
         nbytes = HEADER_SIZE + self._payload_bytes(payload)
         if nbytes > self.slot_bytes:
             raise TransportError(f"chunk {chunk_index} is {nbytes} bytes; slots hold {self.slot_bytes}")

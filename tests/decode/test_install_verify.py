@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from kvrelay.common.wire import make_header  # noqa: E402
+from kvrelay.common.wire import DataMac, make_header  # noqa: E402
 from kvrelay.core import config as kcfg  # noqa: E402
 from kvrelay.decode.installer import InstallWorker, _Load  # noqa: E402
 from kvrelay.decode.specs import LoadSpec  # noqa: E402
@@ -27,9 +27,10 @@ BLOCK, CHUNK, LAYERS, NUM_BLOCKS = 16, 32, 3, 12          # 2 blocks per chunk
 class SlotStub:
     """The receiver's two calls an install makes: the slot's payload bytes, and the release."""
 
-    def __init__(self, payload: bytes) -> None:
+    def __init__(self, payload: bytes, data_mac: DataMac | None = None) -> None:
         self.buf = bytearray(payload)
         self.released = 0
+        self.data_mac = data_mac
 
     def payload(self, ev: ChunkArrival) -> memoryview:
         return memoryview(self.buf)
@@ -66,7 +67,8 @@ def _chunk(w: InstallWorker, seed: int) -> torch.Tensor:
 
 
 def _arrive(w: InstallWorker, payload: torch.Tensor, *, local_tokens: int = 0, corrupt: int | None = None,
-            part: int = 0, load: _Load | None = None) -> _Load:
+            part: int = 0, load: _Load | None = None, mac: DataMac | None = None, forge: bool = False,
+            verified: bool = False) -> _Load:
     """Install ``payload`` as piece ``part`` of chunk 0 of a 32-token prompt into blocks [5, 9]."""
     spec = LoadSpec("r", "t", list(range(CHUNK)), [5, 9], local_tokens, CHUNK - local_tokens)
     if load is None:
@@ -76,11 +78,16 @@ def _arrive(w: InstallWorker, payload: torch.Tensor, *, local_tokens: int = 0, c
     key = piece.keys[0]
     regions = [payload[i, b].numpy() for i in range(LAYERS) for b in range(2)]
     header = make_header(key, piece.transfer_id, 0, regions, num_layers=LAYERS, num_blocks=2)
+    header = header if mac is None else mac.sign(header, regions)
     body = bytearray(payload.numpy().tobytes())
     if corrupt is not None:
         body[corrupt] ^= 0xFF                              # a byte flipped after the checksum was taken
-    w.receiver = SlotStub(bytes(body))
-    w._install(load, piece, ChunkArrival(piece.transfer_id, 0, key, SlotRef(0, 1), header, 0.0, verified=False))
+    if forge:       # an attacker on the wire: other KV, with every checksum recomputed (the MAC kept)
+        body = bytearray(torch.flip(payload, [2]).contiguous().numpy().tobytes())
+        forged = make_header(key, piece.transfer_id, 0, [bytes(body)], num_layers=LAYERS, num_blocks=2)
+        header = ChunkHeaderReplace(forged, header.mac)
+    w.receiver = SlotStub(bytes(body), w.cfg.transport.data_signer() if w.cfg.transport.data_mac else None)
+    w._install(load, piece, ChunkArrival(piece.transfer_id, 0, key, SlotRef(0, 1), header, 0.0, verified=verified))
     return load
 
 
@@ -113,6 +120,37 @@ def test_blocks_d_already_held_are_not_written_but_still_verified(worker):
     assert torch.equal(_installed(worker, [9]), payload[:, 1:])
     held_byte = worker.layout.bytes_per_block * 2 + 7          # layer 1, block 0: a block D holds
     assert _arrive(worker, _chunk(worker, 4), local_tokens=BLOCK, corrupt=held_byte).failed()
+
+
+def ChunkHeaderReplace(hdr, mac: bytes):      # noqa: N802 - reads as the constructor it stands for
+    import dataclasses
+
+    return dataclasses.replace(hdr, mac=mac)
+
+
+@pytest.mark.parametrize("verified", [False, True], ids=["hashed-at-install", "hashed-on-arrival"])
+def test_a_forged_chunk_with_recomputed_checksums_is_refused_only_with_the_data_mac(verified):
+    """The checksums catch accidents: a chunk rewritten on the wire with its checksums recomputed
+    installs (other KV than P computed). With ``transport.data_mac`` the keyed MAC, which the
+    attacker cannot recompute without the secret, refuses it; an honest signed chunk installs."""
+    plain = _worker()
+    signed = _worker("transport.data_mac=true")
+    real = plain.receiver, signed.receiver
+    try:
+        mac = signed.cfg.transport.data_signer()
+        assert mac is not None
+        assert not _arrive(plain, _chunk(plain, 6), forge=True, verified=verified).failed()      # accepted
+        assert torch.equal(_installed(plain, [5, 9]), torch.flip(_chunk(plain, 6), [2]))
+        bad = _arrive(signed, _chunk(signed, 6), mac=mac, forge=True, verified=verified)
+        assert 0 in bad.failed() and "MAC" in bad.failed()[0]
+        honest = _arrive(signed, _chunk(signed, 7), mac=mac, verified=verified)
+        assert not honest.failed() and torch.equal(_installed(signed, [5, 9]), _chunk(signed, 7))
+        other = DataMac(b"another secret's key".ljust(32, b"."))
+        assert 0 in _arrive(signed, _chunk(signed, 8), mac=other, verified=verified).failed()
+    finally:
+        plain.receiver, signed.receiver = real
+        plain.close()
+        signed.close()
 
 
 def test_two_prefill_ranks_pieces_make_one_chunk():

@@ -390,10 +390,11 @@ DECODE_FIRST = {"router__decode_first": True, "router__disagg_min_tokens": 0, "r
 
 
 
-def assert_corrupted_chunks_recomputed(stack: StackHandle, reference: dict[str, str], case: Case) -> None:
+def assert_corrupted_chunks_recomputed(stack: StackHandle, reference: dict[str, str], case: Case) -> dict:
     """Serve ``case`` on a stack whose prefill node corrupts every other chunk
     (``connector.push_hook = tests.e2e.faults:corrupt_every_other``): the load must report
-    checksum failures, recompute them, count them, and the answer must stay exact."""
+    checksum failures, recompute them, count them, and the answer must stay exact. Returns
+    the decode node's ``load_done`` event."""
     before = stack.worker_metrics(launch.Role.DECODE).get("kvrelay_tokens_recomputed_total", 0)
     rid = f"t-{stack.cfg.transport.backend.value}-{case.name}-{os.urandom(3).hex()}"
     text, _ = run_case(openai_client(stack.router_url), case, rid)
@@ -404,6 +405,7 @@ def assert_corrupted_chunks_recomputed(stack: StackHandle, reference: dict[str, 
     assert text == reference[case.name], "recompute fallback must still give the exact answer"
     after = stack.worker_metrics(launch.Role.DECODE)["kvrelay_tokens_recomputed_total"]
     assert after - before == d["recomputed_tokens"]
+    return d
 
 def stop_active() -> None:
     """Stop the stack the last :func:`start_stack` started, if it still runs."""

@@ -225,7 +225,7 @@ def test_connector_metrics_on_the_engines_own_metrics_endpoint(pd_stack):
 
 @pytest.fixture(scope="session")
 def corrupt_stack(reference, tiny_model, tmp_path_factory):
-    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-corrupt"), 20500,
+    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-corrupt"), 20500, transport__data_mac=True,
                          transport__backend="tcp", connector__push_hook="tests.e2e.faults:corrupt_every_other")
     yield handle
     handle.stack.stop()
@@ -233,8 +233,11 @@ def corrupt_stack(reference, tiny_model, tmp_path_factory):
 
 @pytest.mark.parametrize("case", [CASES[4], CASES[7], CASES[10]], ids=lambda c: c.name)
 def test_corrupted_chunks_are_rejected_and_recomputed(corrupt_stack, reference, case):
-    """Negative control: every other pushed chunk is corrupted after checksumming."""
-    assert_corrupted_chunks_recomputed(corrupt_stack, reference, case)
+    """Negative control: every other pushed chunk is corrupted after checksumming. The stack signs
+    every chunk (``transport.data_mac``): the intact ones must pass the MAC D checks over what
+    it installs, so P's signature and D's check agree on real engines' KV."""
+    d = assert_corrupted_chunks_recomputed(corrupt_stack, reference, case)
+    assert d["loaded_tokens"] > 0 and not any("MAC" in why for why in d["failed"].values()), d
 
 
 def test_prometheus_scrapes_the_stack_and_the_recompute_alert_fires(corrupt_stack, reference, tmp_path):

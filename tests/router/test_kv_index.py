@@ -110,7 +110,7 @@ def test_eviction_for_the_bound_is_o1_however_many_blocks_went_before():
     """Storing 20,000 blocks into an engine at its bound (each evicting the oldest) costs about
     what storing them under no bound costs. Before the fix each eviction walked the dict's holes
     (``next(iter(d))``; measured 9 -> 112 us per block over 80k): 4.2x here, against 1.2x after.
-    A ratio of CPU times within this run, best of three, with a wide margin."""
+    A ratio of CPU times within this run, best of five."""
     import time
 
     batches = [decode_batch(wire(stored([random.getrandbits(63) for _ in range(100)], None, list(range(400)))))
@@ -125,8 +125,10 @@ def test_eviction_for_the_bound_is_o1_however_many_blocks_went_before():
             index.apply("http://a", seq, batch)
         assert index.blocks("http://a") == min(bound, 40_000)
         return time.process_time() - t0
-    free, bounded = min(cost(10**6) for _ in range(3)), min(cost(20_000) for _ in range(3))
-    assert bounded < 2.5 * free, f"storing at the bound cost {bounded / free:.1f}x storing under none: not O(1)"
+    # the walk measured 4.2x, the fix 1.2x: best of five on each side (2.5x after best of three
+    # flaked once on a host busy with a parallel run)
+    free, bounded = min(cost(10**6) for _ in range(5)), min(cost(20_000) for _ in range(5))
+    assert bounded < 3 * free, f"storing at the bound cost {bounded / free:.1f}x storing under none: not O(1)"
 
 
 def test_blocks_whose_parent_was_missed_are_not_claimed():

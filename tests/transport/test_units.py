@@ -342,3 +342,32 @@ def test_parking_grants_oldest_first_refuses_late_and_withdraws_by_sender():
     assert refused == [] and len(parking) == 2                 # t2 granted before its deadline mattered
     parking.sweep(6.0, lambda p: False, lambda p: refused.append(p.msg.transfer_id))
     assert refused == ["t3", "t1"] and len(parking) == 0
+
+
+def test_the_data_mac_rides_in_the_header_and_binds_its_fields_and_payload():
+    import dataclasses
+
+    from kvrelay.common.errors import ChecksumError, ConfigError
+    from kvrelay.common.wire import NO_MAC, DataMac, make_header, parse_header
+    from kvrelay.transport.config import PoolDevice, TransportConfig
+
+    payload = [b"\x01" * 64, b"\x02" * 64]
+    mac = DataMac(b"k" * 32)
+    hdr = mac.sign(make_header(b"K" * 32, "t1", 3, payload, num_layers=2), payload)
+    back = parse_header(hdr.pack())
+    assert back.mac == hdr.mac != NO_MAC and back.version == 2
+    mac.check(back, payload)
+    for forged, regions in ((dataclasses.replace(back, chunk_index=4), payload),     # moved to another index
+                            (back, [b"\x01" * 64, b"\x03" * 64])):                  # other bytes
+        with pytest.raises(ChecksumError, match="MAC"):
+            mac.check(forged, regions)
+    with pytest.raises(ChecksumError, match="MAC"):
+        DataMac(b"x" * 32).check(back, payload)                                  # another secret
+    old = bytearray(hdr.pack())
+    old[4:6] = (1).to_bytes(2, "little")                                         # a version-1 peer
+    with pytest.raises(Exception, match="wire version 1"):
+        parse_header(bytes(old))
+    assert TransportConfig().data_signer() is None                               # off by default
+    with pytest.raises(ConfigError, match="data_mac"):
+        TransportConfig(data_mac=True, pool_device=PoolDevice.GPU)
+    assert TransportConfig(data_mac=True).pool_on("cuda:0", writes_device=True) is None     # auto: host pool
