@@ -73,15 +73,10 @@ class HeadGeometry:
 
     @classmethod
     def of(cls, layout: KVLayout, local_heads: int) -> HeadGeometry:
-        shape, hd = layout.block_shape(), layout.heads_dim
-        if hd is None or shape[hd] != local_heads:
+        shape, hd, runs = layout.block_shape(), layout.heads_dim, layout.head_runs()
+        if hd is None or runs is None or shape[hd] != local_heads:
             return cls(1, 0, "")
-        es = layout.layers[0].element_size()
-        rows, inner = 1, es
-        for n in shape[:hd]:
-            rows *= n
-        for n in shape[hd + 1:]:
-            inner *= n
+        rows, inner = runs
         text = [str(n) for n in shape]
         text[hd] = "*"
         return cls(rows, inner, f"{layout.device.type}:[{', '.join(text)}]")

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.kernels.span import Span
+
 
 @dataclass
 class KVLayout:
@@ -51,6 +53,27 @@ class KVLayout:
 
     def block_shape(self) -> tuple[int, ...]:
         return tuple(self.layers[0].shape[1:])
+
+    def head_runs(self) -> tuple[int, int] | None:
+        """``(rows, head_bytes)``: a block read as ``rows`` runs (the dimensions outside the heads),
+        each holding every head ``head_bytes`` wide; None: its blocks have no heads dimension."""
+        shape, hd = self.block_shape(), self.heads_dim
+        if hd is None:
+            return None
+        rows, inner = 1, self.layers[0].element_size()
+        for n in shape[:hd]:
+            rows *= n
+        for n in shape[hd + 1:]:
+            inner *= n
+        return rows, inner
+
+    def heads_span(self, h0: int, h1: int) -> Span:
+        """Heads ``[h0, h1)`` of this layout's blocks (local head indices) as a :class:`Span`."""
+        runs = self.head_runs()
+        if runs is None:
+            raise ValueError("this layout's blocks have no heads dimension: a head range cannot be cut from them")
+        rows, unit = runs
+        return Span(rows, self.bytes_per_block // rows, h0 * unit, (h1 - h0) * unit)
 
     @classmethod
     def from_caches(cls, kv_caches: Mapping[str, torch.Tensor]) -> KVLayout:

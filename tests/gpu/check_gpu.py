@@ -92,19 +92,13 @@ def check_heads(device: str, layout: str) -> list[Row]:
     """Half of each block's heads (TP2 -> TP1's piece) gathered and scattered back."""
     from kvrelay.kernels.blocks import _byte_planes, gather_range, scatter_range
     from kvrelay.kernels.layout import KVLayout
-    from kvrelay.kernels.span import Span
 
     L, NB, H, BS, D = (32, 2048, 8, 16, 128) if device == "cuda" else (8, 256, 8, 16, 64)
     shape = (L, NB, H, BS, D) if layout == "hnd" else (L, NB, BS, H, D)
     buf = torch.randn(shape, device=device, dtype=torch.bfloat16)
     views = {f"l{i}": buf[i] if layout == "hnd" else buf[i].permute(0, 2, 1, 3) for i in range(L)}
     lay = KVLayout.from_caches(views)
-    assert lay.heads_dim is not None
-    rows = 1
-    for n in lay.block_shape()[:lay.heads_dim]:
-        rows *= n
-    unit = lay.bytes_per_block // rows // H
-    span = Span(rows, lay.bytes_per_block // rows, (H // 2) * unit, (H // 2) * unit)
+    span = lay.heads_span(H // 2, H)
     ids = torch.randperm(NB, device=device)[:16]
     got = torch.empty((L, 16, span.nbytes), dtype=torch.uint8, device=device)
     gather_range(lay, ids, got, span)

@@ -218,13 +218,8 @@ def _logical_caches(layout: str, device: str = "cpu", seed: int = 0) -> dict[str
 
 def _heads_span(lay: KVLayout, h0: int, h1: int) -> Span:
     """Heads [h0, h1) of a block, from where the layout says its heads sit."""
-    shape, hd = lay.block_shape(), lay.heads_dim
-    assert hd is not None and shape[hd] == H
-    rows = 1
-    for n in shape[:hd]:
-        rows *= n
-    unit = lay.bytes_per_block // rows // H
-    return Span(rows, lay.bytes_per_block // rows, h0 * unit, (h1 - h0) * unit)
+    assert lay.heads_dim is not None and lay.block_shape()[lay.heads_dim] == H
+    return lay.heads_span(h0, h1)
 
 
 def _heads_bytes(caches: dict[str, torch.Tensor], ids: list[int], h0: int, h1: int, layout: str) -> bytes:

@@ -172,3 +172,52 @@ def test_three_hosts_are_token_exact_and_load_from_pushes(multihost: Hosts, refe
         for d in done:                                   # every decode rank loaded its heads
             assert d["recomputed_tokens"] == 0 and not d["failed"], d
             assert d["loaded_tokens"] > 0, d
+
+
+CUT_S, CUTS_AT, TRAFFIC_S = 15.0, (40.0, 100.0), 160.0
+
+
+def test_a_cut_link_between_p_and_d_loses_no_request(multihost: Hosts, tiny_model: Path, tmp_path: Path) -> None:
+    """The soak's ``P-D link cut`` fault, which needs hosts of their own: mixed traffic through the
+    router while the prefill host's link is set down for 15 s, twice (``ip link set kvr0 down``
+    in its namespace: P is cut from D and from the router; nothing is closed, packets just stop).
+    Every greedy answer that completes equals one vLLM's, none hangs past the client timeout or
+    is lost without an error, and the recovery row is printed (docs/lab/soak.md)."""
+    import asyncio
+
+    from kvrelay.bench import soak, soak_report
+    from kvrelay.bench.soak_faults import FaultKind, Injection
+    from kvrelay.bench.soak_traffic import End, Load, Mix, prompt_pool
+    from kvrelay.core import config as kcfg
+
+    if (multihost.p_tp, multihost.d_tp) != (1, 1):
+        pytest.skip("the link cut runs on the one-rank hosts (tcp and nixl)")
+    pool = prompt_pool(24, seed=5)
+    ref_cfg = kcfg.from_dict({"engine": {"model": str(tiny_model), "served_model_name": MODEL},
+                              "deploy": {"base_port": 18600}})
+    want = soak.reference(ref_cfg, pool, tmp_path)          # one vLLM, one pinned thread like each engine
+    load = Load(f"http://{ADDR['router']}:{PORT['router']}", MODEL, pool, Mix(stall=0.0), 6, timeout_s=120)
+
+    async def run() -> tuple[list, list[Injection], float, float]:
+        clock = time.monotonic
+        t0 = clock()
+        traffic = asyncio.create_task(load.run(t0 + TRAFFIC_S))
+        cuts = []
+        for at in CUTS_AT:
+            await asyncio.sleep(max(0.0, t0 + at - clock()))
+            cut = clock()
+            await asyncio.to_thread(_ip, "link", "set", "kvr0", "down", ns="kvr-prefill")
+            await asyncio.sleep(CUT_S)
+            await asyncio.to_thread(_ip, "link", "set", "kvr0", "up", ns="kvr-prefill")
+            cuts.append(Injection(FaultKind.LINK_CUT, cut, clock(), f"prefill's link down {CUT_S:g} s"))
+        return await traffic, cuts, t0, clock()
+
+    outcomes, cuts, t0, t1 = asyncio.run(run())
+    baseline = soak_report.rate(outcomes, t0 + 10, t0 + CUTS_AT[0])
+    row = soak_report.recovery_matrix(outcomes, cuts, want, baseline, t1)[0].row()
+    ex = soak_report.exactness(outcomes, want)
+    backend = yaml.safe_load(multihost.config.read_text())["transport"]["backend"]
+    print(f"link cut over {backend}: {row}; {ex['greedy_completed']} greedy answers, ends {soak_report.ends(outcomes)}")
+    assert ex["differences"] == 0, ex["examples"]
+    assert not [o.row() for o in outcomes if o.end in (End.HUNG, End.LOST)], soak_report.ends(outcomes)
+    assert row["in_flight"] > 0 and ex["greedy_completed"] > 50, row
