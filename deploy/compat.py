@@ -61,7 +61,8 @@ ROWS = (
         "every chunk arrives intact, but a near-tie answer flips wherever D's KV was computed another way than one "
         "vLLM's: token 1's KV in a prefill (token 1 from P), a store hit's tail, a migrated answer. Measured on "
         "vLLM's CPU build, bfloat16, 16 requests: 1 (token 1 from P), 0 (token 1 from D), 1 (store round), the "
-        "same prompt each time; one vLLM's own prefix-cache paths agreed with it in 24 of 24 and 20 of 20",
+        "same prompt each time; one vLLM's own prefix-cache paths agreed with it in 24 of 24 and 20 of 20 "
+        "(docs/lab/half-precision.md)",
         (f"{CFG}[bf16]", f"{CFG}[fp16]")),
     Row("Speculative decoding, n-gram", "--speculative-config '{\"method\": \"ngram\", ...}'", Support.REFUSED,
         Proof.CI, "measured on vLLM's CPU build: the decode engine's rejection sampler failed on a seeded top-k "
