@@ -27,8 +27,9 @@ import asyncio
 import contextlib
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.bench import report, soak_report
 from kvrelay.bench.local_redis import REDIS, RedisServer
@@ -36,6 +37,9 @@ from kvrelay.bench.soak_faults import CYCLE, HELD, QUICK, Injection, Injector, s
 from kvrelay.bench.soak_traffic import End, Load, Mix, Outcome, Prompt, prompt_pool
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 IDLE_SERIES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "kvrelay_pool_slots_busy",
                "kvrelay_receiver_entries", "kvrelay_transfers_inflight")
@@ -156,20 +160,26 @@ async def drive(args: argparse.Namespace, stack: launch.Stack, injector: Injecto
     return outcomes, injections, t0, clock()
 
 
-def idle_engines(stack: launch.Stack, timeout_s: float = 90.0) -> dict[str, float]:
-    """Wait until every running node reports nothing in flight; the sums of :data:`IDLE_SERIES` then."""
+def scrape(url: str) -> Iterable[Metric]:
+    """The metric families ``url``'s ``/metrics`` serves (Prometheus text, parsed by its client)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return text_string_to_metric_families(text)
+
+
+def idle_engines(stack: launch.Stack, timeout_s: float = 90.0) -> dict[str, float]:
+    """Wait until every running node reports nothing in flight; the sums of :data:`IDLE_SERIES` then."""
 
     def busy() -> dict[str, float]:
         total = dict.fromkeys(IDLE_SERIES, 0.0)
         for spec in stack.specs:
             if spec.name not in stack.procs:
                 continue
-            with urllib.request.urlopen(f"{stack.url(spec)}/metrics", timeout=10) as r:
-                text = r.read().decode()
-            for fam in text_string_to_metric_families(text):
+            for fam in scrape(stack.url(spec)):
                 for s in fam.samples:
                     if s.name in total:
                         total[s.name] += s.value
@@ -185,14 +195,8 @@ def idle_engines(stack: launch.Stack, timeout_s: float = 90.0) -> dict[str, floa
 
 def router_counters(stack: launch.Stack) -> dict[str, float]:
     """The router's migrations, failures, fallbacks and client errors, by family and cause."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{stack.cfg.router.port}/metrics", timeout=10) as r:
-        text = r.read().decode()
     out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
+    for fam in scrape(f"http://127.0.0.1:{stack.cfg.router.port}"):
         if fam.name.startswith(("kvrelay_router_migrat", "kvrelay_router_request_failures", "kvrelay_router_breaker",
                                 "kvrelay_router_fallbacks", "kvrelay_router_client_errors")):
             for s in fam.samples:

@@ -80,8 +80,8 @@ class Injector:
     sleep: Callable[[float], None] = time.sleep
 
     def inject(self, kind: FaultKind) -> Injection:
-        how = {FaultKind.DECODE_KILL: lambda: self._kill("decode0"),
-               FaultKind.PREFILL_KILL: lambda: self._kill("prefill0"),
+        how = {FaultKind.DECODE_KILL: lambda: self._kill(FaultKind.DECODE_KILL, "decode0"),
+               FaultKind.PREFILL_KILL: lambda: self._kill(FaultKind.PREFILL_KILL, "prefill0"),
                FaultKind.PREFILL_DRAIN: self._drain_prefill,
                FaultKind.DECODE_ADDED: self._add_decode,
                FaultKind.DECODE_DRAINED: self._drain_decode,
@@ -90,12 +90,11 @@ class Injector:
                FaultKind.LINK_CUT: self._link}[kind]
         return how()
 
-    def _kill(self, node: str) -> Injection:
+    def _kill(self, kind: FaultKind, node: str) -> Injection:
         at = self.clock()
         self.stack.kill(node)
         self.stack.restart(node)
-        return Injection(FaultKind.DECODE_KILL if node.startswith("decode") else FaultKind.PREFILL_KILL,
-                         at, self.clock(), f"{node} SIGKILLed and restarted")
+        return Injection(kind, at, self.clock(), f"{node} SIGKILLed and restarted")
 
     def _drain_prefill(self) -> Injection:
         at = self.clock()

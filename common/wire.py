@@ -145,20 +145,22 @@ def payload_checksum(regions: Sequence[Buffer]) -> int:
 
 def make_header(key: bytes, transfer_id: str, chunk_index: int, regions: Sequence[Buffer], *,
                 num_layers: int = 1, num_blocks: int = 1, dtype: DType = DType.OPAQUE,
-                payload_sum: int | None = None) -> ChunkHeader:
+                payload_sum: int | None = None, mac: DataMac | None = None) -> ChunkHeader:
     """Build the header for a payload given as ``regions`` (in ``[layer][block]`` order).
     ``payload_sum``: the payload's checksum when the caller already has it (the same bytes were
-    hashed for a store record), so a chunk that is stored and pushed is hashed once."""
+    hashed for a store record), so a chunk that is stored and pushed is hashed once. ``mac``:
+    sign it (``transport.data_mac``; None: no MAC)."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
     total = sum(memoryview(r).nbytes for r in regions)
     units = num_layers * num_blocks
     if units <= 0 or total % units:
         raise ValueError(f"payload of {total} bytes is not {num_layers} layers x {num_blocks} blocks")
-    return ChunkHeader(key=key, transfer=transfer_tag(transfer_id), chunk_index=chunk_index,
-                       num_layers=num_layers, num_blocks=num_blocks, block_bytes=total // units,
-                       payload_sum=payload_checksum(regions) if payload_sum is None else payload_sum,
-                       dtype=dtype)
+    hdr = ChunkHeader(key=key, transfer=transfer_tag(transfer_id), chunk_index=chunk_index,
+                      num_layers=num_layers, num_blocks=num_blocks, block_bytes=total // units,
+                      payload_sum=payload_checksum(regions) if payload_sum is None else payload_sum,
+                      dtype=dtype)
+    return hdr if mac is None else mac.sign(hdr, regions)
 
 
 def parse_header(buf: Buffer) -> ChunkHeader:

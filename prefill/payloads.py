@@ -88,10 +88,9 @@ class PayloadMaker:
         ids = chunk.block_ids
 
         def header(regions: list[Any], payload_sum: int | None = None) -> bytes:
-            hdr = make_header(chunk.key, chunk.transfer_id, chunk.index, regions, num_layers=layout.num_layers,
-                              num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE),
-                              payload_sum=payload_sum)
-            return (hdr if self.mac is None else self.mac.sign(hdr, regions)).pack()
+            return make_header(chunk.key, chunk.transfer_id, chunk.index, regions, num_layers=layout.num_layers,
+                               num_blocks=len(ids), dtype=_DTYPES.get(layout.dtype, DType.OPAQUE),
+                               payload_sum=payload_sum, mac=self.mac).pack()
 
         if chunk.saved is None and self.hook is None and registered and chunk.span is None:
             views = [layout.block_view(li, b).numpy().data for li in range(layout.num_layers) for b in ids]

@@ -269,10 +269,8 @@ class Sender:
                 return None
             raise TransportError(f"chunk {chunk_index} of {alloc.transfer_id!r} has no slot")
         if header is None:
-            regions = host_buffers(payload)
-            hdr = make_header(alloc.keys[chunk_index], alloc.transfer_id, chunk_index, regions,
-                              num_layers=num_layers, num_blocks=num_blocks, dtype=dtype)
-            header = (hdr if self.data_mac is None else self.data_mac.sign(hdr, regions)).pack()
+            header = make_header(alloc.keys[chunk_index], alloc.transfer_id, chunk_index, host_buffers(payload),
+                                 num_layers=num_layers, num_blocks=num_blocks, dtype=dtype, mac=self.data_mac).pack()
         nbytes = HEADER_SIZE + self._payload_bytes(payload)
         if nbytes > self.slot_bytes:
             raise TransportError(f"chunk {chunk_index} is {nbytes} bytes; slots hold {self.slot_bytes}")

@@ -77,8 +77,7 @@ def _arrive(w: InstallWorker, payload: torch.Tensor, *, local_tokens: int = 0, c
     piece = load.parts[part]
     key = piece.keys[0]
     regions = [payload[i, b].numpy() for i in range(LAYERS) for b in range(2)]
-    header = make_header(key, piece.transfer_id, 0, regions, num_layers=LAYERS, num_blocks=2)
-    header = header if mac is None else mac.sign(header, regions)
+    header = make_header(key, piece.transfer_id, 0, regions, num_layers=LAYERS, num_blocks=2, mac=mac)
     body = bytearray(payload.numpy().tobytes())
     if corrupt is not None:
         body[corrupt] ^= 0xFF                              # a byte flipped after the checksum was taken

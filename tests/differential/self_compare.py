@@ -20,6 +20,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvrelay.deploy import launch
@@ -153,6 +154,17 @@ def chunk_compare(case: EngineCase, n: int, seed: int, work: Path) -> dict:
             "wall_s": round(time.monotonic() - t0, 1)}
 
 
+MODES: dict[str, tuple[Callable[[EngineCase, int, int, Path], dict], Callable[[dict], str]]] = {
+    "batch": (self_compare, lambda r: f"{r['requests']} requests: {r['c1_vs_c1_again']} differ between two passes at "
+              f"concurrency 1, {r['c1_vs_c4']} between concurrency 1 and 4"),
+    "tail": (tail_compare, lambda r: f"{r['prompts']} prompts: {r['fresh_vs_last_token_alone']} answers differ when "
+             f"only the last token is computed; {r['prefix_cache_hit_tokens']:.0f} of {r['prompt_tokens']} prompt "
+             "tokens hit the prefix cache"),
+    "chunks": (chunk_compare, lambda r: f"{r['prompts']} prompts: {r['whole_vs_after_cached_chunks']} answers differ "
+               f"when the prompt's whole chunks are cached (first differing token: {r['first_differing_token']})"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--config", required=True, help="comma-separated configuration names (tests/differential/configs.py; float32: the default)")
@@ -165,26 +177,12 @@ def main(argv: list[str] | None = None) -> int:
                     "256-token chunks cached (what a decode node computes)")
     args = ap.parse_args(argv)
     by_name = {c.name: c for c in CASES} | {"float32": EngineCase("float32", doc="the default float32 model")}
+    run, say = MODES["chunks" if args.chunks else "tail" if args.tail else "batch"]
     results = []
     for name in args.config.split(","):
         with tempfile.TemporaryDirectory(prefix="kvrelay-self-") as tmp:
-            if args.chunks:
-                res = chunk_compare(by_name[name], args.n, args.seed, Path(tmp))
-                print(f"[{name}] {res['prompts']} prompts: {res['whole_vs_after_cached_chunks']} answers differ "
-                      f"when the prompt's whole chunks are cached (first differing token: "
-                      f"{res['first_differing_token']}; {res['wall_s']} s)", flush=True)
-                results.append(res)
-                continue
-            if args.tail:
-                res = tail_compare(by_name[name], args.n, args.seed, Path(tmp))
-                print(f"[{name}] {res['prompts']} prompts: {res['fresh_vs_last_token_alone']} answers differ when "
-                      f"only the last token is computed; {res['prefix_cache_hit_tokens']:.0f} of "
-                      f"{res['prompt_tokens']} prompt tokens hit the prefix cache ({res['wall_s']} s)", flush=True)
-                results.append(res)
-                continue
-            res = self_compare(by_name[name], args.n, args.seed, Path(tmp))
-        print(f"[{name}] {res['requests']} requests: {res['c1_vs_c1_again']} differ between two passes at "
-              f"concurrency 1, {res['c1_vs_c4']} between concurrency 1 and 4 ({res['wall_s']} s)", flush=True)
+            res = run(by_name[name], args.n, args.seed, Path(tmp))
+        print(f"[{name}] {say(res)} ({res['wall_s']} s)", flush=True)
         results.append(res)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -10,6 +10,7 @@ matrix has a row for each fault that ran. (The hour-long run and its table: docs
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -26,7 +27,7 @@ def test_five_minutes_of_faults_lose_nothing_and_change_no_answer(tmp_path, caps
     soak.add_args(ap)
     args = ap.parse_args(["--quick", "--base-port", "26200", "--out", str(tmp_path)])
     assert soak.main(args) in (0, 1)
-    summary = __import__("json").loads((tmp_path / "soak.json").read_text())
+    summary = json.loads((tmp_path / "soak.json").read_text())
     table = (tmp_path / "table.txt").read_text()
     print(table)
     ran = {r["kind"] for r in summary["matrix"] if not r["skipped"]}
