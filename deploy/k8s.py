@@ -24,7 +24,10 @@ apply order:
   pods, the engines' KV-event port (``router.decode_first``) only to the routers, the engines'
   HTTP port to the routers and to Prometheus's pods in ``--metrics-namespace``;
 * a PodMonitor and a PrometheusRule (the alerts of ``deploy/monitoring/alerts.yaml``) for
-  the Prometheus Operator.
+  the Prometheus Operator;
+* on request, a HorizontalPodAutoscaler per engine pool on vLLM's waiting requests
+  (``--autoscale-prefill`` / ``--autoscale-decode MIN:MAX``) and a Gateway API HTTPRoute to the
+  router (``--gateway``), see :mod:`kvrelay.deploy.k8s_scale`.
 
 Every pod runs as a non-root user with every capability dropped (``IPC_LOCK`` kept where the
 pinned pool is registered with a GPU or a NIC) and no privilege escalation. Every pod template
@@ -51,6 +54,7 @@ from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import generate_secret
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import k8s_pods as pods
+from kvrelay.deploy import k8s_scale as scaling
 from kvrelay.deploy.k8s_pods import HTTP_PORT, KV_PORT, SECRET_DIR, K8sOptions, labels
 
 EVENTS_PORT = 9400        # prefill pods (store on, cache_aware): store events for the router
@@ -102,6 +106,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "HTTP port, which also serves vLLM's unauthenticated API")
     p.add_argument("--secret-file", default="", help="use this shared secret instead of generating one")
     p.add_argument("--redis", action="store_true", help="also deploy a Redis for the store's shared tier")
+    scaling.add_args(p)
 
 
 def _pairs(items: list[str], flag: str) -> dict[str, str]:
@@ -213,8 +218,10 @@ def _refusals(cfg: kcfg.KVRelayConfig, gpus: dict[str, int]) -> None:
                           "--engine.model (a Hugging Face id or a path in the model cache)")
 
 
-def render(cfg: kcfg.KVRelayConfig, opts: K8sOptions, secret: str) -> list[dict[str, Any]]:
-    """Every object, in apply order."""
+def render(cfg: kcfg.KVRelayConfig, opts: K8sOptions, secret: str,
+           scale: scaling.ScaleOptions | None = None) -> list[dict[str, Any]]:
+    """Every object, in apply order (``scale``: the optional autoscalers and route)."""
+    scale = scale or scaling.ScaleOptions()
     cfg, gpus = with_gpus(cfg, opts)
     _refusals(cfg, gpus)
     tree = cluster_config(cfg, opts)
@@ -231,9 +238,14 @@ def render(cfg: kcfg.KVRelayConfig, opts: K8sOptions, secret: str) -> list[dict[
     for role, n in (("prefill", cfg.deploy.prefill), ("decode", cfg.deploy.decode)):
         pod = pods.EnginePod(role, gpus[role], tree.engine.prefill_tp if role == "prefill" else tree.engine.decode_tp,
                              opts.engine_cpus, memory_bytes(tree, role, opts.engine_memory), cfg.engine.drain_timeout_s)
-        objs += [pods.headless_service(role, opts), pods.engine_deployment(pod, n, opts, checksum),
+        bounds = scale.bounds(role)
+        objs += [pods.headless_service(role, opts), pods.engine_deployment(pod, None if bounds else n, opts, checksum),
                  pods.disruption_budget(role, opts, {"maxUnavailable": 1})]
+        if bounds:
+            objs.append(scaling.autoscaler(role, bounds, scale, opts))
     objs += pods.router_objects(tree.router.port, opts, checksum)
+    if scale.gateway:
+        objs.append(scaling.http_route(tree.router.port, scale, opts))
     if opts.redis and cfg.store.enabled:
         objs += pods.redis_objects(opts)
     objs += pods.network_policies(tree, opts, EVENTS_PORT)
@@ -271,7 +283,7 @@ def main(args: argparse.Namespace) -> int:
         secret = Path(args.secret_file).read_text().strip() if args.secret_file else generate_secret()
     except OSError as exc:
         raise ConfigError(f"--secret-file: cannot read {args.secret_file}: {exc.strerror or exc}") from exc
-    paths = write(render(cfg, opts, secret), Path(args.out))
+    paths = write(render(cfg, opts, secret, scaling.options_from_args(args)), Path(args.out))
     print(f"kvrelay: wrote {len(paths)} manifests to {args.out} (namespace {opts.namespace}); "
           f"apply with: kubectl apply -f {args.out}")
     return 0

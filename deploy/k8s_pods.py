@@ -146,7 +146,8 @@ def _resources(pod: EnginePod, opts: K8sOptions) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def engine_deployment(pod: EnginePod, replicas: int, opts: K8sOptions, checksum: str) -> dict[str, Any]:
+def engine_deployment(pod: EnginePod, replicas: int | None, opts: K8sOptions, checksum: str) -> dict[str, Any]:
+    """A pool's Deployment; ``replicas`` None leaves the count to an autoscaler (a re-apply never resets it)."""
     role = pod.role
     args = ["serve", "--role", role, "--config", f"{CONFIG_DIR}/kvrelay.yaml", "--port", str(HTTP_PORT)]
     ports = [{"name": "http", "containerPort": HTTP_PORT}]
@@ -174,7 +175,8 @@ def engine_deployment(pod: EnginePod, replicas: int, opts: K8sOptions, checksum:
     # a GPU pool replaces a pod in place: a surge pod would wait for GPUs a full cluster does not have
     rolling = {"maxUnavailable": 1, "maxSurge": 0} if pod.gpus else {"maxUnavailable": 0, "maxSurge": 1}
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": opts.meta(role, role),
-            "spec": {"replicas": replicas, "selector": {"matchLabels": opts.labels(role)},
+            "spec": {**({"replicas": replicas} if replicas is not None else {}),
+                     "selector": {"matchLabels": opts.labels(role)},
                      "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
                      "template": {"metadata": {"labels": opts.labels(role), "annotations": {CHECKSUM: checksum}},
                                   "spec": spec}}}

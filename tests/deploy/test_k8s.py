@@ -318,7 +318,12 @@ def test_two_releases_share_a_namespace_and_an_existing_secret_is_referenced_not
     (["--existing-secret", "Not A Name"], "--existing-secret"),
     (["--out", "/etc/passwd"], "--out /etc/passwd: cannot write the manifests there"),
     (["--engine.model", ""], "engine.model is empty"),
-], ids=["namespace", "release", "cpus", "memory", "image", "secret", "out", "tiny-on-gpu"])
+    (["--autoscale-decode", "8:2"], "--autoscale-decode '8:2': expected MIN:MAX"),
+    (["--autoscale-prefill", "lots"], "--autoscale-prefill 'lots'"),
+    (["--gateway", "Bad/Gw"], "--gateway 'Bad/Gw'"),
+    (["--gateway", "gw", "--hostname", "no_such host"], "--hostname 'no_such host'"),
+], ids=["namespace", "release", "cpus", "memory", "image", "secret", "out", "tiny-on-gpu", "autoscale-bounds",
+        "autoscale-text", "gateway", "hostname"])
 def test_invalid_input_exits_2_with_one_line(tmp_path: Path, flags: list[str], says: str) -> None:
     out = ["--out", str(tmp_path / "k8s")] if "--out" not in flags else []
     model = [] if "--engine.model" in flags else ["--engine.model", "org/model"]
@@ -329,8 +334,41 @@ def test_invalid_input_exits_2_with_one_line(tmp_path: Path, flags: list[str], s
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in res.stderr, res.stderr
 
 
+def test_autoscalers_and_a_gateway_route_render_on_request_and_validate(tmp_path: Path) -> None:
+    # HPAs per pool on vLLM's waiting requests (built-in kind: validated strictly); the
+    # Deployments then carry no replica count for a re-apply to reset. The HTTPRoute is a
+    # Gateway API CRD (no schema in kubernetes-validate): its shape is checked here.
+    objs = _render(tmp_path, "--release", "r1", "--autoscale-prefill", "1:4", "--autoscale-decode", "2:8",
+                   "--autoscale-waiting", "1.5", "--gateway", "infra/public", "--hostname", "llm.example.com")
+    for obj in objs.values():
+        if obj["apiVersion"].split("/")[0] not in ("monitoring.coreos.com", "gateway.networking.k8s.io"):
+            _validate(obj)
+    for role, low, high in (("prefill", 1, 4), ("decode", 2, 8)):
+        hpa = objs[f"HorizontalPodAutoscaler/r1-{role}"]["spec"]
+        assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": f"r1-{role}"}
+        assert (hpa["minReplicas"], hpa["maxReplicas"]) == (low, high)
+        metric = hpa["metrics"][0]["pods"]
+        assert metric == {"metric": {"name": "vllm_num_requests_waiting"},
+                          "target": {"type": "AverageValue", "averageValue": "1500m"}}
+        assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] >= 300    # leaving pods drain first
+        assert "replicas" not in objs[f"Deployment/r1-{role}"]["spec"]
+    assert objs["Deployment/r1-router"]["spec"]["replicas"] == 2
+    route = objs["HTTPRoute/r1-router"]
+    assert route["metadata"]["namespace"] == "llm"
+    assert route["spec"]["parentRefs"] == [{"name": "public", "namespace": "infra"}]
+    assert route["spec"]["hostnames"] == ["llm.example.com"]
+    (rule,) = route["spec"]["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1"}}]
+    port = objs["Service/r1-router"]["spec"]["ports"][0]["port"]
+    assert rule["backendRefs"] == [{"name": "r1-router", "port": port}]
+    assert rule["timeouts"] == {"request": "0s"}                       # answers stream as long as they take
+    plain = _render(tmp_path / "plain")
+    assert not any(k.startswith(("HorizontalPodAutoscaler/", "HTTPRoute/")) for k in plain)
+    assert plain["Deployment/kvrelay-decode"]["spec"]["replicas"] == 1
+
+
 def test_help_lists_every_object_it_renders() -> None:
     res = subprocess.run([sys.executable, "-m", "kvrelay.cli", "deploy", "k8s", "--help"], capture_output=True, text=True)
     for kind in ("Namespace", "ConfigMap", "ServiceAccount", "Deployments", "PodDisruptionBudgets", "NetworkPolicies",
-                 "PodMonitor", "PrometheusRule", "--existing-secret"):
+                 "PodMonitor", "PrometheusRule", "--existing-secret", "HorizontalPodAutoscaler", "HTTPRoute"):
         assert kind in res.stdout, kind
