@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from kvrelay.bench import e2e, report
+from kvrelay.bench import e2e, report, stack_flags
 from kvrelay.common.secrets import SECRET_ENV, generate_secret, load_secret
 from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
 from kvrelay.deploy import launch
@@ -43,7 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="tcp", help="kvrelay transport")
     p.add_argument("--base-port", type=int, default=21000,
                    help="first port: single-p uses base + 90, the 1P1D stack the 1,000 ports from base + 1000")
-    p.add_argument("--out", default="bench_results")
+    p.add_argument("--out", default="bench_results", help="directory for the JSON, table and PNG (default bench_results)")
+    stack_flags.add_args(p)
 
 
 def _timed_post(url: str, body: dict) -> tuple[float, dict]:

@@ -48,7 +48,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from kvrelay.bench import report
+from kvrelay.bench import report, stack_flags
 from kvrelay.core import config as kcfg
 from kvrelay.core.telemetry import read_events
 from kvrelay.deploy import launch
@@ -59,9 +59,12 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,;:!?0123456789\n"
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", default="1,2,4,8,16", help="prompt lengths in chunks (comma list)")
     p.add_argument("--reps", type=int, default=3, help="requests per length and system")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="answer tokens per request (default 32)")
     p.add_argument("--backends", default="tcp,nixl", help="kvrelay transports to run")
-    p.add_argument("--systems", default="single,single-p,kvrelay,nixl-fair,nixl-stock")
+    p.add_argument("--systems", default="single,single-p,kvrelay,nixl-fair,nixl-stock",
+                   help="systems to compare (comma list): single (one vLLM on both cores), single-p (one vLLM on "
+                        "P's core), kvrelay, nixl-fair and nixl-stock (vLLM's NixlConnector with kvrelay's engine "
+                        "flags, and as vLLM ships it)")
     p.add_argument("--first-token", default="prefill", help="kvrelay router.first_token settings to run (comma list)")
     p.add_argument("--prefill-tp", default="1", help="kvrelay prefill TP sizes to run (comma list, e.g. 1,2: one "
                    "kvrelay system each; engine.prefill_tp)")
@@ -81,8 +84,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="idle time between two requests (lets the previous system settle)")
     p.add_argument("--base-port", type=int, default=19100,
                    help="first port; interleaved, system i uses the 1,000 ports from base + 1000 i")
-    p.add_argument("--out", default="bench_results")
+    p.add_argument("--out", default="bench_results", help="directory for the JSON, table and PNG (default bench_results)")
     p.add_argument("--quick", action="store_true", help="chunks 1,4,16, 1 rep")
+    stack_flags.add_args(p)
 
 
 def _prompt(n_tokens: int, seed: int) -> str:
@@ -143,7 +147,8 @@ class Servers:
 
 
 def base_cfg(args: argparse.Namespace, out: Path, port: int = 0, **over: Any) -> kcfg.KVRelayConfig:
-    """One system's config; ``port`` (default ``--base-port``) is the first of the 1,000 it may use."""
+    """One system's config; ``port`` (default ``--base-port``) is the first of the 1,000 it may use;
+    ``over`` (``section__key``) is what this system of the comparison sets."""
     port = port or args.base_port
     data: dict[str, Any] = {
         "engine": {"max_model_len": 8192, "served_model_name": launch.TINY_NAME},
@@ -156,7 +161,7 @@ def base_cfg(args: argparse.Namespace, out: Path, port: int = 0, **over: Any) ->
     for key, value in over.items():
         section, field = key.split("__")
         data.setdefault(section, {})[field] = value
-    return kcfg.from_dict(data)
+    return stack_flags.build(args, data)          # the user's --config and config flags (bench/stack_flags.py)
 
 
 Flow = Callable[[str, str], tuple[float, list[float]]]     # (prompt, request id) -> (TTFT s, gaps s)

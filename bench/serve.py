@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from kvrelay.bench import e2e, report
+from kvrelay.bench import e2e, report, stack_flags
 from kvrelay.common.errors import ConfigError, UnreachableError
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
@@ -85,12 +85,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    "name, or the built-in tiny model's)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", ""),
                    help="bearer key for --base-url (default: $OPENAI_API_KEY; never put on the client's command line)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides",
-                   help="config override for every kvrelay system this run starts (YAML value; repeatable), "
-                   "e.g. --set connector.sync_landed=false")
     p.add_argument("--base-port", type=int, default=19300)
     p.add_argument("--out", default="bench_results")
     p.add_argument("--quick", action="store_true", help="rates 1,3 and 16 prompts each")
+    stack_flags.add_args(p)
 
 
 # ------------------------------------------------------------------ the NixlConnector proxy
@@ -149,7 +147,7 @@ class System:
             parts = self.name.split("-")
             over: dict[str, Any] = {"transport__backend": parts[1], "router__max_inflight": 1024, "router__decode_first": "df" in parts,
                     "router__first_token": "decode" if "d" in parts else "prefill"}
-            cfg = e2e.base_cfg(self.args, self.out, **over | overrides(self.args.overrides))
+            cfg = e2e.base_cfg(self.args, self.out, **over)
             self.stack = launch.Stack(cfg)
             self.stack.start(progress=False)
             return f"http://127.0.0.1:{cfg.router.port}"
@@ -169,20 +167,6 @@ class System:
         if self.stack is not None:
             self.stack.stop()
         self.servers.stop()
-
-
-def overrides(items: list[str]) -> dict[str, Any]:
-    """``--set section.key=value`` items as :func:`kvrelay.bench.e2e.base_cfg` keywords (``section__key``)."""
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        section, dot, field = key.strip().partition(".")
-        if not sep or not dot or not section or not field or "." in field:
-            raise ConfigError(f"--set {item!r}: expected SECTION.KEY=VALUE (e.g. connector.sync_landed=false)")
-        out[f"{section}__{field}"] = yaml.safe_load(value)
-    return out
 
 
 # ------------------------------------------------------------------ the client

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvrelay.bench import report, soak_report
+from kvrelay.bench import report, soak_report, stack_flags
 from kvrelay.bench.local_redis import REDIS, RedisServer
 from kvrelay.bench.soak_faults import CYCLE, HELD, QUICK, Injection, Injector, schedule, small_filesystem
 from kvrelay.bench.soak_traffic import End, Load, Mix, Outcome, Prompt, prompt_pool
@@ -61,6 +61,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="the CI variant: 5 minutes, three faults")
     p.add_argument("--out", default="", metavar="DIR", help="where the table, JSON, PNG and logs go "
                    "(default bench-results/soak-<time>)")
+    stack_flags.add_args(p)
 
 
 def soak_config(args: argparse.Namespace, out: Path, redis_url: str, disk: Path | None) -> kcfg.KVRelayConfig:
@@ -73,7 +74,7 @@ def soak_config(args: argparse.Namespace, out: Path, redis_url: str, disk: Path 
         "store": {"enabled": True, "cpu_bytes": "256MiB", "redis_url": redis_url,
                   "disk_path": str(disk or out / "disk"), "disk_bytes": "256MiB"},
     }
-    return kcfg.from_dict(data)
+    return stack_flags.build(args, data)
 
 
 def reference(cfg: kcfg.KVRelayConfig, pool: list[Prompt], out: Path) -> dict[int, str]:

@@ -257,21 +257,28 @@ def from_dict(data: Mapping[str, Any] | None) -> KVRelayConfig:
 
 def load(path: str | Path | None = None, overrides: Sequence[str] = ()) -> KVRelayConfig:
     """Defaults < YAML at ``path`` < ``key.sub=value`` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except (OSError, yaml.YAMLError) as exc:
-            raise ConfigError(f"cannot read config {path}: {exc}") from exc
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"invalid config {path}: top level must be a mapping")
-        data = loaded or {}
+    return from_dict(with_overrides(read_yaml(path) if path is not None else {}, overrides))
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A config file's plain data (a mapping; an empty file is ``{}``)."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from exc
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"invalid config {path}: top level must be a mapping")
+    return loaded or {}
+
+
+def with_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``data`` with each ``key.sub=value`` override set (the value read as YAML); in place."""
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r}: expected key.sub=value")
         _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw else "")
-    return from_dict(data)
+    return data
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -389,11 +396,16 @@ def _flag_value(key: str, value: Any) -> Any:
     return " ".join(value) if key.endswith("_args") else ",".join(value)
 
 
+def flag_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``key.sub=value`` overrides of the config flags given on the command line (of
+    :func:`add_config_args`; a flag left out gives none)."""
+    return [f"{k[4:]}={_flag_value(k[4:], v)}" for k, v in vars(args).items() if k.startswith("cfg:") and v is not None]
+
+
 def config_from_args(args: argparse.Namespace) -> KVRelayConfig:
     """Defaults < ``--config`` YAML < flags; then a positional MODEL (``engine.model``) and the vLLM
     arguments given after ``--`` (appended to ``engine.extra_args``)."""
-    overrides = [f"{k[4:]}={_flag_value(k[4:], v)}" for k, v in vars(args).items()
-                 if k.startswith("cfg:") and v is not None]
+    overrides = flag_overrides(args)
     if getattr(args, "model_arg", None):
         overrides.append(f"engine.model={args.model_arg}")
     cfg = load(getattr(args, "config", None), overrides)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from kvrelay import __version__
 from kvrelay.common.errors import KVRelayError
@@ -326,8 +326,38 @@ def _add_tool_commands(sub: argparse._SubParsersAction) -> None:
     w.set_defaults(func=warmup.main)
 
 
+def _typed_help(p: argparse.ArgumentParser) -> None:
+    """Every bench flag shows what it takes (``N``, ``SECONDS``, ``LIST``, ...) and its default,
+    as the config flags do; flags that name their own metavar keep it."""
+    for a in p._actions:
+        if not a.option_strings or a.nargs == 0 or a.help == argparse.SUPPRESS or a.dest.startswith("cfg:"):
+            continue
+        if a.metavar is None:
+            a.metavar = _metavar_of(a)
+        if a.default not in (None, "", [], False) and "default" not in (a.help or ""):
+            a.help = f"{a.help or ''} (default: {a.default})".strip()
+
+
+def _metavar_of(a: argparse.Action) -> str:
+    if "port" in a.dest:
+        return "PORT"
+    if a.dest in ("out", "out_dir"):
+        return "DIR"
+    if a.type is int:
+        return "N"
+    if a.type is float:
+        return "MS" if a.dest.endswith("_ms") else "SECONDS" if a.dest.endswith(("_s", "duration")) else "X"
+    return "LIST" if isinstance(a.default, str) and "," in a.default or "comma list" in (a.help or "") else "TEXT"
+
+
 def _add_bench_commands(b: argparse.ArgumentParser) -> None:
     bsub = b.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    _bench_parsers(bsub)
+    for parser in bsub.choices.values():
+        _typed_help(parser)
+
+
+def _bench_parsers(bsub: Any) -> None:
     from kvrelay.bench.transfer import add_args
 
     t = bsub.add_parser("transfer", help="chunk transfer latency/bandwidth per backend vs same-run ceilings",
