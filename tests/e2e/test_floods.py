@@ -11,6 +11,7 @@ is within 2x of the same run's without it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import json
@@ -212,24 +213,52 @@ def _running(handle) -> float:
                if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
 
 
+def _slow_counters(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The router's client errors, failures, fallbacks and migrations that moved."""
+    families = ("kvrelay_router_client_errors_total", "kvrelay_router_request_failures_total",
+                "kvrelay_router_fallbacks_total", "kvrelay_router_migrations_total")
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if k.startswith(families) and v != before.get(k, 0.0)}
+
+
 def test_clients_that_never_read_are_dropped_and_cost_no_node_anything(flood_stack, reference):
     """With router.stall_timeout_s and router.client_write_timeout_s at 3 s, four streamed clients
     that never read their 3,800-token answers are dropped and their requests leave the engines
     within 15 s; honest requests meanwhile stay exact; the router counts no migration, no breaker
-    opening and no decode failure - only four clients too slow."""
+    opening and no decode failure - only four clients too slow.
+
+    The honest requests run beside the four, one at a time: "gone" is when the router has
+    dropped all four and the decode node runs nothing but (at most) the one honest request."""
+    from kvrelay.deploy.launch import Role
     from tests.e2e.harness import scrape
 
     url = flood_stack.router_url
     asyncio.run(_pass(url, reference, CASES[:4], 1))           # warm
     before = scrape(f"{url}/metrics")
+
+    def dropped() -> float:
+        return sum(v - before.get(k, 0.0) for k, v in scrape(f"{url}/metrics").items()
+                   if k.startswith('kvrelay_router_client_errors_total{cause="client_too_slow"'))
+
+    def on_decode() -> float:
+        return sum(v for k, v in flood_stack.engine_metrics(Role.DECODE).items()
+                   if k.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
     t0 = time.monotonic()
     socks = [_never_reads(url, k) for k in range(4)]
     try:
-        asyncio.run(_pass(url, reference, CASES[:4], 1))       # exact while the four hang on
-        while _running(flood_stack):
-            assert time.monotonic() - t0 < 15, "the unread requests still run on the engines after 15 s"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            honest = pool.submit(asyncio.run, _pass(url, reference, CASES[:4], 1))   # exact while the four hang on
+            while (n := dropped()) < 4 or (left := on_decode()) > 1:
+                assert time.monotonic() - t0 < 15, (
+                    f"after 15 s the router dropped {n:g} of the 4 unread streams and the decode node still runs or "
+                    f"queues {on_decode():g} requests (the honest one included); router: "
+                    f"{_slow_counters(before, scrape(f'{url}/metrics'))}")
+                time.sleep(0.2)
+            gone = time.monotonic() - t0
+            honest.result()
+        while left := _running(flood_stack):                     # and nothing is left behind on either engine
+            assert time.monotonic() - t0 < 60, f"{left:g} requests still on the engines 60 s after the test began"
             time.sleep(0.2)
-        gone = time.monotonic() - t0
     finally:
         for sock in socks:
             sock.close()

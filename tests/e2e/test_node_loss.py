@@ -1,7 +1,8 @@
 """Losing a node under load, on real vLLM engines, answers compared with one plain vLLM with the
 same dtype and thread binding (one pinned thread per engine).
 
-One 2P2D stack per transport (tcp and nixl), ``router.first_token: prefill`` (the default):
+One 2P2D stack per transport (tcp; nixl too with ``--matrix``: what is tested is the router's
+migration, which no transport changes), ``router.first_token: prefill`` (the default):
 
 * 1P2D (one prefill node killed first): 16 concurrent greedy streams with 240-token
   answers; once every stream has tokens, SIGKILL the process group of the decode node with
@@ -59,7 +60,7 @@ def want(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         launch.stop_group(proc)
 
 
-@pytest.fixture(scope="module", params=["tcp", "nixl"])
+@pytest.fixture(scope="module", params=["tcp", pytest.param("nixl", marks=pytest.mark.matrix)])
 def loss_stack(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     port0 = {"tcp": 22300, "nixl": 22600}[request.param]
     handle = start_stack(tiny_model, tmp_path_factory.mktemp(f"loss-{request.param}"), port0,

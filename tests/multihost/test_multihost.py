@@ -174,7 +174,7 @@ def test_three_hosts_are_token_exact_and_load_from_pushes(multihost: Hosts, refe
             assert d["loaded_tokens"] > 0, d
 
 
-CUT_S, CUTS_AT, TRAFFIC_S = 15.0, (40.0, 100.0), 160.0
+CUT_S, CUTS_AT, TRAFFIC_S = 15.0, (30.0, 70.0), 110.0   # 25 s to recover after the second cut
 
 
 def test_a_cut_link_between_p_and_d_loses_no_request(multihost: Hosts, tiny_model: Path, tmp_path: Path,
