@@ -10,7 +10,7 @@ export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 .venv/bin/mypy
 .venv/bin/lint-imports --no-cache
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then

@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow                   # 18 s of real processes: the full suite runs it, the everyday tier does not
 def test_bench_router_smoke(tmp_path: Path):
     r = subprocess.run([sys.executable, "-m", "kvrelay.cli", "bench", "router", "--requests", "32", "--duration", "1",
                         "--base-port", "18640", "--pace-ms", "2", "--rounds", "2", "--settle-s", "0",

@@ -40,6 +40,7 @@ def test_the_launcher_sets_it_for_every_vllm_server_unless_minus_one(monkeypatch
     assert BUSY_LOOP_ENV not in launch.server_env(kcfg.from_dict({"engine": {"mq_busy_loop_s": -1}}), 0, 2)
 
 
+@pytest.mark.slow                   # imports vLLM in a fresh interpreter (10 s): the full suite runs it
 def test_vllm_loads_the_plugin_and_its_queue_readers_get_the_window():
     """In a fresh interpreter, through vLLM's own plugin loader and its real SpinCondition."""
     code = """
