@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -102,14 +103,18 @@ def test_planted_gauge_files_neither_hang_blind_nor_forge_metrics(rundir: Path):
     a snapshot for pid 1 owned by another user, and files of dead workers of other engines."""
     _snapshot(rundir, "eng", os.getpid(), 3.0)
     _plant(rundir / "kvrelay-gauges-eng-1.json", "file", text=json.dumps({GAUGE: [[{}, 1000.0]]}))
-    os.mkfifo(rundir / f"kvrelay-gauges-eng-{os.getppid()}.json")
-    (rundir / "kvrelay-gauges-eng-x.json").write_text("{}")
-    (rundir / "kvrelay-gauges-eng-2.json").write_text("[not json")
-    dead = [_snapshot(rundir, other, 4_000_000 + k, 9.0) for k, other in enumerate(("eng", "old-engine"))]
-    total = _within(2, lambda: summed("eng", rundir))
+    with subprocess.Popen(["sleep", "60"]) as live:   # a live pid of its own (our parent may be pid 1)
+        try:
+            os.mkfifo(rundir / f"kvrelay-gauges-eng-{live.pid}.json")
+            (rundir / "kvrelay-gauges-eng-x.json").write_text("{}")
+            (rundir / "kvrelay-gauges-eng-2.json").write_text("[not json")
+            dead = [_snapshot(rundir, other, 4_000_000 + k, 9.0) for k, other in enumerate(("eng", "old-engine"))]
+            total = _within(2, lambda: summed("eng", rundir))
+            fams = _within(2, lambda: list(WorkerGauges("eng", ["engine"], ["0"], rundir).collect()))
+        finally:
+            live.kill()
     assert total == {(GAUGE, ()): 3.0}, total
     assert not any(p.exists() for p in dead), "dead workers' snapshots were left behind"
-    fams = _within(2, lambda: list(WorkerGauges("eng", ["engine"], ["0"], rundir).collect()))
     busy = next(f for f in fams if f.name == GAUGE)
     assert [s.value for s in busy.samples] == [3.0]
 
