@@ -43,7 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="tcp", help="kvrelay transport")
     p.add_argument("--base-port", type=int, default=21000,
                    help="first port: single-p uses base + 90, the 1P1D stack the 1,000 ports from base + 1000")
-    p.add_argument("--out", default="bench_results", help="directory for the JSON, table and PNG (default bench_results)")
+    p.add_argument("--out", default="bench_results", help="directory for the JSON, table and PNG")
     stack_flags.add_args(p)
 
 

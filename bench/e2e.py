@@ -59,7 +59,7 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,;:!?0123456789\n"
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunks", default="1,2,4,8,16", help="prompt lengths in chunks (comma list)")
     p.add_argument("--reps", type=int, default=3, help="requests per length and system")
-    p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="answer tokens per request (default 32)")
+    p.add_argument("--max-tokens", type=int, default=32, help="answer tokens per request")
     p.add_argument("--backends", default="tcp,nixl", help="kvrelay transports to run")
     p.add_argument("--systems", default="single,single-p,kvrelay,nixl-fair,nixl-stock",
                    help="systems to compare (comma list): single (one vLLM on both cores), single-p (one vLLM on "
@@ -84,7 +84,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="idle time between two requests (lets the previous system settle)")
     p.add_argument("--base-port", type=int, default=19100,
                    help="first port; interleaved, system i uses the 1,000 ports from base + 1000 i")
-    p.add_argument("--out", default="bench_results", help="directory for the JSON, table and PNG (default bench_results)")
+    p.add_argument("--out", default="bench_results", help="directory for the JSON, table and PNG")
     p.add_argument("--quick", action="store_true", help="chunks 1,4,16, 1 rep")
     stack_flags.add_args(p)
 

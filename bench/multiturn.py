@@ -51,12 +51,12 @@ from kvrelay.deploy.tiny_model import WIDTHS, ensure_tiny_model
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--users", type=int, default=2, metavar="N", help="concurrent conversations (default 2)")
-    p.add_argument("--turns", type=int, default=6, metavar="N", help="turns per conversation (default 6)")
-    p.add_argument("--system-tokens", type=int, default=1024, metavar="N",
-                   help="system prompt tokens, shared by every conversation (default 1024)")
-    p.add_argument("--user-tokens", type=int, default=512, metavar="N", help="tokens of each user turn (default 512)")
-    p.add_argument("--answer-tokens", type=int, default=64, metavar="N", help="tokens of each answer (default 64)")
+    p.add_argument("--users", type=int, default=2, help="concurrent conversations")
+    p.add_argument("--turns", type=int, default=6, help="turns per conversation")
+    p.add_argument("--system-tokens", type=int, default=1024,
+                   help="system prompt tokens, shared by every conversation")
+    p.add_argument("--user-tokens", type=int, default=512, help="tokens of each user turn")
+    p.add_argument("--answer-tokens", type=int, default=64, help="tokens of each answer")
     p.add_argument("--fresh-prompts", type=int, default=8,
                    help="store-overhead probe: fresh 2048-token prompts, each sent to both prefill nodes")
     p.add_argument("--model", default="wide",
@@ -80,9 +80,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "Decode nodes hold every running conversation, so deployments give them the larger cache")
     p.add_argument("--long-history", type=int, default=4096,
                    help="the summary pools every request with at least this many prompt tokens")
-    p.add_argument("--base-port", type=int, default=19300, metavar="PORT",
+    p.add_argument("--base-port", type=int, default=19300,
                    help="first port: the store-on stack uses the ports from here, the store-off one from here + 200")
-    p.add_argument("--out", default="bench_results", help="directory for the JSON, table and PNG (default bench_results)")
+    p.add_argument("--out", default="bench_results", help="directory for the JSON, table and PNG")
     stack_flags.add_args(p)
 
 
