@@ -78,26 +78,28 @@ def soak_config(args: argparse.Namespace, out: Path, redis_url: str, disk: Path 
 
 
 def reference(cfg: kcfg.KVRelayConfig, pool: list[Prompt], out: Path) -> dict[int, str]:
-    """One plain vLLM (the engines' dtype, one pinned thread as each engine has): each prompt's greedy answer."""
+    """Plain vLLM (the engines' dtype, bound as each engine is; one server per core share:
+    :mod:`kvrelay.bench.reference`): each prompt's greedy answer."""
+    from kvrelay.bench.reference import servers
+
+    with servers(cfg, cfg.deploy.base_port + 90, out / "reference") as urls:
+        return answers(urls, pool)
+
+
+def answers(urls: list[str], pool: list[Prompt]) -> dict[int, str]:
+    """Each prompt's greedy answer from the plain vLLM servers at ``urls``, one at a time on each."""
     import json
     import urllib.request
 
-    spec = launch.NodeSpec(launch.Role.SINGLE, 0, cfg.deploy.base_port + 90)
-    (out / "reference").mkdir(parents=True, exist_ok=True)
-    with open(out / "reference" / "server.log", "w") as log:
-        proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 2), log)
-    url = f"http://127.0.0.1:{spec.port}"
-    try:
-        launch.wait_healthy(url, proc, 900, str(out / "reference" / "server.log"))
-        want = {}
-        for p in pool:
-            req = urllib.request.Request(f"{url}/v1/completions", json.dumps(p.body(launch.TINY_NAME)).encode(),
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as r:
-                want[p.index] = "".join(c["text"] for c in json.loads(r.read())["choices"])
-        return want
-    finally:
-        launch.stop_group(proc)
+    from kvrelay.bench.reference import spread
+
+    def answer(url: str, p: Prompt) -> str:
+        req = urllib.request.Request(f"{url}/v1/completions", json.dumps(p.body(launch.TINY_NAME)).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return "".join(c["text"] for c in json.loads(r.read())["choices"])
+
+    return {p.index: text for p, text in zip(pool, spread(urls, pool, answer), strict=True)}
 
 
 class Sampler:

@@ -1,8 +1,8 @@
 """Send generated requests to one plain vLLM and to kvrelay, and collect the differences.
 
-Servers: :func:`reference_answers` starts one plain vLLM with the dtype and the OpenMP
-binding of each engine of a 1P1D stack (CPU numerics change with the thread count), asks
-it every request one at a time and stops it. kvrelay is asked through both of a stack's
+Servers: :func:`reference_answers` starts plain vLLM servers with the dtype and the OpenMP
+binding of each engine of a 1P1D stack (CPU numerics change with the thread count), one per
+core, asks them every request and stops them. kvrelay is asked through both of a stack's
 routers - the stack's own and :func:`extra_router` with the other ``router.first_token`` -
 with several requests in flight at once, as clients send them.
 """
@@ -80,27 +80,40 @@ def compare(reqs: list[Request], want: list[Answer], have: list[Answer], target:
 
 def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, log_dir: Path,
                       concurrency: int = 1) -> list[Answer]:
-    """Start one plain vLLM (server 0 of the 2 of a 1P1D stack: the same binding as each engine),
-    ask it every request, stop it. ``concurrency`` > 1 asks unseeded requests that many at a
-    time; seeded ones always go one at a time, after them: vLLM 0.32's CPU build kills its
-    engine when a seeded prompt is prefilled over several steps, which sharing a step's token
-    budget with other requests causes (surface.SEEDED_MAX_PROMPT)."""
-    spec = launch.NodeSpec(launch.Role.SINGLE, 0, port)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "reference.log", "w") as log:
-        proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 2), log)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        launch.wait_healthy(url, proc, cfg.deploy.startup_timeout_s, str(log_dir / "reference.log"))
-        if concurrency <= 1:
-            return ask(url, reqs, 1, "one vLLM")
-        seeded = [i for i, r in enumerate(reqs) if "seed" in r.body]
-        rest = [i for i, r in enumerate(reqs) if "seed" not in r.body]
-        answers = dict(zip(rest, ask(url, [reqs[i] for i in rest], concurrency, "one vLLM"), strict=True))
-        answers.update(zip(seeded, ask(url, [reqs[i] for i in seeded], 1, "one vLLM (seeded)"), strict=True))
-        return [answers[i] for i in range(len(reqs))]
-    finally:
-        launch.stop_group(proc)
+    """Start plain vLLM servers (one per core, each bound as one engine of a 1P1D stack:
+    :mod:`kvrelay.bench.reference`), ask them every request, stop them. ``concurrency`` > 1 asks
+    unseeded requests that many at a time on each server; seeded ones always go one at a time
+    per server, after them: vLLM 0.32's CPU build kills its engine when a seeded prompt is
+    prefilled over several steps, which sharing a step's token budget with other requests
+    causes (surface.SEEDED_MAX_PROMPT)."""
+    from kvrelay.bench.reference import servers
+
+    with servers(cfg, port, log_dir, startup_s=cfg.deploy.startup_timeout_s) as urls:
+        return answers_from(urls, reqs, concurrency)
+
+
+def answers_from(urls: list[str], reqs: list[Request], concurrency: int = 1) -> list[Answer]:
+    """Every request's answer from the plain vLLM servers at ``urls``, as :func:`reference_answers` asks them."""
+    seeded = [i for i, r in enumerate(reqs) if "seed" in r.body]
+    rest = [i for i, r in enumerate(reqs) if "seed" not in r.body]
+    answers = _ask_each(urls, [reqs[i] for i in rest], max(1, concurrency), "one vLLM")
+    answers += _ask_each(urls, [reqs[i] for i in seeded], 1, "one vLLM (seeded)")
+    by_index = dict(zip(rest + seeded, answers, strict=True))
+    return [by_index[i] for i in range(len(reqs))]
+
+
+def _ask_each(urls: list[str], reqs: list[Request], concurrency: int, desc: str) -> list[Answer]:
+    """``reqs`` dealt over ``urls`` in turn, ``concurrency`` in flight on each, all at once; the
+    answers in the requests' order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    shares = [reqs[k::len(urls)] for k in range(len(urls))]
+    with ThreadPoolExecutor(len(urls)) as pool:
+        got = list(pool.map(lambda k: ask(urls[k], shares[k], concurrency, desc), range(len(urls))))
+    out: list[Answer] = [Answer(-1, "", b"")] * len(reqs)
+    for k, answers in enumerate(got):
+        out[k::len(urls)] = answers
+    return out
 
 
 EXTRA_DISAGG_MIN = 256    # the extra router (decode_first): prompts this short are served by D alone

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -20,11 +19,10 @@ pytest.importorskip("vllm")
 from tests.differential import run  # noqa: E402
 from tests.differential.compare import Answer  # noqa: E402
 from tests.differential.surface import Request, Surface  # noqa: E402
-from tests.e2e.harness import _cfg, read_events, start_stack  # noqa: E402
+from tests.e2e.harness import PlainServers, read_events, start_stack  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]   # a reference server, 200 requests x 2 routers
 SEED, N = 20261203, int(os.environ.get("KVRELAY_DIFF_N", "200"))
-REF_PORT = 18790
 BUSY_N = 60          # unseeded requests through the busy prefill node (the decoders beside them make it preempt)
 
 
@@ -34,10 +32,8 @@ def diff_requests() -> list[Request]:
 
 
 @pytest.fixture(scope="session")
-def diff_reference(diff_requests: list[Request], tiny_model: Path,
-                   tmp_path_factory: pytest.TempPathFactory) -> list[Answer]:
-    tmp = tmp_path_factory.mktemp("diff-reference")
-    return run.reference_answers(_cfg(tiny_model, tmp, REF_PORT), diff_requests, REF_PORT, tmp, concurrency=4)
+def diff_reference(diff_requests: list[Request], plain: PlainServers) -> list[Answer]:
+    return run.answers_from(plain.urls(2), diff_requests, concurrency=4)
 
 
 def _assert_same(diffs: list[run.Difference]) -> None:

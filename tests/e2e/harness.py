@@ -1,12 +1,14 @@
 """Real-vLLM fixtures: a plain reference server and 1P1D kvrelay stacks, shared per session.
 
-Servers are expensive (~90 s to start on a 2-core host), so:
-* the reference server starts once, answers every case, and stops before any stack starts;
+Servers are expensive (~35-90 s to start on a 2-core host), so:
+* the reference servers (plain vLLM, one per core: :class:`PlainServers`) start once and stay,
+  idle, for the session; every module whose engines are bound as theirs asks them;
 * each stack (per backend) starts once and serves every test that asks for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -284,51 +286,113 @@ def _cfg(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> kcfg.KVRelayCo
     return kcfg.from_dict(data)
 
 
+class PlainServers:
+    """Plain vLLM servers (the references), bound as the single-rank engines of a stack of ``of``
+    servers are (:mod:`kvrelay.bench.reference`), started on first use and kept for the session:
+    idle between modules they cost memory, not CPU, where each start costs ~35 s of both cores.
+    A stack of another size whose engines get the same cores (2 and 4 servers on a 2-core
+    host) shares them. A server that stopped answering is started again."""
+
+    PORT = 18700
+
+    def __init__(self, tiny_model: Path, tmp: Path) -> None:
+        self.tiny_model, self.tmp = tiny_model, tmp
+        self._open: dict[tuple[str, ...], tuple[contextlib.ExitStack, list[str]]] = {}
+
+    def urls(self, of: int = 2) -> list[str]:
+        from kvrelay.bench.reference import server_count, servers
+
+        key = tuple(launch.rank_binding(k, of, 1) for k in range(server_count(of)))
+        if key in self._open and not self._alive(self._open[key][1]):
+            self._open.pop(key)[0].close()
+        if key not in self._open:
+            port = self.PORT + 10 * len(self._open)
+            es = contextlib.ExitStack()
+            urls = es.enter_context(servers(_cfg(self.tiny_model, self.tmp, port), port, self.tmp / f"plain-{port}",
+                                            of=of))
+            self._open[key] = (es, urls)
+        return self._open[key][1]
+
+    @staticmethod
+    def _alive(urls: list[str]) -> bool:
+        try:
+            for url in urls:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                    r.read()
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem()[1][0].close()
+
+
 @pytest.fixture(scope="session")
-def reference(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Greedy outputs of one plain vLLM server for every case (server stopped afterwards)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    cfg = _cfg(tiny_model, tmp, 18700)
-    spec = launch.NodeSpec(launch.Role.SINGLE, 0, 18700)
-    log = open(tmp / "single.log", "w")  # noqa: SIM115
-    # the same OpenMP binding as each engine of a PD stack (CPU numerics change with the thread
-    # count): server 0 of 2 gets the share of cores each engine of a 1P1D stack gets
-    proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 2), log)
+def plain(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The session's :class:`PlainServers`."""
+    servers = PlainServers(tiny_model, tmp_path_factory.mktemp("plain-vllm"))
     try:
-        url = "http://127.0.0.1:18700"
-        launch.wait_healthy(url, proc, 900, str(tmp / "single.log"))
-        client = openai_client(url)
-        ref = {c.name: run_case(client, c)[0] for c in [*CASES, PIPELINE_CASE, TURN1]}
-        ref["turn2"] = run_turn2(client, ref["turn1"])
-        ref["dsave1"] = run_chat(client, dsave_messages(), DSAVE_ANSWER)
-        ref["dsave2"] = run_chat(client, dsave_messages(ref["dsave1"]), MAX_TOKENS)
-        ref.update({c.name: run_shared(client, c) for c in CONCURRENT})
-        ref.update({name: raw_post(url, path, body).decode() for name, (path, body) in FORMAT_REQS.items()})
-        for conv in (1, 2, 3):                        # the Redis outage and poisoning tests' conversations
-            ref[f"dsave1.{conv}"] = run_chat(client, dsave_messages(conv=conv), DSAVE_ANSWER)
-            ref[f"dsave2.{conv}"] = run_chat(client, dsave_messages(ref[f"dsave1.{conv}"], conv), MAX_TOKENS)
-        return ref
+        yield servers
     finally:
-        launch.stop_group(proc)
+        servers.close()
+
+
+def answers_of(urls: list[str], cases: list[Case]) -> dict[str, str]:
+    """Each case's greedy answer from plain vLLM at ``urls`` (one request at a time per server)."""
+    from kvrelay.bench.reference import spread
+
+    texts = spread(urls, cases, lambda url, case: run_case(openai_client(url), case)[0])
+    return {c.name: text for c, text in zip(cases, texts, strict=True)}
+
+
+@pytest.fixture(scope="session")
+def reference(plain: PlainServers) -> dict[str, str]:
+    """Greedy outputs of plain vLLM for every case: a server per core, each bound as one engine
+    of a 1P1D stack (CPU numerics change with the thread count)."""
+    from kvrelay.bench.reference import spread
+
+    urls, conv = plain.urls(2), [dsave_messages(conv=c) for c in range(4)]
+    cases: list[Any] = [*CASES, PIPELINE_CASE, TURN1, *CONCURRENT, *FORMAT_REQS, *range(4)]
+
+    def first(url: str, item: Any) -> str:
+        if isinstance(item, Case):
+            return run_case(openai_client(url), item)[0]
+        if isinstance(item, SharedCase):
+            return run_shared(openai_client(url), item)
+        if isinstance(item, int):                      # turn 1 of a decode-save conversation
+            return run_chat(openai_client(url), conv[item], DSAVE_ANSWER)
+        path, body = FORMAT_REQS[item]
+        return raw_post(url, path, body).decode()
+
+    names = [c if isinstance(c, str) else f"dsave1.{c}" if isinstance(c, int) else c.name for c in cases]
+    ref = dict(zip(names, spread(urls, cases, first), strict=True))
+    ref["dsave1"] = ref.pop("dsave1.0")
+
+    def second(url: str, item: Any) -> str:
+        if item == "turn2":
+            return run_turn2(openai_client(url), ref["turn1"])
+        answer1 = ref["dsave1" if item == 0 else f"dsave1.{item}"]
+        return run_chat(openai_client(url), dsave_messages(answer1, item), MAX_TOKENS)
+
+    later = spread(urls, ["turn2", *range(4)], second)
+    ref["turn2"] = later[0]
+    ref.update({"dsave2" if c == 0 else f"dsave2.{c}": text for c, text in enumerate(later[1:])})
+    return ref
 
 
 TP_REF_PORT = 18890       # not the differential harness's reference port (18790): both may run at once
 
 
 def reference_at_tp(tiny_model: Path, tmp: Path, tp: int, cases: list[Case]) -> dict[str, str]:
-    """Greedy answers of one plain vLLM at TP ``tp`` (server stopped afterwards), bound one core
-    per rank as each rank of a TP engine in a 1P1D stack is (``launch.rank_binding``)."""
-    cfg = _cfg(tiny_model, tmp, TP_REF_PORT)
-    spec = launch.NodeSpec(launch.Role.SINGLE, 0, TP_REF_PORT, tp=tp)
-    log = tmp / f"single-tp{tp}.log"
-    with open(log, "w") as out:
-        proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 2, tp), out)
-    try:
-        launch.wait_healthy(f"http://127.0.0.1:{TP_REF_PORT}", proc, 900, str(log))
-        client = openai_client(f"http://127.0.0.1:{TP_REF_PORT}")
-        return {c.name: run_case(client, c)[0] for c in cases}
-    finally:
-        launch.stop_group(proc)
+    """Greedy answers of plain vLLM at TP ``tp`` (servers stopped afterwards), bound one core
+    per rank as each rank of a TP engine in a 1P1D stack is (``launch.rank_binding``); one
+    server per core share that has a core for each rank (:mod:`kvrelay.bench.reference`)."""
+    from kvrelay.bench.reference import servers, spread
+
+    with servers(_cfg(tiny_model, tmp, TP_REF_PORT), TP_REF_PORT, tmp, tp=tp) as urls:
+        texts = spread(urls, cases, lambda url, case: run_case(openai_client(url), case)[0])
+    return {c.name: text for c, text in zip(cases, texts, strict=True)}
 
 
 @dataclass

@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 
 from kvrelay.deploy import launch
-from tests.e2e.harness import MODEL, Case, _cfg, busiest_decode, scrape, start_stack
+from tests.e2e.harness import MODEL, Case, PlainServers, busiest_decode, scrape, start_stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]   # stacks of 4 engines start in minutes on 2 cores
 N, ANSWER = 16, 240
@@ -39,25 +39,18 @@ def _body(case: Case, stream: bool) -> dict:
 
 
 @pytest.fixture(scope="module")
-def want(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The uninterrupted answers: one plain vLLM, bound like each engine of the stack (one core)."""
-    tmp = tmp_path_factory.mktemp("loss-reference")
-    cfg = _cfg(tiny_model, tmp, 18720)
-    spec = launch.NodeSpec(launch.Role.SINGLE, 0, 18720)
-    with open(tmp / "single.log", "w") as log:
-        proc = launch.spawn_group(launch.server_command(cfg, spec), launch.server_env(cfg, 0, 4), log)
-    try:
-        url = "http://127.0.0.1:18720"
-        launch.wait_healthy(url, proc, 900, str(tmp / "single.log"))
-        out = {}
-        for case in LOSS:
-            req = urllib.request.Request(f"{url}/v1/completions", json.dumps(_body(case, False)).encode(),
-                                         {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=300) as r:
-                out[case.name] = json.loads(r.read())["choices"][0]["text"]
-        return out
-    finally:
-        launch.stop_group(proc)
+def want(plain: PlainServers) -> dict[str, str]:
+    """The uninterrupted answers: plain vLLM, bound like each engine of the stack (one core per
+    server, a server per core: :class:`~tests.e2e.harness.PlainServers`)."""
+    from kvrelay.bench.reference import spread
+
+    def answer(url: str, case: Case) -> str:
+        req = urllib.request.Request(f"{url}/v1/completions", json.dumps(_body(case, False)).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return str(json.loads(r.read())["choices"][0]["text"])
+
+    return dict(zip([c.name for c in LOSS], spread(plain.urls(4), LOSS, answer), strict=True))
 
 
 @pytest.fixture(scope="module", params=["tcp", pytest.param("nixl", marks=pytest.mark.matrix)])

@@ -31,6 +31,8 @@ import torch
 from tests.e2e.harness import (
     CASES,
     Case,
+    PlainServers,
+    answers_of,
     openai_client,
     read_events,
     reference_at_tp,
@@ -58,11 +60,11 @@ def _first_difference(a: str, b: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, str]]:
+def references(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+               plain: PlainServers) -> dict[int, dict[str, str]]:
     stop_active()
     tmp = tmp_path_factory.mktemp("tp-reference")
-    return {2: reference_at_tp(tiny_model, tmp, 2, [*CASES, DUMP_CASE]),
-            1: reference_at_tp(tiny_model, tmp, 1, MIXED_CASES)}
+    return {2: reference_at_tp(tiny_model, tmp, 2, [*CASES, DUMP_CASE]), 1: answers_of(plain.urls(2), MIXED_CASES)}
 
 
 CI_STACKS = {(2, 2, "tcp"), (2, 1, "nixl"), (1, 2, "tcp")}    # equal and both mixed directions, both transports

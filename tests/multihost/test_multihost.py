@@ -36,7 +36,17 @@ import pytest
 import yaml
 
 from kvrelay.deploy import launch
-from tests.e2e.harness import CASES, MODEL, openai_client, read_events, reference_at_tp, run_case, stop_active
+from tests.e2e.harness import (
+    CASES,
+    EAGER,
+    MODEL,
+    PlainServers,
+    openai_client,
+    read_events,
+    reference_at_tp,
+    run_case,
+    stop_active,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -99,7 +109,8 @@ class Hosts:
         self.config = tmp / "kvrelay.yaml"
         d = f"http://{ADDR['decode']}:{PORT['decode']}=tcp://{ADDR['decode']}:{PORT['kv']}"
         self.config.write_text(yaml.safe_dump({
-            "engine": {"model": str(tiny_model), "served_model_name": MODEL, "prefill_tp": p_tp, "decode_tp": d_tp},
+            "engine": {"model": str(tiny_model), "served_model_name": MODEL, "prefill_tp": p_tp, "decode_tp": d_tp,
+                       "extra_args": list(EAGER)},         # as every engine the tests start (harness.EAGER)
             "transport": {"backend": backend},
             "deploy": {"kv_base_port": PORT["kv"], "startup_timeout_s": 900},
             "connector": {"events_path": str(self.events), "first_chunk_s": 20},
@@ -177,7 +188,7 @@ def test_three_hosts_are_token_exact_and_load_from_pushes(multihost: Hosts, refe
 CUT_S, CUTS_AT, TRAFFIC_S = 15.0, (30.0, 70.0), 110.0   # 25 s to recover after the second cut
 
 
-def test_a_cut_link_between_p_and_d_loses_no_request(multihost: Hosts, tiny_model: Path, tmp_path: Path,
+def test_a_cut_link_between_p_and_d_loses_no_request(multihost: Hosts, plain: PlainServers,
                                                      request: pytest.FixtureRequest) -> None:
     """The soak's ``P-D link cut`` fault, which needs hosts of their own: mixed traffic through the
     router while the prefill host's link is set down for 15 s, twice (``ip link set kvr0 down``
@@ -189,7 +200,6 @@ def test_a_cut_link_between_p_and_d_loses_no_request(multihost: Hosts, tiny_mode
     from kvrelay.bench import soak, soak_report
     from kvrelay.bench.soak_faults import FaultKind, Injection
     from kvrelay.bench.soak_traffic import End, Load, Mix, prompt_pool
-    from kvrelay.core import config as kcfg
 
     backend = yaml.safe_load(multihost.config.read_text())["transport"]["backend"]
     if (multihost.p_tp, multihost.d_tp) != (1, 1):
@@ -197,9 +207,7 @@ def test_a_cut_link_between_p_and_d_loses_no_request(multihost: Hosts, tiny_mode
     if backend != "tcp" and not request.config.getoption("--matrix"):
         pytest.skip("CI cuts the link under tcp; --matrix under nixl too (docs/lab/soak.md)")
     pool = prompt_pool(24, seed=5)
-    ref_cfg = kcfg.from_dict({"engine": {"model": str(tiny_model), "served_model_name": MODEL},
-                              "deploy": {"base_port": 18600}})
-    want = soak.reference(ref_cfg, pool, tmp_path)          # one vLLM, one pinned thread like each engine
+    want = soak.answers(plain.urls(2), pool)          # plain vLLM, one pinned thread like each engine
     load = Load(f"http://{ADDR['router']}:{PORT['router']}", MODEL, pool, Mix(stall=0.0), 6, timeout_s=120)
 
     async def run() -> tuple[list, list[Injection], float, float]:
