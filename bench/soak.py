@@ -82,8 +82,8 @@ def reference(cfg: kcfg.KVRelayConfig, pool: list[Prompt], out: Path) -> dict[in
     :mod:`kvrelay.bench.reference`): each prompt's greedy answer."""
     from kvrelay.bench.reference import servers
 
-    with servers(cfg, cfg.deploy.base_port + 90, out / "reference") as urls:
-        return answers(urls, pool)
+    with servers(cfg, cfg.deploy.base_port + 90, out / "reference") as running:
+        return answers(running.urls, pool)
 
 
 def answers(urls: list[str], pool: list[Prompt]) -> dict[int, str]:

@@ -88,8 +88,8 @@ def reference_answers(cfg: kcfg.KVRelayConfig, reqs: list[Request], port: int, l
     causes (surface.SEEDED_MAX_PROMPT)."""
     from kvrelay.bench.reference import servers
 
-    with servers(cfg, port, log_dir, startup_s=cfg.deploy.startup_timeout_s) as urls:
-        return answers_from(urls, reqs, concurrency)
+    with servers(cfg, port, log_dir, startup_s=cfg.deploy.startup_timeout_s) as running:
+        return answers_from(running.urls, reqs, concurrency)
 
 
 def answers_from(urls: list[str], reqs: list[Request], concurrency: int = 1) -> list[Answer]:

@@ -33,7 +33,8 @@ def diff_requests() -> list[Request]:
 
 @pytest.fixture(scope="session")
 def diff_reference(diff_requests: list[Request], plain: PlainServers) -> list[Answer]:
-    return run.answers_from(plain.urls(2), diff_requests, concurrency=4)
+    with plain.use(2) as urls:
+        return run.answers_from(urls, diff_requests, concurrency=4)
 
 
 def _assert_same(diffs: list[run.Difference]) -> None:

@@ -16,6 +16,7 @@ import re
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,36 +289,53 @@ def _cfg(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> kcfg.KVRelayCo
 
 class PlainServers:
     """Plain vLLM servers (the references), bound as the single-rank engines of a stack of ``of``
-    servers are (:mod:`kvrelay.bench.reference`), started on first use and kept for the session:
-    idle between modules they cost memory, not CPU, where each start costs ~35 s of both cores.
-    A stack of another size whose engines get the same cores (2 and 4 servers on a 2-core
-    host) shares them. A server that stopped answering is started again."""
+    servers are (:mod:`kvrelay.bench.reference`), started on first use and kept for the session,
+    paused (SIGSTOP) between uses: a start costs ~35 s of both cores, a paused server only
+    memory. A stack of another size whose engines get the same cores (2 and 4 servers on a
+    2-core host) shares them. A server that stopped answering is started again."""
 
     PORT = 18700
 
     def __init__(self, tiny_model: Path, tmp: Path) -> None:
         self.tiny_model, self.tmp = tiny_model, tmp
-        self._open: dict[tuple[str, ...], tuple[contextlib.ExitStack, list[str]]] = {}
+        self._open: dict[tuple[str, ...], tuple[contextlib.ExitStack, Any]] = {}
 
-    def urls(self, of: int = 2) -> list[str]:
-        from kvrelay.bench.reference import server_count, servers
+    @contextlib.contextmanager
+    def use(self, of: int = 2) -> Iterator[list[str]]:
+        """The servers' URLs, running for the ``with`` block and paused after it."""
+        running = self._running(of)
+        running.resume()
+        try:
+            if not self._alive(running.urls):
+                self._open.pop(self._key(of))[0].close()
+                running = self._running(of)
+            yield running.urls
+        finally:
+            running.pause()
 
-        key = tuple(launch.rank_binding(k, of, 1) for k in range(server_count(of)))
-        if key in self._open and not self._alive(self._open[key][1]):
-            self._open.pop(key)[0].close()
+    @staticmethod
+    def _key(of: int) -> tuple[str, ...]:
+        from kvrelay.bench.reference import server_count
+
+        return tuple(launch.rank_binding(k, of, 1) for k in range(server_count(of)))
+
+    def _running(self, of: int) -> Any:
+        from kvrelay.bench.reference import servers
+
+        key = self._key(of)
         if key not in self._open:
             port = self.PORT + 10 * len(self._open)
             es = contextlib.ExitStack()
-            urls = es.enter_context(servers(_cfg(self.tiny_model, self.tmp, port), port, self.tmp / f"plain-{port}",
-                                            of=of))
-            self._open[key] = (es, urls)
+            running = es.enter_context(servers(_cfg(self.tiny_model, self.tmp, port), port,
+                                               self.tmp / f"plain-{port}", of=of))
+            self._open[key] = (es, running)
         return self._open[key][1]
 
     @staticmethod
     def _alive(urls: list[str]) -> bool:
         try:
             for url in urls:
-                with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                with urllib.request.urlopen(f"{url}/health", timeout=30) as r:
                     r.read()
         except OSError:
             return False
@@ -350,9 +368,15 @@ def answers_of(urls: list[str], cases: list[Case]) -> dict[str, str]:
 def reference(plain: PlainServers) -> dict[str, str]:
     """Greedy outputs of plain vLLM for every case: a server per core, each bound as one engine
     of a 1P1D stack (CPU numerics change with the thread count)."""
+    with plain.use(2) as urls:
+        return _reference(urls)
+
+
+def _reference(urls: list[str]) -> dict[str, str]:
+    """Every case's answer, the conversations' second turns after their first."""
     from kvrelay.bench.reference import spread
 
-    urls, conv = plain.urls(2), [dsave_messages(conv=c) for c in range(4)]
+    conv = [dsave_messages(conv=c) for c in range(4)]
     cases: list[Any] = [*CASES, PIPELINE_CASE, TURN1, *CONCURRENT, *FORMAT_REQS, *range(4)]
 
     def first(url: str, item: Any) -> str:
@@ -390,8 +414,8 @@ def reference_at_tp(tiny_model: Path, tmp: Path, tp: int, cases: list[Case]) -> 
     server per core share that has a core for each rank (:mod:`kvrelay.bench.reference`)."""
     from kvrelay.bench.reference import servers, spread
 
-    with servers(_cfg(tiny_model, tmp, TP_REF_PORT), TP_REF_PORT, tmp, tp=tp) as urls:
-        texts = spread(urls, cases, lambda url, case: run_case(openai_client(url), case)[0])
+    with servers(_cfg(tiny_model, tmp, TP_REF_PORT), TP_REF_PORT, tmp, tp=tp) as running:
+        texts = spread(running.urls, cases, lambda url, case: run_case(openai_client(url), case)[0])
     return {c.name: text for c, text in zip(cases, texts, strict=True)}
 
 

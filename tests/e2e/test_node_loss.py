@@ -50,7 +50,8 @@ def want(plain: PlainServers) -> dict[str, str]:
         with urllib.request.urlopen(req, timeout=300) as r:
             return str(json.loads(r.read())["choices"][0]["text"])
 
-    return dict(zip([c.name for c in LOSS], spread(plain.urls(4), LOSS, answer), strict=True))
+    with plain.use(4) as urls:
+        return dict(zip([c.name for c in LOSS], spread(urls, LOSS, answer), strict=True))
 
 
 @pytest.fixture(scope="module", params=["tcp", pytest.param("nixl", marks=pytest.mark.matrix)])

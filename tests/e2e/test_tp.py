@@ -64,7 +64,9 @@ def references(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
                plain: PlainServers) -> dict[int, dict[str, str]]:
     stop_active()
     tmp = tmp_path_factory.mktemp("tp-reference")
-    return {2: reference_at_tp(tiny_model, tmp, 2, [*CASES, DUMP_CASE]), 1: answers_of(plain.urls(2), MIXED_CASES)}
+    with plain.use(2) as urls:
+        tp1 = answers_of(urls, MIXED_CASES)
+    return {2: reference_at_tp(tiny_model, tmp, 2, [*CASES, DUMP_CASE]), 1: tp1}
 
 
 CI_STACKS = {(2, 2, "tcp"), (2, 1, "nixl"), (1, 2, "tcp")}    # equal and both mixed directions, both transports

@@ -207,7 +207,8 @@ def test_a_cut_link_between_p_and_d_loses_no_request(multihost: Hosts, plain: Pl
     if backend != "tcp" and not request.config.getoption("--matrix"):
         pytest.skip("CI cuts the link under tcp; --matrix under nixl too (docs/lab/soak.md)")
     pool = prompt_pool(24, seed=5)
-    want = soak.answers(plain.urls(2), pool)          # plain vLLM, one pinned thread like each engine
+    with plain.use(2) as urls:             # plain vLLM, one pinned thread like each engine
+        want = soak.answers(urls, pool)
     load = Load(f"http://{ADDR['router']}:{PORT['router']}", MODEL, pool, Mix(stall=0.0), 6, timeout_s=120)
 
     async def run() -> tuple[list, list[Injection], float, float]:
