@@ -78,11 +78,7 @@ def servers(cfg: kcfg.KVRelayConfig, port: int, log_dir: Path, *, of: int = 2, t
         yield Servers(urls, procs)
     finally:
         Servers([], procs).resume()               # a stopped process cannot act on SIGINT
-        for proc in procs:                        # signalled together: they shut down in parallel
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
-        for proc in procs:
-            launch.reap_group(proc, 20)
+        launch.stop_groups(procs)
 
 
 def spread(urls: Sequence[str], items: Sequence[T], ask: Callable[[str, T], R], per_server: int = 1) -> list[R]:

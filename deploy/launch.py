@@ -252,6 +252,17 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     reap_group(proc, grace_s)
 
 
+def stop_groups(procs: Collection[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """:func:`stop_group` for several servers at once: all get SIGINT first and shut down in
+    parallel, within one ``grace_s`` deadline; what is left then is SIGKILLed."""
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        reap_group(p, max(0.1, deadline - time.monotonic()))
+
+
 def reap_group(proc: subprocess.Popen, grace_s: float) -> None:
     """Wait up to ``grace_s`` for an already signalled server, then SIGKILL what is left of its group."""
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -395,12 +406,7 @@ class Stack:
         wait_healthy(self.url(spec), p, self.cfg.deploy.startup_timeout_s, str(self.log_dir / f"{name}.log"))
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGINT)
-        deadline = time.monotonic() + 20
-        for p in self.procs.values():            # all signalled at once above: shut down in parallel
-            reap_group(p, max(0.1, deadline - time.monotonic()))
+        stop_groups(list(self.procs.values()))
         self.procs.clear()
 
     def __enter__(self) -> Stack:

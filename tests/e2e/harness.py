@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from kvrelay.bench.reference import Servers, server_count, servers, spread  # noqa: E402
 from kvrelay.core import config as kcfg  # noqa: E402
 from kvrelay.core import telemetry  # noqa: E402
 from kvrelay.deploy import launch  # noqa: E402
@@ -298,7 +299,8 @@ class PlainServers:
 
     def __init__(self, tiny_model: Path, tmp: Path) -> None:
         self.tiny_model, self.tmp = tiny_model, tmp
-        self._open: dict[tuple[str, ...], tuple[contextlib.ExitStack, Any]] = {}
+        self._open: dict[tuple[str, ...], tuple[contextlib.ExitStack, Servers]] = {}
+        self._started = 0                # server sets started so far: each gets ports of its own
 
     @contextlib.contextmanager
     def use(self, of: int = 2) -> Iterator[list[str]]:
@@ -315,16 +317,13 @@ class PlainServers:
 
     @staticmethod
     def _key(of: int) -> tuple[str, ...]:
-        from kvrelay.bench.reference import server_count
-
         return tuple(launch.rank_binding(k, of, 1) for k in range(server_count(of)))
 
-    def _running(self, of: int) -> Any:
-        from kvrelay.bench.reference import servers
-
+    def _running(self, of: int) -> Servers:
         key = self._key(of)
         if key not in self._open:
-            port = self.PORT + 10 * len(self._open)
+            port = self.PORT + 10 * self._started
+            self._started += 1
             es = contextlib.ExitStack()
             running = es.enter_context(servers(_cfg(self.tiny_model, self.tmp, port), port,
                                                self.tmp / f"plain-{port}", of=of))
@@ -349,17 +348,15 @@ class PlainServers:
 @pytest.fixture(scope="session")
 def plain(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
     """The session's :class:`PlainServers`."""
-    servers = PlainServers(tiny_model, tmp_path_factory.mktemp("plain-vllm"))
+    shared = PlainServers(tiny_model, tmp_path_factory.mktemp("plain-vllm"))
     try:
-        yield servers
+        yield shared
     finally:
-        servers.close()
+        shared.close()
 
 
 def answers_of(urls: list[str], cases: list[Case]) -> dict[str, str]:
     """Each case's greedy answer from plain vLLM at ``urls`` (one request at a time per server)."""
-    from kvrelay.bench.reference import spread
-
     texts = spread(urls, cases, lambda url, case: run_case(openai_client(url), case)[0])
     return {c.name: text for c, text in zip(cases, texts, strict=True)}
 
@@ -374,8 +371,6 @@ def reference(plain: PlainServers) -> dict[str, str]:
 
 def _reference(urls: list[str]) -> dict[str, str]:
     """Every case's answer, the conversations' second turns after their first."""
-    from kvrelay.bench.reference import spread
-
     conv = [dsave_messages(conv=c) for c in range(4)]
     cases: list[Any] = [*CASES, PIPELINE_CASE, TURN1, *CONCURRENT, *FORMAT_REQS, *range(4)]
 
@@ -412,11 +407,8 @@ def reference_at_tp(tiny_model: Path, tmp: Path, tp: int, cases: list[Case]) -> 
     """Greedy answers of plain vLLM at TP ``tp`` (servers stopped afterwards), bound one core
     per rank as each rank of a TP engine in a 1P1D stack is (``launch.rank_binding``); one
     server per core share that has a core for each rank (:mod:`kvrelay.bench.reference`)."""
-    from kvrelay.bench.reference import servers, spread
-
     with servers(_cfg(tiny_model, tmp, TP_REF_PORT), TP_REF_PORT, tmp, tp=tp) as running:
-        texts = spread(running.urls, cases, lambda url, case: run_case(openai_client(url), case)[0])
-    return {c.name: text for c, text in zip(cases, texts, strict=True)}
+        return answers_of(running.urls, cases)
 
 
 @dataclass
