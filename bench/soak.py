@@ -59,6 +59,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, metavar="N")
     p.add_argument("--base-port", type=int, default=26000, metavar="PORT")
     p.add_argument("--quick", action="store_true", help="the CI variant: 5 minutes, three faults")
+    p.add_argument("--reference-url", action="append", default=[], metavar="URL",
+                   help="a running plain vLLM server (the engines' model, dtype and one pinned thread, like each "
+                        "engine) to take the reference answers from; repeatable (default: start two)")
     p.add_argument("--out", default="", metavar="DIR", help="where the table, JSON, PNG and logs go "
                    "(default bench-results/soak-<time>)")
     stack_flags.add_args(p)
@@ -261,7 +264,7 @@ def run(args: argparse.Namespace, out: Path) -> dict:
             redis.start()
             es.callback(redis.stop)
         cfg = soak_config(args, out, redis.url if redis else "", disk)
-        want = reference(cfg, pool, out)
+        want = answers(args.reference_url, pool) if args.reference_url else reference(cfg, pool, out)
         stack = launch.Stack(cfg)
         es.callback(stack.stop)
         stack.start(hold={HELD})

@@ -10,7 +10,6 @@ with several requests in flight at once, as clients send them.
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,12 +18,12 @@ from typing import Any
 
 import aiohttp
 import msgspec
-import yaml
 
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
 from tests.differential.compare import Answer, differences
 from tests.differential.surface import Request
+from tests.e2e.routers import spawn_router
 
 TIMEOUT_S = 600
 
@@ -121,21 +120,13 @@ EXTRA_DISAGG_MIN = 256    # the extra router (decode_first): prompts this short 
 
 def extra_router(stack: launch.Stack, port: int, first_token: str) -> tuple[subprocess.Popen, str]:
     """A second router over the same nodes with another ``router.first_token``; (process, URL).
-    Under ``router.decode_first`` it follows no KV events (the engines publish to the stack's own
-    router) and serves prompts of up to :data:`EXTRA_DISAGG_MIN` tokens on D alone, so the
-    comparison covers the decode-only path as well as the transfers."""
-    data = kcfg.to_dict(stack.router_config())
-    data["router"].update(port=port, first_token=first_token)
-    if data["router"]["decode_first"]:
-        data["router"].update(kv_events=[], disagg_min_tokens=EXTRA_DISAGG_MIN, disagg_min_tokens_idle=EXTRA_DISAGG_MIN)
-    path = stack.log_dir / f"router-{first_token}.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    with open(stack.log_dir / f"router-{first_token}.log", "w") as log:
-        proc = launch.spawn_group([sys.executable, "-m", "kvrelay.cli", "router", "--config", str(path)],
-                                  dict(os.environ), log)
-    url = f"http://127.0.0.1:{port}"
-    launch.wait_healthy(url, proc, 60, str(stack.log_dir / f"router-{first_token}.log"))
-    return proc, url
+    Under ``router.decode_first`` it serves prompts of up to :data:`EXTRA_DISAGG_MIN` tokens on
+    D alone (it follows no KV events: :func:`tests.e2e.routers.spawn_router`), so the comparison
+    covers the decode-only path as well as the transfers."""
+    over: dict[str, Any] = {"first_token": first_token}
+    if stack.cfg.router.decode_first:
+        over.update(disagg_min_tokens=EXTRA_DISAGG_MIN, disagg_min_tokens_idle=EXTRA_DISAGG_MIN)
+    return spawn_router(stack, first_token, port, **over)
 
 
 def other_mode(first_token: str) -> str:

@@ -1,5 +1,5 @@
 """Floods on a decode node's transfer ports, and clients that never read, while honest traffic
-runs (real vLLM, tcp transport).
+runs (real vLLM, tcp transport: the shared tcp stack's engines, behind a router of this module's own).
 
 2,000 connections to the data port that never authenticate - most idle, a tenth sending one
 byte a second, each reopened when the node has closed it - and a flood of
@@ -18,25 +18,27 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 import zmq
 
 from kvrelay.transport import protocol as P
-from tests.e2e.harness import CASES, MAX_TOKENS, MODEL, Case, start_stack
+from tests.e2e.harness import CASES, MAX_TOKENS, MODEL, Case
+from tests.e2e.routers import second_router
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]   # the reference and a stack start first
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800),   # the reference and a stack start first
+              pytest.mark.parametrize("pd_stack", ["tcp"], indirect=True)]
 CONNECTIONS = 2000
 
 
 @pytest.fixture(scope="module")
-def flood_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-floods"), 22900, transport__backend="tcp",
-                         router__stall_timeout_s=3, router__client_write_timeout_s=3)
-    yield handle
-    handle.stack.stop()
+def flood_stack(pd_stack):
+    """The shared tcp stack's engines behind a router of the test's own (3 s stall and client-write
+    timeouts): the floods hit the engines' ports, the slow readers the router."""
+    with second_router(pd_stack, "floods", pd_stack.cfg.router.port + 3, decode_first=False,
+                       stall_timeout_s=3, client_write_timeout_s=3) as handle:
+        yield handle
 
 
 class Flood:

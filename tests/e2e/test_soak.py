@@ -22,14 +22,17 @@ from kvrelay.bench.soak_faults import QUICK  # noqa: E402
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1500)]
 
 
-def test_five_minutes_of_faults_lose_nothing_and_change_no_answer(tmp_path, capsys):
+def test_five_minutes_of_faults_lose_nothing_and_change_no_answer(tmp_path, tiny_model, plain):
     ap = argparse.ArgumentParser()
     soak.add_args(ap)
-    # eager, as every engine the tests start (tests/e2e/harness.py: EAGER): the soak's engines and its
-    # reference otherwise compile at each start and restart (25-60 s each on 2 cores)
-    args = ap.parse_args(["--quick", "--base-port", "26200", "--out", str(tmp_path),
-                          "--engine.extra-args", "[--enforce-eager]"])
-    assert soak.main(args) in (0, 1)
+    # eager, as every engine the tests start (tests/e2e/harness.py: EAGER): the soak's engines
+    # otherwise compile at each start and restart (25-60 s each on 2 cores); the session's plain
+    # servers (the same model, eager, one pinned thread each) give the reference answers
+    with plain.use(2) as urls:
+        args = ap.parse_args(["--quick", "--base-port", "26200", "--out", str(tmp_path),
+                              "--engine.model", str(tiny_model), "--engine.extra-args", "[--enforce-eager]",
+                              *(arg for url in urls for arg in ("--reference-url", url))])
+        assert soak.main(args) in (0, 1)
     summary = json.loads((tmp_path / "soak.json").read_text())
     table = (tmp_path / "table.txt").read_text()
     print(table)

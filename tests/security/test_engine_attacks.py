@@ -20,19 +20,20 @@ import pytest
 
 from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
 from kvrelay.deploy import launch
-from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case, scrape, start_stack
+from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case, scrape
+from tests.e2e.routers import second_router
 
 SECRET = os.environ["KVRELAY_SECRET"].encode()
 API_KEY = "security-suite-key"
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.parametrize("pd_stack", ["tcp"], indirect=True)]
 
 
 @pytest.fixture(scope="module")
-def guarded(reference, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
-    handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-security"), 19800, transport__backend="tcp",
-                         router__api_keys=[API_KEY])
-    yield handle
-    handle.stack.stop()
+def guarded(pd_stack):
+    """The shared tcp stack's engines behind a router of this module's own that needs an API key."""
+    with second_router(pd_stack, "guarded", pd_stack.cfg.router.port + 4, decode_first=False,
+                       api_keys=[API_KEY]) as handle:
+        yield handle
 
 
 def post(url: str, body: dict, key: str = "") -> tuple[int, dict]:
@@ -135,7 +136,7 @@ def test_the_secret_is_in_no_command_line_and_no_log(guarded):
         seen += 1
         assert secret not in cmdline, f"secret on the command line of pid {stat.parent.name}"
     assert seen >= 3                                            # prefill, decode, router (and their children)
-    for f in guarded.stack.log_dir.iterdir():
+    for f in filter(Path.is_file, guarded.stack.log_dir.iterdir()):
         assert secret not in f.read_text(errors="replace"), f"secret in {f}"
     assert secret not in guarded.events_path.read_text(errors="replace")
 
