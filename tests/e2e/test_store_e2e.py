@@ -223,12 +223,8 @@ def _pending_tokens(router_url: str, node: str) -> float:
 
 
 def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_stack, tmp_path):
-    import subprocess
-    import sys
-
-    from kvrelay.core import config as kcfg
-    from kvrelay.deploy.launch import wait_healthy
     from tests.e2e.harness import Case
+    from tests.e2e.routers import second_router
 
     stack = two_prefill_stack
     node_b = _prefill_nodes(stack)[1]
@@ -238,21 +234,9 @@ def test_cache_aware_routing_prefers_the_node_holding_the_prefix(two_prefill_sta
              for i in range(4)]
     assert picks == [node_b] * 4, picks
     # The same pools behind a round-robin router: the prefix does not attract requests.
-    rr = kcfg.to_dict(stack.stack.router_config())
-    rr["router"].update(policy="round_robin", port=19590)
-    path = tmp_path / "rr.yaml"
-    import yaml
-
-    path.write_text(yaml.safe_dump(rr))
-    proc = subprocess.Popen([sys.executable, "-m", "kvrelay.cli", "router", "--config", str(path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy("http://127.0.0.1:19590", proc, 60)
-        picks_rr = [_prefill_of("http://127.0.0.1:19590", prefix + Case(f"r{i}", "completion", False, 40, i).text())
+    with second_router(stack, "round-robin", 19590, policy="round_robin") as rr:
+        picks_rr = [_prefill_of(rr.router_url, prefix + Case(f"r{i}", "completion", False, 40, i).text())
                     for i in range(4)]
-    finally:
-        proc.terminate()
-        proc.wait(10)
     assert len(set(picks_rr)) == 2 and picks_rr.count(node_b) == 2, picks_rr
 
 
