@@ -5,6 +5,11 @@ first-token mode) puts its own router in front of a shared stack instead of star
 Each router gets the stack's own router settings with the test's overrides, logs into the
 stack's log directory and is one of the stack's processes while it runs (so checks over the
 stack's processes and logs cover it too).
+
+The engines' prefix caches are shared too: prompts a test sends through its own router stay
+cached on the decode node, and the stack's router (decode-first) would then serve those prompts
+on D alone, with no transfer for the e2e tests to check. So such a test asks prompts of its
+own (:func:`own_cases`: the e2e cases' shapes, other text) and its own reference answers.
 """
 
 from __future__ import annotations
@@ -21,7 +26,19 @@ import yaml
 
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
-from tests.e2e.harness import StackHandle
+from tests.e2e.harness import CASES, Case, PlainServers, StackHandle, answers_of
+
+
+def own_cases(tag: str, cases: list[Case] = CASES) -> list[Case]:
+    """``cases``' shapes (kind, streaming, length) with prompts no other test sends, named ``tag-<name>``."""
+    salt = sum(map(ord, tag)) * 1000
+    return [dataclasses.replace(c, name=f"{tag}-{c.name}", seed=salt + c.seed) for c in cases]
+
+
+def reference_for(plain: PlainServers, cases: list[Case]) -> dict[str, str]:
+    """One vLLM's greedy answer to each of ``cases`` (the session's plain servers), by name."""
+    with plain.use(2) as urls:
+        return answers_of(urls, cases)
 
 
 def spawn_router(stack: launch.Stack, name: str, port: int, **router: Any) -> tuple[subprocess.Popen, str]:

@@ -24,12 +24,13 @@ import pytest
 import zmq
 
 from kvrelay.transport import protocol as P
-from tests.e2e.harness import CASES, MAX_TOKENS, MODEL, Case
-from tests.e2e.routers import second_router
+from tests.e2e.harness import MAX_TOKENS, MODEL, Case
+from tests.e2e.routers import own_cases, reference_for, second_router
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800),   # the reference and a stack start first
               pytest.mark.parametrize("pd_stack", ["tcp"], indirect=True)]
 CONNECTIONS = 2000
+CASES = own_cases("flood")     # the e2e cases' shapes, prompts of this module's own (tests/e2e/routers.py)
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,11 @@ def flood_stack(pd_stack):
     with second_router(pd_stack, "floods", pd_stack.cfg.router.port + 3, decode_first=False,
                        stall_timeout_s=3, client_write_timeout_s=3) as handle:
         yield handle
+
+
+@pytest.fixture(scope="module")
+def flood_reference(plain) -> dict[str, str]:
+    return reference_for(plain, CASES)
 
 
 class Flood:
@@ -177,7 +183,8 @@ def _p99(xs: list[float]) -> float:
     return xs[min(len(xs) - 1, int(0.99 * len(xs)))]
 
 
-def test_honest_requests_stay_exact_and_fast_under_data_and_control_floods(flood_stack, reference):
+def test_honest_requests_stay_exact_and_fast_under_data_and_control_floods(flood_stack, flood_reference):
+    reference = flood_reference
     cfg, url = flood_stack.cfg, flood_stack.router_url
     data_addr = ("127.0.0.1", cfg.deploy.kv_base_port + 100)
     control = f"tcp://127.0.0.1:{cfg.deploy.kv_base_port}"
@@ -222,7 +229,7 @@ def _slow_counters(before: dict[str, float], after: dict[str, float]) -> dict[st
     return {k: v - before.get(k, 0.0) for k, v in after.items() if k.startswith(families) and v != before.get(k, 0.0)}
 
 
-def test_clients_that_never_read_are_dropped_and_cost_no_node_anything(flood_stack, reference):
+def test_clients_that_never_read_are_dropped_and_cost_no_node_anything(flood_stack, flood_reference):
     """With router.stall_timeout_s and router.client_write_timeout_s at 3 s, four streamed clients
     that never read their 3,800-token answers are dropped and their requests leave the engines
     within 15 s; honest requests meanwhile stay exact; the router counts no migration, no breaker
@@ -230,6 +237,7 @@ def test_clients_that_never_read_are_dropped_and_cost_no_node_anything(flood_sta
 
     The honest requests run beside the four, one at a time: "gone" is when the router has
     dropped all four and the decode node runs nothing but (at most) the one honest request."""
+    reference = flood_reference
     from kvrelay.deploy.launch import Role
     from tests.e2e.harness import scrape
 

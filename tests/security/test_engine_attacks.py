@@ -20,11 +20,12 @@ import pytest
 
 from kvrelay.core.params import ParamsSigner, PullParams, PushParams, params_dict
 from kvrelay.deploy import launch
-from tests.e2e.harness import CASES, MODEL, openai_client, read_events, run_case, scrape
-from tests.e2e.routers import second_router
+from tests.e2e.harness import MODEL, openai_client, read_events, run_case, scrape
+from tests.e2e.routers import own_cases, reference_for, second_router
 
 SECRET = os.environ["KVRELAY_SECRET"].encode()
 API_KEY = "security-suite-key"
+CASES = own_cases("security")[:8]     # prompts of this module's own (tests/e2e/routers.py)
 pytestmark = [pytest.mark.chaos, pytest.mark.parametrize("pd_stack", ["tcp"], indirect=True)]
 
 
@@ -34,6 +35,11 @@ def guarded(pd_stack):
     with second_router(pd_stack, "guarded", pd_stack.cfg.router.port + 4, decode_first=False,
                        api_keys=[API_KEY]) as handle:
         yield handle
+
+
+@pytest.fixture(scope="module")
+def security_reference(plain) -> dict[str, str]:
+    return reference_for(plain, CASES)
 
 
 def post(url: str, body: dict, key: str = "") -> tuple[int, dict]:
@@ -50,7 +56,8 @@ def node_url(handle, role: launch.Role) -> str:
     return handle.stack.url(next(s for s in handle.stack.specs if s.role is role))
 
 
-def test_forged_params_get_a_400_and_push_nothing_while_honest_requests_stay_exact(guarded, reference):
+def test_forged_params_get_a_400_and_push_nothing_while_honest_requests_stay_exact(guarded, security_reference):
+    reference = security_reference
     p_url, d_url = node_url(guarded, launch.Role.PREFILL), node_url(guarded, launch.Role.DECODE)
     d_kv = guarded.stack.router_config().router.decode[0].split("=", 1)[1]
     honest: dict[str, str] = {}
@@ -162,11 +169,12 @@ def _as_nobody(fn) -> str:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="plays another local user: needs root")
-def test_files_planted_by_another_local_user_change_nothing(guarded, reference):
+def test_files_planted_by_another_local_user_change_nothing(guarded, security_reference):
     """Another user plants FIFOs and malformed files where kvrelay's node files are (the private
     runtime directory refuses them) and where they used to be (/dev/shm, /tmp); a FIFO, a
     malformed name, garbage and a symlink get into the runtime directory anyway (planted as
     root). Every engine's /metrics answers within 1 s and requests through the router succeed."""
+    reference = security_reference
     from kvrelay.common.private_files import runtime_dir
 
     run = runtime_dir(guarded.cfg.connector.runtime_dir)
