@@ -55,6 +55,7 @@ def sse_error(message: str, rid: str) -> bytes:
 
 
 CLIENT_BUFFER_BYTES = 16 * 1024      # per client stream: the transport's high-water mark and the socket's SO_SNDBUF
+CHUNK_FRAMING = 16                   # what HTTP chunked encoding adds to a write (size line and CRLFs)
 
 
 class ClientStream(web.StreamResponse):
@@ -73,6 +74,17 @@ class ClientStream(web.StreamResponse):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, CLIENT_BUFFER_BYTES)
         self._client_transport = transport
+        self._client_protocol = request.protocol
+
+    def fits(self, n: int) -> bool:
+        """Whether ``n`` more bytes go out without waiting for the client: the writer is not
+        paused and they keep the transport's buffer under its high-water mark, so the write
+        neither pauses it nor waits in aiohttp's drain (which waits only while paused)."""
+        transport = getattr(self, "_client_transport", None)
+        protocol = getattr(self, "_client_protocol", None)
+        if transport is None or protocol is None or protocol.writing_paused or transport.is_closing():
+            return False
+        return transport.get_write_buffer_size() + n + CHUNK_FRAMING < CLIENT_BUFFER_BYTES
 
     def drop(self) -> None:
         """Close the client's connection at once (nothing more can be written to it)."""
@@ -115,8 +127,11 @@ async def write(out: web.StreamResponse, data: bytes) -> None:
     never mistake either for the upstream node failing."""
     deadline = out.write_timeout_s if isinstance(out, ClientStream) else None
     try:
-        async with asyncio.timeout(deadline):
-            await out.write(data)
+        if deadline is None or (isinstance(out, ClientStream) and out.fits(len(data))):
+            await out.write(data)            # cannot wait for the client: no deadline to arm (most writes)
+        else:
+            async with asyncio.timeout(deadline):
+                await out.write(data)
     except TimeoutError as exc:
         assert isinstance(out, ClientStream)
         out.drop()

@@ -212,10 +212,18 @@ class SplitPath:
                      progress: Progress) -> None:
         """D's events into ``progress`` (and, streamed, into the client's format). Once D has sent
         its first piece, D's silence past ``router.stall_timeout_s`` is a failure
-        (asyncio.TimeoutError). The deadline covers reading D only: a client slow to read is
-        its own deadline's business (:func:`responses.write`), never counted as D's silence."""
-        pending, last, stall = b"", time.monotonic(), self.client.cfg.router.stall_timeout_s
+        (asyncio.TimeoutError: aiohttp's own read timeout on the connection, rearmed by every
+        byte D sends, which costs the hop nothing per event). The deadline covers reading D
+        only: a client slow to read is its own deadline's business (:func:`responses.write`),
+        never counted as D's silence."""
+        pending, last = b"", time.monotonic()
         piece = await r.content.readany()
+        protocol = r.connection.protocol if r.connection is not None else None
+        if protocol is not None:     # this request's alone: aiohttp sets it again for the next on the connection
+            protocol.read_timeout = self.client.cfg.router.stall_timeout_s or None
+            protocol.start_timeout()             # counted from now (the timer armed before had the session's);
+            # aiohttp stops it while its buffer holds reading (the router busy writing to a slow client),
+            # which cannot be the case here: the router has been waiting for this very piece
         while piece:
             events, pending = split.decode_events(piece, pending)
             rendered = [writer.token(text, finish, stop) for ev in events for text, finish, stop in progress.take(ev)]
@@ -224,8 +232,7 @@ class SplitPath:
                 self.client.metrics.itl.observe(now - last)
                 last = now
                 await responses.write(out, b"".join(rendered))
-            async with asyncio.timeout(stall):
-                piece = await r.content.readany()
+            piece = await r.content.readany()
         if progress.finish is None:
             progress.fail(Cause.EARLY_END, "the decode node ended the stream early")
 

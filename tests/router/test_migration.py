@@ -31,8 +31,10 @@ class Decoder(Scripted):
     is 100 + i, whatever node computes it. ``die_after``: it drops the connection after that many
     tokens of a request (or answers ``status`` before any)."""
 
-    def __init__(self, die_after: int | None = None, status: int = 200, eos_at: int | None = None) -> None:
-        self.die_after, self.status, self.eos_at = die_after, status, eos_at
+    def __init__(self, die_after: int | None = None, status: int = 200, eos_at: int | None = None,
+                 silent_after: int | None = None) -> None:
+        self.die_after, self.status, self.eos_at, self.silent_after = die_after, status, eos_at, silent_after
+        self.wake = asyncio.Event()                      # ends a silence (set by the test when done)
         self.prompts: list[list[int]] = []
         self.alone = 0                                   # requests it served alone (no prefill node)
         self.url = ""
@@ -58,6 +60,9 @@ class Decoder(Scripted):
             if self.die_after is not None and k == self.die_after:
                 assert request.transport is not None
                 request.transport.abort()                # SIGKILL-like: the connection just drops
+                return resp
+            if self.silent_after is not None and k == self.silent_after:
+                await self.wake.wait()                   # hung: the connection open, nothing more sent
                 return resp
             eos = i == self.eos_at
             ev = {"id": "cmpl-d", "object": "text_completion", "created": 8, "model": "m",
@@ -149,6 +154,27 @@ def test_a_decode_node_dying_mid_stream_hands_the_rest_to_another_without_a_gap_
                 answer = await r.json()
             assert r.status == 200, answer
             assert answer["choices"][0]["text"] == _want(12) and answer["usage"]["completion_tokens"] == 12
+    run(go())
+
+
+def test_a_decode_node_that_goes_silent_mid_stream_is_a_stall_and_the_rest_moves():
+    """D sends 3 tokens, then nothing while its connection stays open: after
+    ``router.stall_timeout_s`` of silence the answer moves to the other node, exact and whole."""
+    async def go():
+        hung, spare = Decoder(silent_after=3), Decoder()
+        async with stack([Decoder()], [hung, spare], stall_timeout_s=1) as (url, s, router):
+            try:
+                t0 = asyncio.get_running_loop().time()
+                async with s.post(f"{url}/v1/completions", json={**BODY, "stream": True}) as r:
+                    evs = events(await asyncio.wait_for(r.read(), 20))
+                took = asyncio.get_running_loop().time() - t0
+            finally:
+                hung.wake.set()
+            text = "".join(c["text"] for e in evs[:-1] if isinstance(e, dict) for c in e.get("choices", ()))
+            assert evs[-1] == "[DONE]" and text == _want(12)
+            assert router.metrics.migrations.labels("stall")._value.get() == 1
+            assert 1 <= took < 10, took
+            assert spare.prompts == [PROMPT_IDS + [100 + i for i in range(4)]]
     run(go())
 
 
