@@ -184,17 +184,16 @@ def _p99(xs: list[float]) -> float:
 
 
 def test_honest_requests_stay_exact_and_fast_under_data_and_control_floods(flood_stack, flood_reference):
-    reference = flood_reference
     cfg, url = flood_stack.cfg, flood_stack.router_url
     data_addr = ("127.0.0.1", cfg.deploy.kv_base_port + 100)
     control = f"tcp://127.0.0.1:{cfg.deploy.kv_base_port}"
-    asyncio.run(_pass(url, reference))                          # warm: both engines have seen every shape
-    before = asyncio.run(_pass(url, reference))
+    asyncio.run(_pass(url, flood_reference))                    # warm: both engines have seen every shape
+    before = asyncio.run(_pass(url, flood_reference))
     with DataFlood(data_addr, CONNECTIONS) as data, ChallengeFlood(control) as challenges:
         time.sleep(3)                                           # the flood is at full size
-        during = asyncio.run(_pass(url, reference))
+        during = asyncio.run(_pass(url, flood_reference))
         opened, asked = data.opened, challenges.sent
-    after = asyncio.run(_pass(url, reference))
+    after = asyncio.run(_pass(url, flood_reference))
     calm = (_p99(before) + _p99(after)) / 2
     print(f"floods: {opened} data connections opened, {asked} challenges asked; TTFT p99 {_p99(during) * 1e3:.0f} ms "
           f"under the flood, {calm * 1e3:.0f} ms without (ratio {_p99(during) / calm:.2f})")
@@ -237,12 +236,11 @@ def test_clients_that_never_read_are_dropped_and_cost_no_node_anything(flood_sta
 
     The honest requests run beside the four, one at a time: "gone" is when the router has
     dropped all four and the decode node runs nothing but (at most) the one honest request."""
-    reference = flood_reference
     from kvrelay.deploy.launch import Role
     from tests.e2e.harness import scrape
 
     url = flood_stack.router_url
-    asyncio.run(_pass(url, reference, CASES[:4], 1))           # warm
+    asyncio.run(_pass(url, flood_reference, CASES[:4], 1))     # warm
     before = scrape(f"{url}/metrics")
 
     def dropped() -> float:
@@ -257,7 +255,7 @@ def test_clients_that_never_read_are_dropped_and_cost_no_node_anything(flood_sta
     socks = [_never_reads(url, k) for k in range(4)]
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            honest = pool.submit(asyncio.run, _pass(url, reference, CASES[:4], 1))   # exact while the four hang on
+            honest = pool.submit(asyncio.run, _pass(url, flood_reference, CASES[:4], 1))   # exact while the four hang on
             while (n := dropped()) < 4 or (left := on_decode()) > 1:
                 assert time.monotonic() - t0 < 15, (
                     f"after 15 s the router dropped {n:g} of the 4 unread streams and the decode node still runs or "
