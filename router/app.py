@@ -58,6 +58,7 @@ from kvrelay.core.logs import set_ids
 from kvrelay.core.params import ParamsSigner
 from kvrelay.core.tracing import annotate, request_span, tracer
 from kvrelay.router import split, validate
+from kvrelay.router.alone_path import AlonePath
 from kvrelay.router.breaker import Breaker
 from kvrelay.router.cache_index import ChunkIndex, PromptTokenizer
 from kvrelay.router.decide import DecodeFirst, Placement, RoutePath
@@ -119,6 +120,7 @@ class Router:
         engine = cfg.engine
         self._parsers = split.parsers_configured([*engine.extra_args, *engine.prefill_args, *engine.decode_args],
                                                  rc.chat_parsers)
+        self.alone_path = AlonePath(self.client, self.decode_path, self.split_path, self._parsers)
         self.gate = Gate(rc, self.metrics)
         self.admission = Admission(rc.max_inflight * max(1, len(self.decode.nodes)), rc.max_queued,
                                    rc.queue_timeout_s)
@@ -313,7 +315,7 @@ class Router:
             self._count(place, RoutePath.DECODE_ONLY)
             work = PrefillWork(place.decode, place.decode_work)
             try:
-                return await self._timed(job, self.decode_path.decode(job, "", ""))
+                return await self._timed(job, self.alone_path.run(job))
             finally:
                 work.done()
         return await self._disaggregated(job, place)
@@ -333,7 +335,7 @@ class Router:
         except NoHealthyNode:                   # no prefill node: the decode node serves the request alone
             self.metrics.errors.labels("no_prefill_decode_only").inc()
             self._count(place, RoutePath.NO_PREFILL)
-            return await self._timed(job, self.decode_path.decode(job, "", ""))
+            return await self._timed(job, self.alone_path.run(job))
         self._count(place, RoutePath.DISAGGREGATED, hint.cached_tokens.get(p_node.url, 0) if hint else 0)
         ids = job.ids
         set_ids(transfer_id=ids.transfer)

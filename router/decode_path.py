@@ -6,8 +6,10 @@ the background, D gets the client's request with pull params at the same time an
 its answer back unchanged. With ``tid`` empty D computes the prompt itself (no prefill
 node, or a request D must judge alone). A prefill that fails (connection error or 5xx) is
 retried once on another P with the same transfer id; if none is left D recomputes after
-``connector.first_chunk_s``. If D fails before answering the client gets a clean 502, and
-mid-stream an OpenAI-style error event followed by ``data: [DONE]``.
+``connector.first_chunk_s``. A D that fails before the client was sent anything is replaced
+by another (which computes the prompt itself); with none left the client gets a clean 502,
+and mid-stream an OpenAI-style error event followed by ``data: [DONE]`` (decode-first's
+answers from D alone go on elsewhere instead: :mod:`kvrelay.router.alone_path`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -29,6 +32,9 @@ from kvrelay.router.responses import error_response
 from kvrelay.router.upstream import EngineClient, note_draining
 
 log = logging.getLogger("kvrelay.router")
+# Streams a decode node's open event-stream answer to the client: (job, the node, its response, headers)
+# (or, a str: why the node failed before the client was sent anything, so that another is asked)
+Relay = Callable[[Job, Node, aiohttp.ClientResponse, dict[str, str]], Awaitable[web.StreamResponse | str]]
 
 
 class DecodePath:
@@ -111,14 +117,50 @@ class DecodePath:
             return error_response(502, self.client.node_failed("the decode node", node, exc),
                                   "bad_gateway", job.ids.client)
 
-    async def decode(self, job: Job, tid: str, p_url: str) -> web.StreamResponse:
-        """D answers the client: with pull params for ``tid`` ("" = D computes the prompt itself)."""
+    async def decode(self, job: Job, tid: str, p_url: str, body: dict[str, Any] | None = None,
+                     relay: Relay | None = None) -> web.StreamResponse:
+        """D answers the client: with pull params for ``tid`` ("" = D computes the prompt itself).
+        ``body``: what D is asked (default the client's request); ``relay``: what streams D's
+        events to the client (default: verbatim, :meth:`_stream`).
+
+        A decode node that fails before the client was sent anything (no answer, a dropped
+        connection, a 5xx) is replaced by another, up to ``router.max_migrations`` times, which
+        computes the prompt itself: the client gets one answer, as one vLLM gives it."""
         assert self.client.session is not None
-        dbody = dict(job.body)
+        dbody = dict(job.body if body is None else body)
         if tid:
             dbody["kv_transfer_params"] = self.client.signed(PullParams(transfer_id=tid))
         headers = self.client.answer_headers(job, p_url)
-        node = job.decode
+        node, tried = job.decode, list[Node]()
+        while True:
+            got = await self._answer(job, node, dbody, headers, relay or self._stream)
+            if not isinstance(got, str):
+                return got
+            tried.append(node)
+            node_or_none = self._another(job, tried, got)
+            if node_or_none is None:
+                self.client.metrics.errors.labels("decode_failed").inc()
+                self.client.metrics.requests.labels(job.endpoint, "decode_failed").inc()
+                return error_response(502, got, "bad_gateway", job.ids.client)
+            node = node_or_none
+            dbody.pop("kv_transfer_params", None)       # the push went to the failed node: compute the prompt
+
+    def _another(self, job: Job, tried: list[Node], why: str) -> Node | None:
+        """A decode node to ask again, the client having been sent nothing (None: none, or out of tries)."""
+        if len(tried) > self.client.cfg.router.max_migrations:
+            return None
+        try:
+            node = self.client.decode.pick(exclude=tuple(tried))
+        except NoHealthyNode:
+            return None
+        self.client.metrics.errors.labels("decode_retried").inc()
+        log.warning("%s: %s before the client was sent anything; asking %s", job.ids.client, why, node.url)
+        return node
+
+    async def _answer(self, job: Job, node: Node, dbody: dict[str, Any], headers: dict[str, str],
+                      relay: Relay) -> web.StreamResponse | str:
+        """One decode node's answer to the client, or (a str) why the node failed before the
+        client was sent anything."""
         node.outstanding += 1
         try:
             node, r = await self.client.open_decode(node, job.endpoint, dbody, job.ids.engine)
@@ -126,24 +168,20 @@ class DecodePath:
                 self.client.judge(node, r.status)
                 if r.status != 200 or "text/event-stream" not in r.headers.get("Content-Type", ""):
                     data = await r.read()
+                    if r.status >= 500:
+                        return self.client.node_failed("the decode node", node, f"HTTP {r.status}")
                     self.client.metrics.ttft.observe(time.monotonic() - job.t0)
                     self.client.metrics.requests.labels(job.endpoint, "ok" if r.status == 200 else f"http_{r.status}").inc()
-                    if r.status >= 500:
-                        self.client.metrics.errors.labels("decode_failed").inc()
-                        return error_response(502, self.client.node_failed("the decode node", node, f"HTTP {r.status}"),
-                                              "bad_gateway", job.ids.client)
                     return web.Response(body=data, status=r.status, content_type=r.content_type, headers=headers)
-                return await self._stream(job, r, headers)
+                return await relay(job, node, r, headers)
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             self.client.judge(node, None)
-            self.client.metrics.errors.labels("decode_failed").inc()
-            self.client.metrics.requests.labels(job.endpoint, "decode_failed").inc()
-            return error_response(502, self.client.node_failed("the decode node", node, exc),
-                                  "bad_gateway", job.ids.client)
+            return self.client.node_failed("the decode node", node, exc)
         finally:
             node.outstanding -= 1
 
-    async def _stream(self, job: Job, upstream: aiohttp.ClientResponse, headers: dict[str, str]) -> web.StreamResponse:
+    async def _stream(self, job: Job, node: Node, upstream: aiohttp.ClientResponse,
+                      headers: dict[str, str]) -> web.StreamResponse:
         out = await responses.open_stream(job.request, headers, self.client.cfg.router.client_write_timeout_s)
         first, tail, last = True, b"", 0.0
         try:
@@ -163,7 +201,7 @@ class DecodePath:
             self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
             return out
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            failure = self.client.node_failed("the decode node (mid-stream)", job.decode, exc)
+            failure = self.client.node_failed("the decode node (mid-stream)", node, exc)
         with contextlib.suppress(responses.ClientGone):
             if failure:
                 self.client.metrics.errors.labels("decode_failed_midstream").inc()

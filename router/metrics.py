@@ -28,8 +28,8 @@ from kvrelay.router.pools import Pool
 
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
-FALLBACKS = frozenset({"decode_only", "decode_redirected", "first_token_fallback", "no_prefill_decode_only",
-                       "prefill_failed_decode_only"})
+FALLBACKS = frozenset({"decode_only", "decode_redirected", "decode_retried", "first_token_fallback",
+                       "no_prefill_decode_only", "prefill_failed_decode_only"})
 CLIENT_ERRORS = frozenset({"bad_request", "body_timeout", "body_too_large", "client_disconnect", "client_too_slow",
                            "client_inflight_limit", "rate_limited", "unauthorized"})
 MODEL = "model_name"

@@ -60,6 +60,7 @@ class Progress:
     cause: Cause | None = None
     migrations: int = 0
     tracked: bool = True           # every piece came with its token ids (else nothing can be continued)
+    fingerprint: str | None = None # the nodes' system_fingerprint, when one has said it
 
     def take(self, event: dict[str, Any]) -> list[tuple[str, str | None, Any]]:
         """Record one event of D's stream; returns the (text, finish, stop) pieces it adds."""
@@ -68,16 +69,21 @@ class Progress:
             return []
         if event.get("usage"):
             self.decoded = self.base + int(event["usage"]["completion_tokens"])
+        if event.get("system_fingerprint"):
+            self.fingerprint = event["system_fingerprint"]
         pieces = []
         for c in event.get("choices", ()):
-            ids = c.get("token_ids")
-            if ids is None and c.get("text"):
-                self.tracked = False       # a node that does not say which tokens it sent: never continued
-            self.ids.extend(ids or ())
-            self.text.append(c["text"])
-            self.finish, self.stop = c.get("finish_reason"), c.get("stop_reason")
+            self.add(c.get("token_ids"), c["text"], c.get("finish_reason"), c.get("stop_reason"))
             pieces.append((c["text"], self.finish, self.stop))
         return pieces
+
+    def add(self, ids: list[int] | None, text: str, finish: str | None, stop: Any) -> None:
+        """One piece the client is given: its token ids (None: the node did not say), text and reasons."""
+        if ids is None and text:
+            self.tracked = False           # a node that does not say which tokens it sent: never continued
+        self.ids.extend(ids or ())
+        self.text.append(text)
+        self.finish, self.stop = finish, stop
 
     def fail(self, cause: Cause, message: str) -> None:
         """Record the segment's failure (the first cause stays). A stream that already gave its

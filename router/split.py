@@ -199,18 +199,19 @@ def prefill_body(body: dict[str, Any], *, token_ids: bool = True) -> dict[str, A
 def decode_body(body: dict[str, Any], first: FirstToken, budget: int) -> dict[str, Any]:
     """D continues from prompt + token 1 as a token-id completion, streamed with usage and each
     piece's token ids (so another node can take over: :mod:`kvrelay.router.migration`), with an
-    explicit budget: the answer's (:func:`answer_budget`) less token 1 - never vLLM's
+    explicit budget: the answer's (:func:`answer_budget`) less token 1 (if P gave it) - never vLLM's
     completion default, which would cut a chat answer short."""
     dbody: dict[str, Any] = {k: body[k] for k in _TO_DECODE if k in body}
     dbody.update(prompt=first.prompt_token_ids + first.token_ids, stream=True, return_token_ids=True,
-                 stream_options={"include_usage": True}, max_tokens=budget - 1)
+                 stream_options={"include_usage": True}, max_tokens=budget - len(first.token_ids))
     return dbody
 
 
 def usage(first: FirstToken, decoded: int) -> dict[str, int]:
-    """Usage as one vLLM counts it: the client's prompt, token 1 plus D's tokens."""
-    return {"prompt_tokens": first.prompt_tokens, "total_tokens": first.prompt_tokens + 1 + decoded,
-            "completion_tokens": 1 + decoded}
+    """Usage as one vLLM counts it: the client's prompt, token 1 (if P gave it) plus D's tokens."""
+    completion = len(first.token_ids) + decoded
+    return {"prompt_tokens": first.prompt_tokens, "total_tokens": first.prompt_tokens + completion,
+            "completion_tokens": completion}
 
 
 def sse(event: dict[str, Any]) -> bytes:

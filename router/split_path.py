@@ -125,32 +125,47 @@ class SplitPath:
                         headers: dict[str, str]) -> web.StreamResponse:
         """Token 1 to the client (streamed at once), then D's continuation in the client's format;
         a decode node that fails mid-answer hands the rest to another (:mod:`kvrelay.router.migration`)."""
-        out = None
-        progress, node, tried, body = Progress(), job.decode, list[Node](), dbody
-        while True:
-            try:
-                if job.stream and out is None:
-                    out = await self._open(job, headers)
-                    await responses.write(out, writer.opening() + writer.token(first.text))
-                    self.client.metrics.ttft.observe(time.monotonic() - job.t0)
-                node, refused = await self._segment(job, node, body, out, writer, progress)
-            except responses.ClientGone as exc:   # gone, or too slow a reader: never the node's failure
-                self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
-                self.client.metrics.errors.labels(responses.gone_cause(exc)).inc()
-                return out if out is not None else responses.gone_response()
-            if refused is not None:
-                return refused
-            tried.append(node)
-            if not progress.failure or not self._left_to_continue(dbody, progress):
-                break
+        out, progress = None, Progress()
+        try:
+            if job.stream:
+                out = await self._open(job, headers)
+                await responses.write(out, writer.opening() + writer.token(first.text))
+                self.client.metrics.ttft.observe(time.monotonic() - job.t0)
+            node, refused = await self._segment(job, job.decode, dbody, out, writer, progress)
+        except responses.ClientGone as exc:       # gone, or too slow a reader: never the node's failure
+            return self.gone(job, out, exc)
+        if refused is not None:
+            return refused
+        return await self.carry_on(job, first, writer, dbody, out, progress, [node], headers)
+
+    async def carry_on(self, job: Job, first: split.FirstToken, writer: split.StreamWriter, dbody: dict[str, Any],
+                       out: web.StreamResponse | None, progress: Progress, tried: list[Node],
+                       headers: dict[str, str]) -> web.StreamResponse:
+        """After a segment of ``dbody``'s answer (``tried``: the nodes that served one): while the
+        last one failed in a way another node can take over, continue there; then end the answer.
+        The decode-first path (:mod:`kvrelay.router.alone_path`) enters here when the node
+        that answered alone fails."""
+        while progress.failure and self._left_to_continue(dbody, progress):
             nxt = self._next_node(job, tried, progress)
             if nxt is None:
                 break
-            body, node = resume_body(dbody, progress), nxt
+            body = resume_body(dbody, progress)
             progress.resumed()
+            try:
+                node, refused = await self._segment(job, nxt, body, out, writer, progress)
+            except responses.ClientGone as exc:
+                return self.gone(job, out, exc)
+            if refused is not None:
+                return refused
+            tried.append(node)
         if progress.migrations or progress.cause in MOVABLE:
             self.client.metrics.migrated.labels(outcome(job.body, bool(progress.failure)).value).inc()
         return await self._finish_split(job, first, writer, out, progress, headers)
+
+    def gone(self, job: Job, out: web.StreamResponse | None, exc: responses.ClientGone) -> web.StreamResponse:
+        self.client.metrics.requests.labels(job.endpoint, "client_disconnect").inc()
+        self.client.metrics.errors.labels(responses.gone_cause(exc)).inc()
+        return out if out is not None else responses.gone_response()
 
     @staticmethod
     def _left_to_continue(dbody: dict[str, Any], progress: Progress) -> bool:
@@ -250,6 +265,7 @@ class SplitPath:
                 await responses.end(out)
             return out
         self.client.metrics.requests.labels(job.endpoint, "ok").inc()
+        writer.fingerprint = writer.fingerprint or progress.fingerprint
         text = "".join(progress.text)
         if out is None:                           # not streamed: the first token arrives with the answer
             self.client.metrics.ttft.observe(time.monotonic() - job.t0)

@@ -11,6 +11,9 @@ migration, which no transport changes), ``router.first_token: prefill`` (the def
 * 2P1D (that prefill node restarted): the same load; SIGKILL a prefill node while it
   computes token 1s: every answer completes and is exact. Then SIGKILL the other one: with
   no prefill node left, the decode node serves requests alone, still exact.
+* 0P2D (the killed decode node restarted): the decode nodes answer alone (the path
+  decode-first's ``decode_only`` answers take); SIGKILL the busier mid-stream: every stream
+  goes on on the other node, exact.
 """
 
 from __future__ import annotations
@@ -176,3 +179,34 @@ def test_a_killed_prefill_node_then_both_lose_nothing(loss_stack, want):
     streams = asyncio.run(_load(url, LOSS[:4], lambda ss: True, lambda: None))
     _check(streams, want)
     assert _router_count(url, f'kvrelay_router_fallbacks_total{{cause="no_prefill_decode_only",model_name="{MODEL}"}}') >= 1
+
+
+def _healthy_decode(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            return int(json.loads(r.read())["decode"]["healthy"])
+    except urllib.error.HTTPError as exc:
+        return int(json.loads(exc.read())["decode"]["healthy"])
+
+
+def test_a_killed_decode_node_answering_alone_loses_no_stream_and_no_token(loss_stack, want):
+    """No prefill node in rotation (the answers decode-first sends to a decode node alone take the
+    same path): each decode node answers the client's own request, asked for its token ids. With
+    16 streams running on two decode nodes, SIGKILL the busier: each of its streams goes on on the
+    other from the prompt's ids and the tokens sent, and every answer equals one vLLM's."""
+    stack, url = loss_stack.stack, loss_stack.router_url
+    for spec in stack.specs:
+        if spec.role is launch.Role.PREFILL and spec.name in stack.procs:
+            stack.kill(spec.name)                 # 0P: the decode nodes serve alone
+        elif spec.role is launch.Role.DECODE and spec.name not in stack.procs:
+            stack.restart(spec.name)              # 0P2D
+    _until(lambda: not _healthy_prefill(url) and _healthy_decode(url) == 2, "0 prefill and 2 decode nodes in rotation")
+    moved0 = _router_count(url, "kvrelay_router_migrations_total")
+    alone0 = _router_count(url, 'kvrelay_router_fallbacks_total{cause="no_prefill_decode_only"')
+    streams = asyncio.run(_load(url, LOSS, lambda ss: all(len(s.text) >= 5 for s in ss),
+                                lambda: stack.kill(busiest_decode(stack))))
+    moved = _router_count(url, "kvrelay_router_migrations_total") - moved0
+    print(f"decode loss, answers from D alone: {N} streams, {moved:.0f} migrated")
+    _check(streams, want)
+    assert _router_count(url, 'kvrelay_router_fallbacks_total{cause="no_prefill_decode_only"') - alone0 == N
+    assert moved >= 1, "the kill moved no stream (every stream had ended?)"

@@ -42,20 +42,30 @@ class Decoder(Scripted):
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if not body.get("stream"):                       # P: token 1; or the client's own request, served alone
+            if self.status != 200:
+                return web.json_response({"error": {"message": "boom"}}, status=self.status)
             answer = _first_token_answer()
             if body["max_tokens"] > 1:
                 self.alone += 1
                 answer["choices"][0]["text"] = "".join(text_of(i) for i in range(body["max_tokens"]))
             return web.json_response(answer)
-        prompt = body["prompt"]
+        chat = request.path.endswith("/chat/completions")
+        own = chat or isinstance(body["prompt"], str)    # the client's own request, streamed by D alone
+        prompt = PROMPT_IDS if own else body["prompt"]
         self.prompts.append(prompt)
+        self.alone += own
         if self.status != 200:
             return web.json_response({"error": {"message": "boom"}}, status=self.status)
         start = len(prompt) - len(PROMPT_IDS)            # the answer's next token index
         assert prompt == PROMPT_IDS + [100 + i for i in range(start)] and body["return_token_ids"]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        n = body["max_tokens"]
+        n = body.get("max_completion_tokens") or body["max_tokens"]
+        if chat:                                         # vLLM's role event, the prompt's ids on it
+            await resp.write(_sse({"id": "chatcmpl-d", "object": "chat.completion.chunk", "created": 8, "model": "m",
+                                   "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                "logprobs": None, "finish_reason": None}],
+                                   "prompt_token_ids": PROMPT_IDS, "prompt_text": None}))
         for k, i in enumerate(range(start, start + n)):
             if self.die_after is not None and k == self.die_after:
                 assert request.transport is not None
@@ -65,19 +75,31 @@ class Decoder(Scripted):
                 await self.wake.wait()                   # hung: the connection open, nothing more sent
                 return resp
             eos = i == self.eos_at
-            ev = {"id": "cmpl-d", "object": "text_completion", "created": 8, "model": "m",
-                  "choices": [{"index": 0, "text": text_of(i), "logprobs": None,
-                               "finish_reason": "stop" if eos else "length" if k == n - 1 else None,
-                               "stop_reason": None, "token_ids": [100 + i]}]}
-            await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            finish = "stop" if eos else "length" if k == n - 1 else None
+            if chat:
+                ev = {"id": "chatcmpl-d", "object": "chat.completion.chunk", "created": 8, "model": "m",
+                      "choices": [{"index": 0, "delta": {"content": text_of(i)}, "logprobs": None,
+                                   "finish_reason": finish, **({"stop_reason": None} if finish else {}),
+                                   "token_ids": [100 + i]}]}
+            else:
+                ev = {"id": "cmpl-d", "object": "text_completion", "created": 8, "model": "m",
+                      "choices": [{"index": 0, "text": text_of(i), "logprobs": None, "finish_reason": finish,
+                                   "stop_reason": None, "prompt_token_ids": PROMPT_IDS if own and k == 0 else None,
+                                   "token_ids": [100 + i]}]}
+            await resp.write(_sse(ev))
             if eos:                                      # EOS, then the node dies before usage and [DONE]
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
-        usage = {"id": "cmpl-d", "object": "text_completion", "created": 8, "model": "m", "choices": [],
+        usage = {"id": "chatcmpl-d" if chat else "cmpl-d", "object": "chat.completion.chunk" if chat else
+                 "text_completion", "created": 8, "model": "m", "choices": [],
                  "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + n, "completion_tokens": n}}
-        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n")
+        await resp.write(_sse(usage) + b"data: [DONE]\n\n")
         return resp
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 def _first_token_answer() -> dict[str, Any]:
@@ -104,6 +126,13 @@ class DeadPrefill(Decoder):
         return web.json_response({"error": {"message": "boom"}}, status=self.status, headers=headers)
 
 
+class Down(Decoder):
+    """A prefill node that is out of rotation (its /health says 503): decode nodes serve alone."""
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({}, status=503)
+
+
 @asynccontextmanager
 async def stack(prefills: list[Decoder], decodes: list[Decoder], first_token: str = "prefill", **router: object):
     apps = []
@@ -112,6 +141,7 @@ async def stack(prefills: list[Decoder], decodes: list[Decoder], first_token: st
         app.router.add_get("/health", e.health)
         app.router.add_get("/v1/models", e.models)
         app.router.add_post("/v1/completions", e.handle)
+        app.router.add_post("/v1/chat/completions", e.handle)
         apps.append(serve(app))
     entered = [await a.__aenter__() for a in apps]
     try:
@@ -175,6 +205,67 @@ def test_a_decode_node_that_goes_silent_mid_stream_is_a_stall_and_the_rest_moves
             assert router.metrics.migrations.labels("stall")._value.get() == 1
             assert 1 <= took < 10, took
             assert spare.prompts == [PROMPT_IDS + [100 + i for i in range(4)]]
+    run(go())
+
+
+def _chat_text(evs: list[Any]) -> str:
+    return "".join(c["delta"].get("content") or "" for e in evs if isinstance(e, dict) for c in e.get("choices", ()))
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_an_answer_a_decode_node_gives_alone_goes_on_elsewhere_when_the_node_dies(endpoint):
+    """No prefill node (or decode-first's ``decode_only``): D answers the client's own request
+    alone. It dies after 4 tokens; the other decode node continues from the prompt's ids (which
+    D returned with ``return_token_ids``) plus the 4 tokens sent: the client's stream, in its own
+    format, has every token once, one finish and usage for the whole answer, and no token ids
+    it did not ask for."""
+    async def go():
+        dying, spare = Decoder(die_after=4), Decoder()
+        chat = endpoint == "chat"
+        body = ({"model": "m", "messages": [{"role": "user", "content": "abc"}], "max_completion_tokens": 12,
+                 "temperature": 0} if chat else BODY)
+        async with stack([Down()], [dying, spare]) as (url, s, router):
+            async with s.post(f"{url}/v1/{'chat/' if chat else ''}completions",
+                              json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                evs = events(await r.read())
+            assert evs[-1] == "[DONE]" and not any("error" in e for e in evs[:-1])
+            choices = [c for e in evs[:-1] for c in e.get("choices", ())]
+            text = _chat_text(evs[:-1]) if chat else "".join(c["text"] for c in choices)
+            assert text == _want(12)                                   # 4 from the dying node, 8 from the spare
+            assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+            assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None for c in choices)
+            assert all(e.get("prompt_token_ids") is None for e in evs[:-1])
+            assert {e["id"] for e in evs[:-1]} == {"chatcmpl-d" if chat else "cmpl-d"}   # one answer's events
+            assert evs[-2]["usage"] == {"prompt_tokens": 3, "total_tokens": 15, "completion_tokens": 12}
+            if chat:
+                assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+            assert dying.alone == 1 and spare.prompts == [PROMPT_IDS + [100 + i for i in range(4)]]
+            assert router.metrics.migrations.labels("connect")._value.get() == 1
+            assert router.metrics.migrated.labels("exact")._value.get() == 1
+    run(go())
+
+
+def test_a_decode_node_that_fails_before_the_client_got_anything_is_replaced():
+    """A 5xx from the first decode node, before any byte reached the client: the request is asked
+    of another decode node (which computes the prompt itself); the client sees one answer and the
+    router counts a fallback, no failure. With no other node left the client gets the 502."""
+    async def go():
+        dead, good = Decoder(status=500), Decoder()
+        async with stack([Down()], [dead, good]) as (url, s, router):
+            for stream in (False, True):
+                async with s.post(f"{url}/v1/completions", json={**BODY, "stream": stream}) as r:
+                    raw = await r.read()
+                assert r.status == 200, raw
+                if stream:
+                    evs = events(raw)
+                    assert evs[-1] == "[DONE]" and "".join(c["text"] for e in evs[:-1] for c in e["choices"]) == _want(12)
+                else:
+                    assert json.loads(raw)["choices"][0]["text"] == _want(12)
+            assert router.metrics.errors.labels("decode_retried")._value.get() >= 1
+            assert router.metrics.errors.labels("decode_failed")._value.get() == 0
+        async with stack([Down()], [Decoder(status=500)]) as (url, s, router), \
+                s.post(f"{url}/v1/completions", json=BODY) as r:
+            assert r.status == 502 and "error" in await r.json()
     run(go())
 
 
