@@ -64,7 +64,9 @@ class OwnStream:
         for c in event.get("choices", ()):
             if not self.chat and c.get("prompt_token_ids"):      # completions: on the first piece
                 self.prompt_ids, c["prompt_token_ids"] = list(c["prompt_token_ids"]), None
-            ids, c["token_ids"] = c.get("token_ids"), None
+            ids = c.get("token_ids")
+            if "token_ids" in c:                                # null, as without the flag (absent stays absent)
+                c["token_ids"] = None
             text = (c["delta"].get("content") or "") if self.chat else c["text"]
             if self.chat and "role" in c["delta"] and not ids:  # the role event: no token
                 continue
