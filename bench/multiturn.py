@@ -132,7 +132,8 @@ def _stack(args: argparse.Namespace, out: Path, store: bool, redis_url: str = ""
                               "prefill_args": ["--no-enable-prefix-caching"]}
     data: dict[str, Any] = {
         "engine": engine, "deploy": {"base_port": base, "kv_base_port": base + 500, "log_dir": str(sub / "logs")},
-        "router": {"port": base + 50, "expose_nodes": True},   # the bench reads X-Kvrelay-Prefill
+        "router": {"port": base + 50, "expose_nodes": True,    # the bench reads X-Kvrelay-Prefill
+                   "decode_first": False},                      # the compared systems name their routing
         "connector": {"events_path": str(sub / "events.jsonl")},
         "store": {"enabled": store, "cpu_bytes": "1GiB", "disk_path": str(sub / "disk"), "disk_bytes": "2GiB"},
         "transport": {"backend": "tcp"}}

@@ -192,6 +192,8 @@ def _as_text(data: Any, info: Any, name: str = "") -> Any:
     flag lists (``--engine.decode_args "--max-num-seqs 8"``), at commas for the others
     (``--router.prefill http://a:8100,http://b:8100``)."""
     mi = msgspec.inspect
+    if data == "auto" and _auto_bool(info):                 # a switch left to the deployment (None)
+        return None
     if isinstance(info, mi.StrType) and isinstance(data, bool | int | float):
         return str(data).lower() if isinstance(data, bool) else str(data)
     if isinstance(info, mi.ListType) and isinstance(data, str):
@@ -202,6 +204,19 @@ def _as_text(data: Any, info: Any, name: str = "") -> Any:
         fields = {f.name: f.type for f in info.fields}
         return {k: _as_text(v, fields[k], k) if k in fields else v for k, v in data.items()}
     return data
+
+
+def _auto_bool(info: Any) -> bool:
+    """``bool | None``: true, false, or auto (None: decided where the deployment is known)."""
+    mi = msgspec.inspect
+    return isinstance(info, mi.UnionType) and {type(t) for t in info.types} == {mi.BoolType, mi.NoneType}
+
+
+def _leaf_info(key: str) -> Any:
+    info = _schema()
+    for part in key.split("."):
+        info = {f.name: f.type for f in getattr(info, "fields", ())}.get(part)
+    return info
 
 
 def _enum_values(path: str) -> str:
@@ -360,7 +375,7 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("configuration (YAML keys; flags override the file)")
     group.add_argument("--config", metavar="FILE", help="deployment YAML")
     for key, default in leaf_fields():
-        shown = default.value if isinstance(default, enum.Enum) else default
+        shown = default.value if isinstance(default, enum.Enum) else "auto" if _auto_bool(_leaf_info(key)) else default
         kebab = key.replace("_", "-")               # vLLM's own flags are kebab-case, as --help shows them
         more: dict[str, Any] = {"action": "append"} if isinstance(default, list) else {}
         group.add_argument(f"--{kebab}", dest=f"cfg:{key}", metavar=_metavar(key, default), default=None, **more,
@@ -373,6 +388,8 @@ def _metavar(key: str, default: Any) -> str:
     """What a flag takes, as ``--help`` shows it."""
     if isinstance(default, bool):
         return "{true,false}"
+    if _auto_bool(_leaf_info(key)):
+        return "{auto,true,false}"
     if isinstance(default, enum.Enum):
         return "{" + ",".join(str(m.value) for m in type(default)) + "}"
     if key.endswith(("_bytes", ".size")):

@@ -46,7 +46,8 @@ class RouterConfig(Section, frozen=True):
     load_weight: float = 1.0         # cache_aware: cost of one queued prompt token on a node, in cached tokens
     prefill: list[str] = msgspec.field(default_factory=list)   # http://host:port of prefill servers
     decode: list[str] = msgspec.field(default_factory=list)    # "http://host:port=tcp://host:kvport"
-    decode_first: bool = False       # pick D first by the prompt its prefix cache holds (vLLM KV events) and load
+    decode_first: bool | None = None  # pick D first by the prompt its prefix cache holds (vLLM KV events) and load;
+                                      # None (auto): on where the router follows the engines' KV events
     disagg_min_tokens: NonNeg = 128  # decode_first: D serves alone when at most this many prompt tokens are left
     disagg_min_tokens_idle: NonNeg = 2048   # ... and this many while D has no request in flight (nothing to stall)
     disagg_idle_overlap: Share = 1.0  # ... unless more than this share of recent arrivals found D busy (1: off)
@@ -83,6 +84,13 @@ class RouterConfig(Section, frozen=True):
     breaker_failures: NonNeg = 3     # consecutive request failures that take a node out (0 = no breaker)
     breaker_backoff_s: Seconds = 2.0     # first time out; doubles each time the node fails again
     breaker_max_backoff_s: Seconds = 60.0
+
+    @property
+    def wires_kv_events(self) -> bool:
+        """The engines publish their KV events for the router: ``decode_first`` true, or auto (the
+        default) where the router is told to follow them (``kv_events`` or ``kv_events_port``,
+        which ``kvrelay up`` and ``deploy k8s`` set)."""
+        return self.decode_first is True or (self.decode_first is None and bool(self.kv_events or self.kv_events_port))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -177,7 +185,11 @@ FIELD_HELP: dict[str, str] = {
     'router.breaker_max_backoff_s': 'the longest a node whose breaker opened stays out',
     'router.decode_first': ("pick the decode node first, by the prompt tokens its prefix cache already holds (vLLM's "
                             "KV events, router.kv_events) against its load; if at most router.disagg_min_tokens are "
-                            "left to compute it serves the request alone (no prefill node, no transfer)"),
+                            "left to compute it serves the request alone (no prefill node, no transfer). auto: on "
+                            "where the router follows the engines' KV events and can tokenise prompts (kvrelay up and "
+                            "deploy k8s wire both; a router given neither, or without the kvrelay[router] extra, "
+                            "places by load and says why at start); true: on even with no events (by prompt length "
+                            "and load)"),
     'router.disagg_min_tokens': ("decode_first: prompt tokens a decode node that is serving other requests may "
                                  "compute itself (it stalls their streams meanwhile); more and a prefill node computes "
                                  "them and pushes the chunks D lacks. Measure it: kvrelay calibrate"),

@@ -44,7 +44,7 @@ def stack_ports(cfg: KVRelayConfig) -> dict[str, int]:
         if spec.role is Role.PREFILL and cfg.store.enabled and cfg.router.policy is RoutingPolicy.CACHE_AWARE:
             publish = cfg.store.publish_port or cfg.deploy.kv_base_port + PUBLISH_OFFSET
             ports[f"{spec.name} store events"] = publish + spec.index
-        if cfg.router.decode_first:
+        if cfg.router.decode_first is not False:      # kvrelay up wires the events unless it is off
             ports[f"{spec.name} KV events"] = kv_events_port(cfg, spec)
     return ports
 

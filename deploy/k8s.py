@@ -155,7 +155,7 @@ def cluster_config(cfg: kcfg.KVRelayConfig, opts: K8sOptions) -> kcfg.KVRelayCon
         data["router"]["tokenizer"] = data["router"]["tokenizer"] or data["engine"]["model"]
     elif data["router"]["policy"] == "cache_aware":
         data["router"]["policy"] = "least_outstanding"      # no store, no events to route by
-    if data["router"]["decode_first"]:
+    if data["router"]["decode_first"] is not False:     # true, or auto (the default)
         # every engine pod publishes its KV events on its own port; each router subscribes to the pods it resolves
         data["router"].update(kv_events=[], kv_events_port=KV_EVENTS_PORT,
                               tokenizer=data["router"]["tokenizer"] or data["engine"]["model"])

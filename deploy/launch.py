@@ -122,7 +122,7 @@ def server_command(cfg: KVRelayConfig, spec: NodeSpec) -> list[str]:
                 "--shutdown-timeout", str(math.ceil(cfg.engine.drain_timeout_s))]   # SIGTERM finishes in-flight work
     if cfg.tracing.endpoint:                  # vLLM's request spans join the router's trace
         cmd += ["--otlp-traces-endpoint", cfg.tracing.endpoint]
-    if cfg.router.decode_first and spec.role is not Role.SINGLE:     # the router's KV index follows every engine
+    if cfg.router.wires_kv_events and spec.role is not Role.SINGLE:    # the router's KV index follows every engine
         cmd += ["--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                   "endpoint": kv_events_endpoint(cfg, spec)})]
     role_args = {Role.PREFILL: cfg.engine.prefill_args, Role.DECODE: cfg.engine.decode_args}.get(spec.role, [])
@@ -299,8 +299,18 @@ class Stack:
                                                                                allowed_decode=allowed))
         self.cfg = with_publish_ports(cfg)
         self.specs = node_specs(self.cfg)
+        self.cfg = self._with_kv_events(self.cfg)
         self.gpus = gpu_placement(self.specs, visible_gpus())     # {} on a CPU host
         self.procs: dict[str, subprocess.Popen] = {}
+
+    def _with_kv_events(self, cfg: KVRelayConfig) -> KVRelayConfig:
+        """Decode-first (unless ``router.decode_first`` is false): every engine publishes its KV
+        events on a socket of its own and the router follows each (``router.kv_events``)."""
+        rc = cfg.router
+        if rc.decode_first is False or rc.kv_events or rc.kv_events_port:
+            return cfg
+        events = [f"{self.url(s)}={kv_events_endpoint(cfg, s)}" for s in self.specs if s.role is not Role.SINGLE]
+        return msgspec.structs.replace(cfg, router=msgspec.structs.replace(rc, kv_events=events))
 
     def ensure_secret(self) -> None:
         """Give the stack a shared secret if none is set: a new one in ``log_dir/secret`` (0600),
@@ -322,9 +332,6 @@ class Stack:
         dec = [f"{self.url(s)}=tcp://{h}:{s.kv_port}" for s in self.specs if s.role is Role.DECODE]
         data = kcfg.to_dict(self.cfg)
         data["router"].update(prefill=pre, decode=dec)
-        if self.cfg.router.decode_first and not data["router"]["kv_events"] and not self.cfg.router.kv_events_port:
-            data["router"]["kv_events"] = [f"{self.url(s)}={kv_events_endpoint(self.cfg, s)}"
-                                           for s in self.specs if s.role is not Role.SINGLE]
         if not data["router"]["tokenizer"]:
             data["router"]["tokenizer"] = model_path(self.cfg)
         return kcfg.from_dict(data)
@@ -427,6 +434,24 @@ def demo_request(url: str, model: str, prompt: str, max_tokens: int = 32) -> str
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
         return str(json.loads(r.read())["choices"][0]["text"])
+
+
+def route_summary(router_url: str, events_path: str) -> str:
+    """One line about how the router served the requests so far: where the KV came from (the
+    decode node's last load), or that the decode node answered alone (decode-first)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{router_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    paths = {s.labels["path"]: s.value for f in text_string_to_metric_families(text)
+             if f.name == "kvrelay_router_decisions" for s in f.samples if s.name.endswith("_total")}
+    if paths.get("disaggregated"):
+        return last_load_summary(events_path)
+    if paths.get("decode_only"):
+        return ("route: the decode node answered alone (decode-first: it had few enough prompt tokens to compute, "
+                "router.disagg_min_tokens_idle while idle); a longer prompt or a busy decode node takes a prefill "
+                "node and a push")
+    return "route: the decode node answered alone (" + ", ".join(k for k, v in paths.items() if v) + ")"
 
 
 def last_load_summary(events_path: str) -> str:

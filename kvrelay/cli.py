@@ -166,7 +166,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             print(f"prompt:     {args.request}")
             print(f"completion: {launch.demo_request(url, launch.served_name(cfg), args.request)!r}")
             time.sleep(0.5)
-            print(launch.last_load_summary(stack.cfg.connector.events_path))
+            print(launch.route_summary(url, stack.cfg.connector.events_path))
         if args.exit_after_request:
             return 0
         stop.wait()

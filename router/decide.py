@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import importlib.util
 import itertools
 import logging
 from collections.abc import Callable, Mapping
@@ -37,6 +38,22 @@ from kvrelay.router.kv_index import KVIndex
 from kvrelay.router.pools import Node, Pool, PrefixHint
 
 log = logging.getLogger("kvrelay.router")
+
+
+def switched_on(rc: RouterConfig) -> tuple[bool, str]:
+    """Whether this router places decode-first, and why. ``router.decode_first`` true or false
+    decides; auto (None, the default) is on where the router follows the engines' KV events
+    (``router.kv_events`` or ``router.kv_events_port``: ``kvrelay up`` and ``deploy k8s`` set
+    them) and can tokenise prompts (``router.tokenizer``, and transformers installed)."""
+    if rc.decode_first is not None:
+        return rc.decode_first, f"router.decode_first is {str(rc.decode_first).lower()}"
+    if not (rc.kv_events or rc.kv_events_port):
+        return False, "auto: the router follows no engine's KV events (router.kv_events, router.kv_events_port)"
+    if not rc.tokenizer:
+        return False, "auto: no router.tokenizer (the model path) to tokenise prompts with"
+    if importlib.util.find_spec("transformers") is None:
+        return False, "auto: transformers is not installed (pip install 'kvrelay[router]')"
+    return True, "auto: the router follows the engines' KV events"
 
 
 INLINE_CHARS = 2048          # requests up to this size are tokenised without a thread

@@ -123,5 +123,5 @@ def test_help_lists_each_flag_once_with_what_it_takes(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: kvrelay up [MODEL] [options] [-- VLLM_ARGS...]")
     assert "--transport.pool-bytes SIZE" in out and "--transport.pool_bytes" not in out
-    assert "--transport.backend {nixl,tcp,shm,ucx}" in out and "--router.decode-first {true,false}" in out
+    assert "--transport.backend {nixl,tcp,shm,ucx}" in out and "--router.decode-first {auto,true,false}" in out and "--router.expose-nodes {true,false}" in out
     assert " V\n" not in out and " V," not in out                        # no untyped metavar left

@@ -202,15 +202,19 @@ def test_two_routers_with_a_budget_and_pods_roll_when_the_config_changes(tmp_pat
 
 
 def test_decode_first_engines_publish_kv_events_to_the_routers_alone(tmp_path: Path) -> None:
-    # Pods come and go, so the routers cannot bind an endpoint per engine: every engine pod binds
-    # one port for vLLM's KV events and each router subscribes to the pods it resolves; the
-    # events carry prompt token ids, so only router pods may reach that port.
-    objs = _render(tmp_path, "--router.decode_first", "true", "--engine.model", "meta-llama/Llama-3.1-8B-Instruct")
+    # Decode-first is the default (router.decode_first auto). Pods come and go, so the routers
+    # cannot bind an endpoint per engine: every engine pod binds one port for vLLM's KV events
+    # and each router subscribes to the pods it resolves; the events carry prompt token ids, so
+    # only router pods may reach that port.
+    from kvrelay.router.decide import switched_on
+
+    objs = _render(tmp_path, "--engine.model", "meta-llama/Llama-3.1-8B-Instruct")
     for obj in objs.values():
         if obj["kind"] not in ("PodMonitor", "PrometheusRule"):      # CRDs: no schema in kubernetes-validate
             _validate(obj)
     cfg = kcfg.from_dict(yaml.safe_load(objs["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]))
-    assert cfg.router.decode_first and cfg.router.kv_events_port == k8s.KV_EVENTS_PORT and not cfg.router.kv_events
+    assert cfg.router.decode_first is None and switched_on(cfg.router) == (True, "auto: the router follows the engines' KV events")
+    assert cfg.router.kv_events_port == k8s.KV_EVENTS_PORT and not cfg.router.kv_events
     assert cfg.router.tokenizer == "meta-llama/Llama-3.1-8B-Instruct"
     for spec in launch.node_specs(cfg):        # what `kvrelay serve` starts in each engine pod
         cmd = launch.server_command(cfg, spec)
@@ -223,8 +227,9 @@ def test_decode_first_engines_publish_kv_events_to_the_routers_alone(tmp_path: P
         by_port = {p["port"]: rule["from"] for rule in objs[f"NetworkPolicy/kvrelay-{role}"]["spec"]["ingress"]
                    for p in rule["ports"]}
         assert by_port[k8s.KV_EVENTS_PORT] == routers, role
-    off = kcfg.from_dict(yaml.safe_load(_render(tmp_path / "off")["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]))
-    assert not off.router.decode_first and off.router.kv_events_port == 0
+    off = kcfg.from_dict(yaml.safe_load(_render(tmp_path / "off", "--router.decode-first", "false")
+                                        ["ConfigMap/kvrelay-config"]["data"]["kvrelay.yaml"]))
+    assert off.router.decode_first is False and off.router.kv_events_port == 0
 
 
 def k8s_pods_http(objs: dict, role: str) -> list:

@@ -172,6 +172,32 @@ def test_kvrelay_up_gives_every_engine_a_private_events_socket_it_binds_and_the_
         kcfg.from_dict({"router": {"kv_events": ["tcp://127.0.0.1:1"]}})
 
 
+def test_decode_first_is_the_default_wherever_the_router_follows_the_engines_kv_events(tiny_model, tmp_path):
+    """``router.decode_first`` defaults to auto: ``kvrelay up`` (and ``deploy k8s``) wires the
+    engines' KV events and the tokenizer, so the router it starts places decode-first; a router
+    given neither places by load, and says why; true and false decide whatever else is set."""
+    from kvrelay.deploy.launch import Stack
+    from kvrelay.router.decide import switched_on
+
+    def on(**router: Any) -> bool:
+        return switched_on(kcfg.from_dict({"router": router}).router)[0]
+
+    assert kcfg.from_dict({}).router.decode_first is None
+    for text, want in (("auto", None), ("true", True), ("false", False)):
+        assert kcfg.load(overrides=[f"router.decode_first={text}"]).router.decode_first is want
+    assert not on() and not on(kv_events_port=9401)                       # no events; no tokenizer
+    assert on(kv_events_port=9401, tokenizer=str(tiny_model)) and on(decode_first=True)
+    assert not on(decode_first=False, kv_events_port=9401, tokenizer=str(tiny_model))
+    data = {"deploy": {"decode": 2, "kv_base_port": 9100}, "engine": {"model": str(tiny_model)},
+            "connector": {"runtime_dir": str(tmp_path / "run")}}
+    rc = Stack(kcfg.from_dict(data), log_dir=str(tmp_path / "logs")).router_config()
+    assert rc.router.decode_first is None and len(rc.router.kv_events) == 3 and switched_on(rc.router)[0]
+    router = Router(rc, secret=b"k" * 32)
+    assert router.decide is not None and router.kv_events is not None
+    off = Stack(kcfg.from_dict({**data, "router": {"decode_first": False}}), log_dir=str(tmp_path / "logs"))
+    assert not off.router_config().router.kv_events and Router(off.router_config(), secret=b"k" * 32).decide is None
+
+
 def test_an_oversize_events_frame_is_refused_unread_and_the_engine_followed_again(tmp_path):
     """A 64 MiB frame on an engine's events socket ends that connection before it is read (before
     the fix it was taken whole and decoded on the router's event loop); the index keeps what it
