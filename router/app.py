@@ -61,7 +61,7 @@ from kvrelay.router import split, validate
 from kvrelay.router.alone_path import AlonePath
 from kvrelay.router.breaker import Breaker
 from kvrelay.router.cache_index import ChunkIndex, PromptTokenizer
-from kvrelay.router.decide import DecodeFirst, Placement, RoutePath, switched_on
+from kvrelay.router.decide import DecodeFirst, Placement, RoutePath, announce_switch
 from kvrelay.router.decode_path import DecodePath
 from kvrelay.router.discovery import Discovery, Resolver, parse_dns, system_resolver
 from kvrelay.router.front_door import Gate
@@ -107,10 +107,7 @@ class Router:
         if prefill is None or decode is None:
             prefill, decode = pools_from_config(rc)
         prefill.breaker = decode.breaker = breaker
-        on, why = switched_on(rc)
-        meant = rc.decode_first is None and bool(rc.kv_events or rc.kv_events_port)   # events wired, yet off
-        log.log(logging.WARNING if meant and not on else logging.INFO, "decode_first: %s (%s)",
-                "on" if on else "off", why)
+        on = announce_switch(rc)
         if on:                               # both pools weigh what a node's cache holds against its load
             prefill.policy = decode.policy = RoutingPolicy.CACHE_AWARE
         self.prefill, self.decode = prefill, decode

@@ -56,6 +56,14 @@ def switched_on(rc: RouterConfig) -> tuple[bool, str]:
     return True, "auto: the router follows the engines' KV events"
 
 
+def announce_switch(rc: RouterConfig) -> bool:
+    """:func:`switched_on`, logged at start: a warning where the events are wired yet it is off."""
+    on, why = switched_on(rc)
+    meant = rc.decode_first is None and bool(rc.kv_events or rc.kv_events_port)
+    log.log(logging.WARNING if meant and not on else logging.INFO, "decode_first: %s (%s)", "on" if on else "off", why)
+    return on
+
+
 INLINE_CHARS = 2048          # requests up to this size are tokenised without a thread
 _ITEM = 16                   # what each list item or dict entry counts, on top of its strings
 
