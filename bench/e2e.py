@@ -69,9 +69,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tp", default="1", help="kvrelay prefill TP sizes to run (comma list, e.g. 1,2: one "
                    "kvrelay system each; engine.prefill_tp)")
     p.add_argument("--decode-tp", type=int, default=1, help="kvrelay decode TP size (engine.decode_tp)")
-    p.add_argument("--decode-first", default="off",
-                   help="kvrelay router.decode_first settings to run (comma list of on/off; 'on' systems are "
-                        "labelled -df): D first on the engines' KV events, D alone up to --disagg-min-tokens")
+    p.add_argument("--decode-first", default="auto",
+                   help="kvrelay router.decode_first settings to run (comma list of auto/on/off; auto, the "
+                        "default, is kvrelay's own default - decode-first on the engines' KV events, D alone up "
+                        "to --disagg-min-tokens; 'on' systems are labelled -df, 'off' ones -nodf)")
     p.add_argument("--disagg-min-tokens", type=int, default=-1,
                    help="router.disagg_min_tokens and disagg_min_tokens_idle of the decode-first systems "
                         "(-1 = the configured defaults)")
@@ -286,21 +287,25 @@ def up_single(args: argparse.Namespace, out: Path, label: str, port: int) -> Sys
                   url=url, cfg=cfg)
 
 
-def kvrelay_label(backend: str, first_token: str, p_tp: int, d_tp: int, decode_first: bool = False) -> str:
-    """``kvrelay-tcp``, ``kvrelay-nixl-d`` (token 1 from D), ``kvrelay-tcp-tp2x1`` (prefill TP2, decode TP1),
-    ``kvrelay-tcp-df`` (decode-first routing)."""
+DECODE_FIRST = {"auto": None, "on": True, "off": False}     # --decode-first: router.decode_first
+
+
+def kvrelay_label(backend: str, first_token: str, p_tp: int, d_tp: int, decode_first: bool | None = None) -> str:
+    """``kvrelay-tcp`` (kvrelay's defaults), ``kvrelay-nixl-d`` (token 1 from D), ``kvrelay-tcp-tp2x1``
+    (prefill TP2, decode TP1), ``kvrelay-tcp-df`` / ``-nodf`` (decode-first routing forced on / off)."""
     tp = f"-tp{p_tp}x{d_tp}" if (p_tp, d_tp) != (1, 1) else ""
-    return f"kvrelay-{backend}" + ("-d" if first_token == "decode" else "") + tp + ("-df" if decode_first else "")
+    df = {None: "", True: "-df", False: "-nodf"}[decode_first]
+    return f"kvrelay-{backend}" + ("-d" if first_token == "decode" else "") + tp + df
 
 
 def up_kvrelay(args: argparse.Namespace, out: Path, backend: str, first_token: str, port: int,
-               p_tp: int = 1, d_tp: int = 1, decode_first: bool = False) -> System:
+               p_tp: int = 1, d_tp: int = 1, decode_first: bool | None = None) -> System:
     label = kvrelay_label(backend, first_token, p_tp, d_tp, decode_first)
     sub = out / label
     sub.mkdir(parents=True, exist_ok=True)
     (sub / "events.jsonl").unlink(missing_ok=True)
-    over: dict[str, Any] = {"router__decode_first": decode_first}
-    if decode_first and args.disagg_min_tokens >= 0:      # both bounds: D is idle or busy as the run goes
+    over: dict[str, Any] = {"router__decode_first": decode_first}       # None: auto, kvrelay's default
+    if decode_first is not False and args.disagg_min_tokens >= 0:   # both bounds: D is idle or busy as the run goes
         over["router__disagg_min_tokens"] = over["router__disagg_min_tokens_idle"] = args.disagg_min_tokens
     cfg = base_cfg(args, sub, port, transport__backend=backend, router__first_token=first_token,
                    engine__prefill_tp=p_tp, engine__decode_tp=d_tp, **over)
@@ -402,7 +407,7 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, Callable[[int], System]]]
         for b in args.backends.split(","):
             for mode in args.first_token.split(","):
                 for p_tp in map(int, args.prefill_tp.split(",")):
-                    for df in (s.strip() == "on" for s in args.decode_first.split(",")):
+                    for df in (DECODE_FIRST[s.strip()] for s in args.decode_first.split(",")):
                         plan.append((kvrelay_label(b, mode, p_tp, args.decode_tp, df),
                                      partial(up_kvrelay, args, out, b, mode, p_tp=p_tp, d_tp=args.decode_tp,
                                              decode_first=df)))
