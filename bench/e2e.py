@@ -152,7 +152,7 @@ def base_cfg(args: argparse.Namespace, out: Path, port: int = 0, **over: Any) ->
     ``over`` (``section__key``) is what this system of the comparison sets."""
     port = port or args.base_port
     data: dict[str, Any] = {
-        "engine": {"max_model_len": 8192, "served_model_name": launch.TINY_NAME},
+        "engine": {"served_model_name": launch.TINY_NAME},      # the model's own context (the tiny one: 4,096)
         "deploy": {"base_port": port, "kv_base_port": port + 500, "log_dir": str(out / "logs")},
         "router": {"port": port + 50},
         "connector": {"events_path": str(out / "events.jsonl")},
@@ -288,6 +288,7 @@ def up_single(args: argparse.Namespace, out: Path, label: str, port: int) -> Sys
 
 
 DECODE_FIRST = {"auto": None, "on": True, "off": False}     # --decode-first: router.decode_first
+CONTEXT = 4096     # the longest prompt + answer asked (the tiny model's context: kvrelay.deploy.tiny_model)
 
 
 def kvrelay_label(backend: str, first_token: str, p_tp: int, d_tp: int, decode_first: bool | None = None) -> str:
@@ -478,7 +479,7 @@ def main(args: argparse.Namespace) -> int:
         args.chunks, args.reps = "1,4,16", 1
     chunks = [int(c) for c in args.chunks.split(",")]
     lengths = [256 * c - (0 if c > 1 else 16) for c in chunks]
-    lengths[-1] = min(lengths[-1], 4096)
+    lengths[-1] = min(lengths[-1], CONTEXT - args.max_tokens)     # prompt and answer within the context
     args.out_dir = Path(args.out) / f"e2e-{time.strftime('%Y%m%d-%H%M%S')}"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     launch.model_path(kcfg.from_dict({}))
