@@ -129,6 +129,8 @@ class DeadPrefill(Decoder):
 class Down(Decoder):
     """A prefill node that is out of rotation (its /health says 503): decode nodes serve alone."""
 
+    down = True
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({}, status=503)
 

@@ -121,8 +121,10 @@ async def router_for(prefills: list[Fake], decodes: list[Fake], policy: str = "r
                   cfg.router.policy)
     router = Router(cfg, pool_p, pool_d)
     async with serve(router.app()) as url:
+        up = [n for n, f in zip(pool_p.nodes + pool_d.nodes, prefills + decodes, strict=True)
+              if not getattr(f, "down", False)]           # a fake that says it is down never comes up
         for _ in range(50):                    # wait for the first health round
-            if all(n.healthy for n in pool_p.nodes + pool_d.nodes):
+            if all(n.healthy for n in up):
                 break
             await asyncio.sleep(0.05)
         yield url, router
