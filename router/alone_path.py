@@ -109,6 +109,8 @@ class AlonePath:
             out = await self._own(job, r, headers, own, progress)
         except responses.ClientGone as exc:
             return self.split.gone(job, out, exc)
+        if progress.cause in (Cause.CONNECT, Cause.STALL, Cause.EARLY_END):
+            self.client.judge(node, None)         # the breaker hears it, as on the split path
         if own.head is None or out is None:       # nothing reached the client: the decode path asks another
             return progress.failure or "the decode node ended the stream before any event"
         if not progress.failure:
