@@ -213,6 +213,7 @@ def _auto_bool(info: Any) -> bool:
 
 
 def _leaf_info(key: str) -> Any:
+    """The type info of the field at ``key`` (``router.decode_first``); None if there is none."""
     info = _schema()
     for part in key.split("."):
         info = {f.name: f.type for f in getattr(info, "fields", ())}.get(part)
@@ -221,12 +222,7 @@ def _leaf_info(key: str) -> Any:
 
 def _enum_values(path: str) -> str:
     """For a validation error at ``path`` (``transport.backend``) on an enum field: its values."""
-    info = _schema()
-    for part in path.split("."):
-        fields = {f.name: f.type for f in getattr(info, "fields", ())}
-        if part not in fields:
-            return ""
-        info = fields[part]
+    info = _leaf_info(path)
     if isinstance(info, msgspec.inspect.EnumType):
         return "; valid values: " + ", ".join(str(m.value) for m in info.cls)
     return ""

@@ -30,7 +30,7 @@ from aiohttp import web
 from kvrelay.router import responses, split
 from kvrelay.router.decode_path import DecodePath
 from kvrelay.router.job import Job
-from kvrelay.router.migration import Cause, Progress
+from kvrelay.router.migration import NO_ANSWER, Cause, Progress
 from kvrelay.router.pools import Node
 from kvrelay.router.split_path import SplitPath
 from kvrelay.router.upstream import EngineClient
@@ -49,16 +49,11 @@ class OwnStream:
 
     def take(self, event: dict[str, Any], progress: Progress) -> bytes:
         """One of D's events into ``progress``; the bytes the client gets for it (b"": none)."""
-        if event.get("error"):
-            progress.fail(Cause.ERROR_EVENT, f"the decode node sent an error: {event['error']}")
+        if not progress.note(event):
             return b""
         if self.head is None:
             self.head = {k: event[k] for k in ("id", "created", "model")}
-        if event.get("system_fingerprint"):
-            progress.fingerprint = event["system_fingerprint"]
-        if event.get("usage"):
-            progress.decoded = progress.base + int(event["usage"]["completion_tokens"])
-            self.usage_sent = True
+        self.usage_sent = self.usage_sent or bool(event.get("usage"))
         if self.chat and event.get("prompt_token_ids"):          # chat: on the role event
             self.prompt_ids, event["prompt_token_ids"] = list(event["prompt_token_ids"]), None
         for c in event.get("choices", ()):
@@ -72,6 +67,12 @@ class OwnStream:
                 continue
             progress.add(ids, text, c.get("finish_reason"), c.get("stop_reason"))
         return split.sse(event)
+
+    def first(self, fingerprint: str | None) -> split.FirstToken:
+        """The answer so far as the split path's continuation starts from: no token of P's, the
+        prompt's ids, D's event head (the client's events keep their id)."""
+        return split.FirstToken({**(self.head or {}), "system_fingerprint": fingerprint}, "", [], self.prompt_ids,
+                                len(self.prompt_ids), None, None)
 
 
 class AlonePath:
@@ -109,7 +110,7 @@ class AlonePath:
             out = await self._own(job, r, headers, own, progress)
         except responses.ClientGone as exc:
             return self.split.gone(job, out, exc)
-        if progress.cause in (Cause.CONNECT, Cause.STALL, Cause.EARLY_END):
+        if progress.cause in NO_ANSWER:
             self.client.judge(node, None)         # the breaker hears it, as on the split path
         if own.head is None or out is None:       # nothing reached the client: the decode path asks another
             return progress.failure or "the decode node ended the stream before any event"
@@ -117,8 +118,7 @@ class AlonePath:
             return await self._complete(job, out, own, progress)
         if not progress.tracked or not own.prompt_ids:
             progress.cause = None                 # nothing to continue from: the client is told
-        first = split.FirstToken({**own.head, "system_fingerprint": progress.fingerprint or self.fingerprint},
-                                 "", [], own.prompt_ids, len(own.prompt_ids), None, None)
+        first = own.first(progress.fingerprint or self.fingerprint)
         budget = split.answer_budget(job.endpoint, job.body, len(own.prompt_ids), limit)
         writer = split.StreamWriter(job.endpoint, first, job.with_usage)
         return await self.split.carry_on(job, first, writer, split.decode_body(job.body, first, budget), out,
@@ -131,10 +131,7 @@ class AlonePath:
         out, pending, last = None, b"", time.monotonic()
         try:
             piece = await r.content.readany()
-            protocol = r.connection.protocol if r.connection is not None else None
-            if protocol is not None:
-                protocol.read_timeout = self.client.cfg.router.stall_timeout_s or None
-                protocol.start_timeout()
+            self.client.arm_stall(r)
             while piece:
                 events, pending = split.decode_events(piece, pending)
                 data = b"".join(own.take(ev, progress) for ev in events)
@@ -168,8 +165,7 @@ class AlonePath:
         tail = DONE
         progress.decoded = max(progress.decoded, len(progress.ids))
         if job.with_usage and not own.usage_sent:          # lost after the finish: counted as one vLLM counts
-            first = split.FirstToken({**(own.head or {}), "system_fingerprint": progress.fingerprint}, "", [],
-                                     own.prompt_ids, len(own.prompt_ids), None, None)
+            first = own.first(progress.fingerprint)
             tail = split.StreamWriter(job.endpoint, first, True).usage(split.usage(first, progress.decoded)) + DONE
         try:
             await responses.write(out, tail)

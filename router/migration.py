@@ -36,6 +36,7 @@ class Cause(str, enum.Enum):
 
 
 MOVABLE = frozenset({Cause.CONNECT, Cause.HTTP_5XX, Cause.ERROR_EVENT, Cause.EARLY_END, Cause.STALL})
+NO_ANSWER = frozenset({Cause.CONNECT, Cause.STALL, Cause.EARLY_END})   # the node's own failure, to its breaker
 
 
 class Outcome(str, enum.Enum):
@@ -62,15 +63,22 @@ class Progress:
     tracked: bool = True           # every piece came with its token ids (else nothing can be continued)
     fingerprint: str | None = None # the nodes' system_fingerprint, when one has said it
 
-    def take(self, event: dict[str, Any]) -> list[tuple[str, str | None, Any]]:
-        """Record one event of D's stream; returns the (text, finish, stop) pieces it adds."""
+    def note(self, event: dict[str, Any]) -> bool:
+        """What one event of a node's stream says besides its pieces (an error, usage, the
+        fingerprint); False for an error event (the segment failed: nothing else in it counts)."""
         if event.get("error"):
             self.fail(Cause.ERROR_EVENT, f"the decode node sent an error: {event['error']}")
-            return []
+            return False
         if event.get("usage"):
             self.decoded = self.base + int(event["usage"]["completion_tokens"])
         if event.get("system_fingerprint"):
             self.fingerprint = event["system_fingerprint"]
+        return True
+
+    def take(self, event: dict[str, Any]) -> list[tuple[str, str | None, Any]]:
+        """Record one event of D's token-id completion; returns the (text, finish, stop) pieces it adds."""
+        if not self.note(event):
+            return []
         pieces = []
         for c in event.get("choices", ()):
             self.add(c.get("token_ids"), c["text"], c.get("finish_reason"), c.get("stop_reason"))

@@ -30,7 +30,7 @@ from kvrelay.core.params import PullParams, PushParams
 from kvrelay.router import responses, split
 from kvrelay.router.decode_path import DecodePath
 from kvrelay.router.job import Job
-from kvrelay.router.migration import MOVABLE, Cause, Progress, outcome, resume_body
+from kvrelay.router.migration import MOVABLE, NO_ANSWER, Cause, Progress, outcome, resume_body
 from kvrelay.router.pools import Node, NoHealthyNode, PrefillWork
 from kvrelay.router.upstream import EngineClient
 
@@ -219,26 +219,18 @@ class SplitPath:
         finally:
             node.outstanding -= 1
         if progress.cause is not Cause.ERROR_EVENT:      # an error event may be the request's own: not judged
-            self.client.judge(node, None if progress.cause in (Cause.CONNECT, Cause.STALL, Cause.EARLY_END)
-                              else status)
+            self.client.judge(node, None if progress.cause in NO_ANSWER else status)
         return node, None
 
     async def _relay(self, r: aiohttp.ClientResponse, out: web.StreamResponse | None, writer: split.StreamWriter,
                      progress: Progress) -> None:
         """D's events into ``progress`` (and, streamed, into the client's format). Once D has sent
         its first piece, D's silence past ``router.stall_timeout_s`` is a failure
-        (asyncio.TimeoutError: aiohttp's own read timeout on the connection, rearmed by every
-        byte D sends, which costs the hop nothing per event). The deadline covers reading D
-        only: a client slow to read is its own deadline's business (:func:`responses.write`),
-        never counted as D's silence."""
+        (:meth:`EngineClient.arm_stall`). The deadline covers reading D only: a client slow to
+        read is its own deadline's business (:func:`responses.write`), never counted as D's silence."""
         pending, last = b"", time.monotonic()
         piece = await r.content.readany()
-        protocol = r.connection.protocol if r.connection is not None else None
-        if protocol is not None:     # this request's alone: aiohttp sets it again for the next on the connection
-            protocol.read_timeout = self.client.cfg.router.stall_timeout_s or None
-            protocol.start_timeout()             # counted from now (the timer armed before had the session's);
-            # aiohttp stops it while its buffer holds reading (the router busy writing to a slow client),
-            # which cannot be the case here: the router has been waiting for this very piece
+        self.client.arm_stall(r)
         while piece:
             events, pending = split.decode_events(piece, pending)
             rendered = [writer.token(text, finish, stop) for ev in events for text, finish, stop in progress.take(ev)]

@@ -140,6 +140,19 @@ class EngineClient:
         """``kv_transfer_params`` for an engine: signed, with the request's trace context beside them."""
         return with_traceparent(params_dict(self.signer.sign(params)))
 
+    def arm_stall(self, r: aiohttp.ClientResponse) -> None:
+        """From now on, D's silence past ``router.stall_timeout_s`` on ``r`` raises
+        asyncio.TimeoutError: aiohttp's own read timeout on the connection, rearmed by every byte
+        D sends, which costs the hop nothing per event. Called once D's first piece is in: the
+        timer armed before had the session's timeout; this one is ``r``'s alone (aiohttp sets it
+        again for the next request on the connection). aiohttp stops it while its buffer holds
+        reading (the router busy writing to a slow client), which cannot be the case here: the
+        router has just been waiting for a piece."""
+        protocol = r.connection.protocol if r.connection is not None else None
+        if protocol is not None:
+            protocol.read_timeout = self.cfg.router.stall_timeout_s or None
+            protocol.start_timeout()
+
     async def context_limit(self, node: Node) -> int | None:
         """The decode node's ``max_model_len`` (from its ``/v1/models``, asked once; None if unknown)."""
         limits = self.context_limits
