@@ -51,7 +51,7 @@ from typing import Any
 from kvrelay.bench import report, stack_flags
 from kvrelay.core import config as kcfg
 from kvrelay.core.telemetry import read_events
-from kvrelay.deploy import launch
+from kvrelay.deploy import launch, tiny_model
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJ.,;:!?0123456789\n"
 
@@ -288,7 +288,7 @@ def up_single(args: argparse.Namespace, out: Path, label: str, port: int) -> Sys
 
 
 DECODE_FIRST = {"auto": None, "on": True, "off": False}     # --decode-first: router.decode_first
-CONTEXT = 4096     # the longest prompt + answer asked (the tiny model's context: kvrelay.deploy.tiny_model)
+CONTEXT = tiny_model.MAX_POSITIONS     # the longest prompt + answer asked: within the tiny model's context
 
 
 def kvrelay_label(backend: str, first_token: str, p_tp: int, d_tp: int, decode_first: bool | None = None) -> str:
