@@ -5,14 +5,20 @@ and answers the prefill leg (``max_tokens=1``, not streamed) at once. In the sam
 one system at a time sits between the client and that upstream:
 
 * ``direct``  - no proxy: the client talks to the upstream (the floor);
-* ``kvrelay`` - kvrelay's router with its defaults: token 1 from the prefill leg (``first_token:
-                prefill``), then the decode leg's events re-rendered into the client's stream; signed
-                params, admission (the run fails if any request fell back to another path);
+* ``kvrelay`` - kvrelay's router on its split path: token 1 from the prefill leg (``first_token:
+                prefill``, the default), then the decode leg's events re-rendered into the client's
+                stream; signed params, admission (the run fails if any request fell back to another path);
+* ``kvrelay-df`` - the same router placing decode-first (``router.decode_first``, on by default
+                wherever the router follows the engines' KV events): each prompt tokenised as vLLM
+                does (the built-in tiny model's tokenizer), the decode node chosen by what it holds,
+                and a prompt this short answered by D alone, tracked (D asked for its token ids, the
+                router takes them out of each event) - the hop a short prompt takes in a default stack;
 * ``toy``     - a proxy written the way vLLM's disaggregated-serving example is
                 (FastAPI + httpx: the prefill request, then the decode stream re-yielded).
 
-Every proxy process is pinned to one core (the upstream and the client share the other),
-so "streamed requests per second" is per proxy core. Reported:
+Every proxy process is pinned to one core, and for the latency runs the client shares the
+upstream's core (a client on the proxy's core added its own scheduling to the proxy's tail:
+p99 +12-30 ms instead of +3-5 ms); "streamed requests per second" is per proxy core. Reported:
 
 * added latency = a system's time to the last byte minus direct's, p50 and p99, at 1 and
   at 64 concurrent streams. At 64 streams twice: with the upstream as fast as it can (every
@@ -63,11 +69,18 @@ def _pin(core: int) -> None:
 _HEAD = {"id": "cmpl-bench", "object": "text_completion", "created": 1764547200, "model": "kvrelay-tiny"}
 
 
-def _event(i: int, last: bool = False) -> bytes:
+def _event(i: int, last: bool = False, ids: bool = False) -> bytes:
+    """Token ``i``'s event; with ``ids`` as vLLM streams it under ``return_token_ids`` (the
+    token's id, and the prompt's ids on the first)."""
     from kvrelay.router.split import sse
 
-    return sse({**_HEAD, "choices": [{"index": 0, "text": f"t{i} ", "logprobs": None,
-                                      "finish_reason": "length" if last else None, "stop_reason": None}]})
+    choice: dict[str, Any] = {"index": 0, "text": f"t{i} ", "logprobs": None,
+                              "finish_reason": "length" if last else None, "stop_reason": None}
+    if ids:
+        choice["token_ids"] = [100 + i]
+        if i == 0:
+            choice["prompt_token_ids"] = list(range(1, 9))
+    return sse({**_HEAD, "choices": [choice]})
 
 
 def _usage_event(tokens: int) -> bytes:
@@ -92,14 +105,14 @@ def _user(paced: bool, tag: int) -> str:
     return f"{PACED_USER if paced else 'bench'}#{tag}"
 
 
-@functools.lru_cache(maxsize=8)
-def _answer_events(n: int, with_usage: bool) -> tuple[list[bytes], bytes]:
+@functools.lru_cache(maxsize=16)
+def _answer_events(n: int, with_usage: bool, ids: bool = False) -> tuple[list[bytes], bytes]:
     """(``n`` token events, the tail) as vLLM streams them: the last token carries
     finish_reason; the tail is usage when asked for, then [DONE]. The decode leg behind the
     router asks for one token fewer than the client did (token 1 came from the prefill leg):
     every path delivers the same tokens."""
     tail = (_usage_event(n) if with_usage else b"") + b"data: [DONE]\n\n"
-    return [_event(i, i == n - 1) for i in range(n)], tail
+    return [_event(i, i == n - 1, ids) for i in range(n)], tail
 
 
 def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None:
@@ -128,7 +141,8 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         n = min(int(body.get("max_tokens") or tokens), tokens)
-        events, tail = _answer_events(n, bool((body.get("stream_options") or {}).get("include_usage")))
+        events, tail = _answer_events(n, bool((body.get("stream_options") or {}).get("include_usage")),
+                                      bool(body.get("return_token_ids")))
         for ev in events:
             if paced:
                 await asyncio.sleep(pace_s)
@@ -157,15 +171,19 @@ def run_upstream(port: int, tokens: int, core: int, pace_s: float = 0.0) -> None
     web.run_app(app, host=HOST, port=port, print=None, access_log=None)
 
 
-def run_kvrelay(port: int, upstream: str, core: int) -> None:
+def run_kvrelay(port: int, upstream: str, core: int, tokenizer: str = "") -> None:
+    """kvrelay's router in front of the upstream (as both pools); with ``tokenizer``, placing
+    decode-first with that tokenizer."""
     from kvrelay.core import config as kcfg
     from kvrelay.router.app import run
 
     _pin(core)
-    cfg = kcfg.from_dict({"router": {"host": HOST, "port": port, "prefill": [upstream],
-                                     "decode": [f"{upstream}=tcp://{HOST}:1"], "health_interval_s": 5,
-                                     "max_inflight": 4096}})
-    run(cfg)
+    router: dict[str, Any] = {"host": HOST, "port": port, "prefill": [upstream],
+                              "decode": [f"{upstream}=tcp://{HOST}:1"], "health_interval_s": 5,
+                              "max_inflight": 4096, "decode_first": bool(tokenizer)}
+    if tokenizer:
+        router["tokenizer"] = tokenizer
+    run(kcfg.from_dict({"router": router}))
 
 
 def run_toy(port: int, upstream: str, core: int) -> None:
@@ -260,26 +278,38 @@ async def _throughput(url: str, concurrency: int, duration: float, tokens: int =
         return done / (time.perf_counter() - t0)
 
 
-def _router_path(url: str) -> dict[str, float]:
-    """Which path the router's requests took, from its own counters: the default ``first_token:
-    prefill`` split, or the decode-path fallback (a measurement of the wrong path otherwise)."""
+def _tokenizer() -> str:
+    """The built-in tiny model's directory (its tokenizer is what the decode-first router loads)."""
+    from kvrelay.core import config as kcfg
+    from kvrelay.deploy.tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model(Path(kcfg.from_dict({}).engine.tiny_model_dir).expanduser()))
+
+
+def _router_path(url: str, path: str) -> dict[str, float]:
+    """Check that the router's requests took ``path`` (its ``kvrelay_router_decisions_total``),
+    with no error or fallback counted: a measurement of the wrong path otherwise."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
         text = r.read().decode()
-    ok, errors = 0.0, dict[str, float]()
+    ok, errors, paths = 0.0, dict[str, float](), dict[str, float]()
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             if s.name == "kvrelay_router_requests_total" and s.labels.get("outcome") == "ok":
                 ok += s.value
             if s.name in ("kvrelay_router_request_failures_total", "kvrelay_router_fallbacks_total") and s.value:
                 errors[s.labels["cause"]] = s.value
+            if s.name == "kvrelay_router_decisions_total" and s.value:
+                paths[s.labels["path"]] = s.value
     if errors:    # e.g. first_token_fallback: the scripted answers lack what the split path needs
         raise RuntimeError(f"the router counted errors in the run ({errors}; {ok:.0f} requests ok): "
-                           "it did not measure its default path")
-    return {"requests_ok": ok}           # any error or fallback counted raised above
+                           f"it did not measure its {path} path")
+    if set(paths) - {path}:
+        raise RuntimeError(f"the router placed requests on other paths than {path}: {paths}")
+    return {"requests_ok": ok}           # any error, fallback or other path counted raised above
 
 
 def _wait_up(url: str, timeout: float = 60) -> None:
@@ -334,10 +364,11 @@ def main(args: argparse.Namespace) -> int:
     procs = [ctx.Process(target=run_upstream, args=(args.base_port, args.tokens, 1, args.pace_ms / 1e3),
                          daemon=True)]
     systems = {"direct": up_url, "kvrelay": f"http://{HOST}:{args.base_port + 1}",
-               "toy": f"http://{HOST}:{args.base_port + 2}"}
+               "kvrelay-df": f"http://{HOST}:{args.base_port + 3}", "toy": f"http://{HOST}:{args.base_port + 2}"}
     procs += [ctx.Process(target=run_kvrelay, args=(args.base_port + 1, up_url, 0), daemon=True),
-              ctx.Process(target=run_toy, args=(args.base_port + 2, up_url, 0), daemon=True)]
-    busy_pid = {"direct": 0, "kvrelay": 1, "toy": 2}         # whose core is measured: the upstream's for direct
+              ctx.Process(target=run_toy, args=(args.base_port + 2, up_url, 0), daemon=True),
+              ctx.Process(target=run_kvrelay, args=(args.base_port + 3, up_url, 0, _tokenizer()), daemon=True)]
+    busy_pid = {"direct": 0, "kvrelay": 1, "toy": 2, "kvrelay-df": 3}   # whose core: the upstream's for direct
     for p in procs:
         p.start()
     rows: dict[str, dict[str, Any]] = {}
@@ -345,7 +376,12 @@ def main(args: argparse.Namespace) -> int:
         for url in systems.values():
             _wait_up(url)
         bar = tqdm(total=(3 * args.rounds + 1) * len(systems), desc="bench router", unit="run")
-        rows = _latency_rows(systems, up_url, args, bar)
+        cores = os.sched_getaffinity(0)
+        _pin(1)      # latency: the client shares the upstream's core, so the proxy's core is its alone
+        try:
+            rows = _latency_rows(systems, up_url, args, bar)
+        finally:
+            os.sched_setaffinity(0, cores)
         for name, url in systems.items():
             pid = procs[busy_pid[name]].pid
             assert pid is not None
@@ -354,7 +390,8 @@ def main(args: argparse.Namespace) -> int:
             rows[name]["core_busy"] = (_cpu_s(pid) - cpu0) / (time.perf_counter() - t0)
             bar.update(1)
         bar.close()
-        rows["kvrelay"]["path"] = _router_path(systems["kvrelay"])
+        rows["kvrelay"]["path"] = _router_path(systems["kvrelay"], "disaggregated")
+        rows["kvrelay-df"]["path"] = _router_path(systems["kvrelay-df"], "decode_only")
     finally:
         for p in procs:
             p.terminate()

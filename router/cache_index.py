@@ -136,7 +136,11 @@ class ChunkIndex:
 
 
 class PromptTokenizer:
-    """Tokenise request bodies the way vLLM's OpenAI server does (for key computation only)."""
+    """Tokenise request bodies the way vLLM's OpenAI server does (for key computation only):
+    a completion's prompt with the tokenizer's special tokens (``add_special_tokens``, default
+    true), a chat rendered by its template with the generation prompt, then encoded without them.
+    A fast tokenizer is called through its Rust backend, which gives the same ids for a fraction
+    of the wrapper's cost (~4 us against ~33 us for a short prompt; it is on every request's path)."""
 
     def __init__(self, path: str) -> None:
         try:
@@ -146,16 +150,21 @@ class PromptTokenizer:
                               "transformers (no torch needed): pip install 'kvrelay[router]'") from exc
 
         self.tok = AutoTokenizer.from_pretrained(path)
+        self.backend = getattr(self.tok, "backend_tokenizer", None) if getattr(self.tok, "is_fast", False) else None
+
+    def encode(self, text: str, special: bool) -> list[int]:
+        """``text``'s ids, with the tokenizer's special tokens or without."""
+        if self.backend is not None:
+            return list(self.backend.encode(text, add_special_tokens=special).ids)
+        return list(self.tok(text, add_special_tokens=special).input_ids)
 
     def __call__(self, body: dict[str, Any]) -> list[int] | None:
         if "messages" in body:
-            ids: Any = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
-            if not isinstance(ids, list):          # a BatchEncoding in newer transformers
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
+            text = self.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+            return self.encode(str(text), bool(body.get("add_special_tokens", False)))
         prompt = body.get("prompt")
         if isinstance(prompt, str):
-            return list(self.tok(prompt).input_ids)
+            return self.encode(prompt, bool(body.get("add_special_tokens", True)))
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             return list(prompt)
         return None

@@ -356,3 +356,28 @@ def test_a_large_chat_is_tokenised_off_the_event_loop_however_its_size_is_spread
     small = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
     asyncio.run(df.tokens(small))
     assert seen == [False, True]                   # a small one stays inline (cheaper than a thread)
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "Once upon a time, ünïcode 中文 and spaces  "},
+    {"prompt": "no special tokens", "add_special_tokens": False},
+    {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello ünï 中文"}]},
+    {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True},
+], ids=["completion", "completion-no-special", "chat", "chat-special"])
+def test_the_router_tokenises_as_the_tokenizer_itself_does(tiny_model, body):
+    """The backend fast path gives the ids transformers' own calls give (as vLLM tokenises:
+    completions with special tokens unless the request says not, chats rendered then without)."""
+    from kvrelay.router.cache_index import PromptTokenizer
+
+    pt = PromptTokenizer(str(tiny_model))
+    assert pt.backend is not None                       # the fast path is what is tested
+    special = bool(body.get("add_special_tokens", "prompt" in body))
+    if "prompt" in body:
+        want = pt.tok(body["prompt"], add_special_tokens=special).input_ids
+    else:
+        text = pt.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=False)
+        want = pt.tok(text, add_special_tokens=special).input_ids
+        if not special:                                 # and as transformers tokenises a chat itself
+            ids = pt.tok.apply_chat_template(body["messages"], add_generation_prompt=True, tokenize=True)
+            assert (ids if isinstance(ids, list) else ids["input_ids"]) == list(want)
+    assert pt(body) == list(want) and pt(body)
