@@ -44,6 +44,7 @@ from typing import Any
 from kvrelay.bench import stack_flags
 from kvrelay.bench.e2e import ALPHABET, _post
 from kvrelay.bench.local_redis import REDIS, redis_server
+from kvrelay.common.errors import ConfigError
 from kvrelay.core import config as kcfg
 from kvrelay.core.telemetry import read_events
 from kvrelay.deploy import launch
@@ -128,7 +129,7 @@ def _stack(args: argparse.Namespace, out: Path, store: bool, redis_url: str = ""
     sub = out / ("store-on" if store else "store-off")
     sub.mkdir(parents=True, exist_ok=True)
     base = args.base_port + (0 if store else 200)
-    engine: dict[str, Any] = {"model": args.model_path, "max_model_len": 8192, "served_model_name": launch.TINY_NAME,
+    engine: dict[str, Any] = {"model": args.model_path, "max_model_len": args.context, "served_model_name": launch.TINY_NAME,
                               "prefill_args": ["--no-enable-prefix-caching"]}
     data: dict[str, Any] = {
         "engine": engine, "deploy": {"base_port": base, "kv_base_port": base + 500, "log_dir": str(sub / "logs")},
@@ -298,10 +299,33 @@ def _summary(args: argparse.Namespace, names: tuple[str, str], on: dict, off: di
     return hit, over
 
 
+CONTEXT_CAP = 8192        # engines serve at most this (their KV caches are sized for it: --kv-blocks)
+
+
+def _context(model_path: str) -> int:
+    """The context the engines serve: the model's own (its ``max_position_embeddings``), at most
+    :data:`CONTEXT_CAP`; the cap where the model names none."""
+    try:
+        own = int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return CONTEXT_CAP
+    return min(own, CONTEXT_CAP)
+
+
+def longest_history(args: argparse.Namespace) -> int:
+    """A bound on the last turn's prompt plus its answer: the system prompt, every turn's user
+    text and answer, and the chat template's few tokens around each message."""
+    return args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens) + 8 * (2 * args.turns + 1)
+
+
 def main(args: argparse.Namespace) -> int:
+    args.model_path = _model_path(args.model)
+    args.context = _context(args.model_path)
+    if (need := max(longest_history(args), 2048 + args.answer_tokens)) > args.context:    # 2048: --fresh-prompts
+        raise ConfigError(f"the conversations reach {need} tokens, over the model's context of {args.context} "
+                          f"({args.model_path}): lower --turns, --user-tokens, --system-tokens or --answer-tokens")
     out = Path(args.out) / f"multiturn-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
-    args.model_path = _model_path(args.model)
     on, off, pairs = _run_all(args, out)
     names = ("prefix+rr", "decode-first" if args.decode_first else "store+ca") if args.realistic else ("off", "on")
     lines = []

@@ -51,6 +51,7 @@ WIDTHS = {  # variant -> (hidden size, query heads, MLP width)
 }
 VOCAB_SIZE = 128            # 4 specials + 97 characters, padded
 MAX_POSITIONS = 4096       # its context length: what vLLM serves it at when engine.max_model_len is unset
+POSITIONS = {"narrow": MAX_POSITIONS, "wide": 8192}   # per variant: the wide one serves `bench multiturn`'s histories
 WINDOW = 256                # the sliding window of the "sliding" and "alternating" attention kinds
 ATTENTION = ("full", "sliding", "alternating")
 SEED = 1234
@@ -75,7 +76,7 @@ def _vocab() -> dict[str, int]:
     return {tok: i for i, tok in enumerate(SPECIALS + chars)}
 
 
-def _write_tokenizer(out: Path) -> None:
+def _write_tokenizer(out: Path, positions: int = MAX_POSITIONS) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     tok = Tokenizer(models.BPE(vocab=_vocab(), merges=[], unk_token="<unk>"))
@@ -86,7 +87,7 @@ def _write_tokenizer(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": False,
-        "model_max_length": MAX_POSITIONS, "chat_template": CHAT_TEMPLATE,
+        "model_max_length": positions, "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False}, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}, indent=2) + "\n")
@@ -108,7 +109,7 @@ def _write_model(out: Path, width: str, attention: str = "full") -> None:
     hidden, heads, intermediate = WIDTHS[width]
     cfg = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=intermediate,
                       num_hidden_layers=LAYERS, num_attention_heads=heads, num_key_value_heads=KV_HEADS,
-                      head_dim=HEAD_DIM, max_position_embeddings=MAX_POSITIONS, rms_norm_eps=1e-5,
+                      head_dim=HEAD_DIM, max_position_embeddings=POSITIONS[width], rms_norm_eps=1e-5,
                       bos_token_id=0, eos_token_id=1, pad_token_id=3,
                       tie_word_embeddings=False, dtype="float32", **_layer_types(attention))
     torch.manual_seed(SEED)
@@ -133,7 +134,7 @@ def _marker(width: str, attention: str = "full") -> str:
     hidden, heads, intermediate = WIDTHS[width]
     kind = "" if attention == "full" else f", {attention} attention (window {WINDOW})"
     return (f"kvrelay tiny Llama ({width}): {LAYERS} layers, {KV_HEADS} kv heads x {HEAD_DIM}, hidden {hidden}, "
-            f"{heads} query heads, mlp {intermediate}, {MAX_POSITIONS} positions, float32, seed {SEED}{kind}\n")
+            f"{heads} query heads, mlp {intermediate}, {POSITIONS[width]} positions, float32, seed {SEED}{kind}\n")
 
 
 def make_tiny_model(out_dir: str | Path, width: str = "narrow", attention: str = "full") -> Path:
@@ -145,7 +146,7 @@ def make_tiny_model(out_dir: str | Path, width: str = "narrow", attention: str =
         raise ValueError(f"unknown tiny-model attention {attention!r}; expected one of {list(ATTENTION)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(out)
+    _write_tokenizer(out, POSITIONS[width])
     _write_model(out, width, attention)
     (out / "KVRELAY_TINY_MODEL").write_text(_marker(width, attention))
     return out
