@@ -1,8 +1,10 @@
-"""Decode-first's answers from one decode node, continued on another when that node fails.
+"""Answers a decode node streams itself, continued on another when that node fails.
 
 Under ``router.decode_first`` a request whose prompt a decode node's prefix cache (nearly)
 holds is answered by that node alone (``decode_only``): the client's own request, streamed
-back in the client's own format. Here D is also asked for each piece's token ids
+back in the client's own format. On the decode path (``router.first_token: decode``) D
+streams the client's request too, its prompt pushed by P: :meth:`AlonePath.tracker` gives
+that path the same tracking. Here D is also asked for each piece's token ids
 (``return_token_ids``), which the router takes out again - one vLLM asked without the flag
 sends ``null`` in their place and, with no chat parser, the very same events - so the router
 knows the prompt's ids and every token the client was given. When D fails mid-answer (the
@@ -28,7 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from kvrelay.router import responses, split
-from kvrelay.router.decode_path import DecodePath
+from kvrelay.router.decode_path import DecodePath, Tracked
 from kvrelay.router.job import Job
 from kvrelay.router.migration import NO_ANSWER, Cause, Progress
 from kvrelay.router.pools import Node
@@ -52,7 +54,7 @@ class OwnStream:
         if not progress.note(event):
             return b""
         if self.head is None:
-            self.head = {k: event[k] for k in ("id", "created", "model")}
+            self.head = {k: event.get(k) for k in ("id", "created", "model")}   # vLLM's events carry all three
         self.usage_sent = self.usage_sent or bool(event.get("usage"))
         if self.chat and event.get("prompt_token_ids"):          # chat: on the role event
             self.prompt_ids, event["prompt_token_ids"] = list(event["prompt_token_ids"]), None
@@ -90,16 +92,22 @@ class AlonePath:
 
     async def run(self, job: Job) -> web.StreamResponse:
         """D answers alone; tracked when it can be continued elsewhere (see the module docstring)."""
+        return await self.decode.decode(job, "", "", tracked=await self.tracker(job))
+
+    async def tracker(self, job: Job) -> Tracked | None:
+        """What D is asked and what relays its stream, so that another decode node can take
+        ``job``'s answer over (None: not trackable; D's stream is passed on verbatim). Used for D
+        alone and for the decode path, where P only pushes (``router.first_token: decode``)."""
         if not self.trackable(job):
-            return await self.decode.decode(job, "", "")
+            return None
         limit = await self.client.context_limit(job.decode)
         if limit is None and split.needs_limit(job.endpoint, job.body):
-            return await self.decode.decode(job, "", "")
+            return None
 
         async def relay(job: Job, node: Node, r: aiohttp.ClientResponse,
                         headers: dict[str, str]) -> web.StreamResponse | str:
             return await self._relay(job, node, r, headers, limit)
-        return await self.decode.decode(job, "", "", body={**job.body, "return_token_ids": True}, relay=relay)
+        return Tracked({**job.body, "return_token_ids": True}, relay)
 
     async def _relay(self, job: Job, node: Node, r: aiohttp.ClientResponse, headers: dict[str, str],
                      limit: int | None) -> web.StreamResponse | str:

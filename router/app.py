@@ -351,7 +351,8 @@ class Router:
                     work.done()
             self.metrics.errors.labels("first_token_fallback").inc()
             log.debug("request %s takes the decode path: %s", ids.client, why)
-        return await self._timed(job, self.decode_path.prefill_and_decode(job, p_node, work))
+        tracked = await self.alone_path.tracker(job)
+        return await self._timed(job, self.decode_path.prefill_and_decode(job, p_node, work, tracked))
 
     def _count(self, place: Placement, path: RoutePath, prefill_held: int = 0) -> None:
         self.metrics.decided(path.value, place.prompt_tokens, place.decode_held, prefill_held)

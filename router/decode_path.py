@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -37,18 +38,29 @@ log = logging.getLogger("kvrelay.router")
 Relay = Callable[[Job, Node, aiohttp.ClientResponse, dict[str, str]], Awaitable[web.StreamResponse | str]]
 
 
+@dataclass(frozen=True)
+class Tracked:
+    """How D's answer is tracked so another node can continue it (:mod:`kvrelay.router.alone_path`):
+    the body D is asked (the client's, plus ``return_token_ids``) and the relay of its stream."""
+
+    body: dict[str, Any]
+    relay: Relay
+
+
 class DecodePath:
     """The decode path over one :class:`~kvrelay.router.upstream.EngineClient`."""
 
     def __init__(self, client: EngineClient) -> None:
         self.client = client
 
-    async def prefill_and_decode(self, job: Job, p_node: Node, work: PrefillWork) -> web.StreamResponse:
-        """The decode path: P prefills and pushes (in the background), D answers the client."""
+    async def prefill_and_decode(self, job: Job, p_node: Node, work: PrefillWork,
+                                 tracked: Tracked | None = None) -> web.StreamResponse:
+        """The decode path: P prefills and pushes (in the background), D answers the client
+        (``tracked``: so that another decode node can continue the answer, see :meth:`decode`)."""
         prefill = asyncio.create_task(self._prefill(job, p_node))
         prefill.add_done_callback(work.done)
         try:
-            resp = await self.decode(job, job.ids.transfer, p_node.url)
+            resp = await self.decode(job, job.ids.transfer, p_node.url, tracked=tracked)
         except asyncio.CancelledError:          # client went away: abort both sides
             prefill.cancel()
             raise
@@ -117,23 +129,23 @@ class DecodePath:
             return error_response(502, self.client.node_failed("the decode node", node, exc),
                                   "bad_gateway", job.ids.client)
 
-    async def decode(self, job: Job, tid: str, p_url: str, body: dict[str, Any] | None = None,
-                     relay: Relay | None = None) -> web.StreamResponse:
+    async def decode(self, job: Job, tid: str, p_url: str, tracked: Tracked | None = None) -> web.StreamResponse:
         """D answers the client: with pull params for ``tid`` ("" = D computes the prompt itself).
-        ``body``: what D is asked (default the client's request); ``relay``: what streams D's
-        events to the client (default: verbatim, :meth:`_stream`).
+        ``tracked``: what D is asked and what streams its events to the client (default: the
+        client's request, streamed back verbatim by :meth:`_stream`).
 
         A decode node that fails before the client was sent anything (no answer, a dropped
         connection, a 5xx) is replaced by another, up to ``router.max_migrations`` times, which
         computes the prompt itself: the client gets one answer, as one vLLM gives it."""
         assert self.client.session is not None
-        dbody = dict(job.body if body is None else body)
+        dbody = dict(job.body if tracked is None else tracked.body)
+        relay = self._stream if tracked is None else tracked.relay
         if tid:
             dbody["kv_transfer_params"] = self.client.signed(PullParams(transfer_id=tid))
         headers = self.client.answer_headers(job, p_url)
         node, tried = job.decode, list[Node]()
         while True:
-            got = await self._answer(job, node, dbody, headers, relay or self._stream)
+            got = await self._answer(job, node, dbody, headers, relay)
             if not isinstance(got, str):
                 return got
             tried.append(node)

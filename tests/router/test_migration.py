@@ -248,6 +248,34 @@ def test_an_answer_a_decode_node_gives_alone_goes_on_elsewhere_when_the_node_die
     run(go())
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_on_the_decode_path_a_dying_decode_node_hands_the_answer_on(endpoint):
+    """``first_token: decode``: P only pushes and D streams the client's own request. D dies
+    after 4 tokens; the other decode node continues from the prompt's ids and the 4 tokens sent
+    (before, the client's stream ended with an error event): every token once, one finish,
+    usage for the whole answer, no token ids the client did not ask for."""
+    async def go():
+        dying, spare = Decoder(die_after=4), Decoder()
+        chat = endpoint == "chat"
+        body = ({"model": "m", "messages": [{"role": "user", "content": "abc"}], "max_completion_tokens": 12,
+                 "temperature": 0} if chat else BODY)
+        async with stack([Decoder()], [dying, spare], first_token="decode") as (url, s, router):
+            async with s.post(f"{url}/v1/{'chat/' if chat else ''}completions",
+                              json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+                evs = events(await r.read())
+            assert evs[-1] == "[DONE]" and not any("error" in e for e in evs[:-1])
+            choices = [c for e in evs[:-1] for c in e.get("choices", ())]
+            text = _chat_text(evs[:-1]) if chat else "".join(c["text"] for c in choices)
+            assert text == _want(12)                                   # 4 from the dying node, 8 from the spare
+            assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
+            assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None for c in choices)
+            assert evs[-2]["usage"] == {"prompt_tokens": 3, "total_tokens": 15, "completion_tokens": 12}
+            assert spare.prompts == [PROMPT_IDS + [100 + i for i in range(4)]]
+            assert router.metrics.migrations.labels("connect")._value.get() == 1
+            assert router.metrics.migrated.labels("exact")._value.get() == 1
+    run(go())
+
+
 def test_a_decode_node_that_fails_before_the_client_got_anything_is_replaced():
     """A 5xx from the first decode node, before any byte reached the client: the request is asked
     of another decode node (which computes the prompt itself); the client sees one answer and the

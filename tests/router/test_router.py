@@ -23,8 +23,24 @@ from kvrelay.core.drain import DRAINING_HEADER
 from kvrelay.router.app import Router
 from kvrelay.router.pools import Node, Pool, check_once
 
-SSE = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
-       b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2}}\n\n', b"data: [DONE]\n\n"]
+_HEAD = {"id": "cmpl-f", "object": "text_completion", "created": 1, "model": "m"}
+
+
+def _event(text: str, finish: str | None = None, prompt_ids: list[int] | None = None,
+           ids: list[int] | None = None) -> bytes:
+    """One piece of an answer as vLLM streams it (compact JSON, vLLM's key order)."""
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+              "prompt_token_ids": prompt_ids, "token_ids": ids}
+    return b"data: " + json.dumps({**_HEAD, "choices": [choice]}, separators=(",", ":")).encode() + b"\n\n"
+
+
+_USAGE = b"data: " + json.dumps({**_HEAD, "choices": [], "usage": {"prompt_tokens": 3, "total_tokens": 5,
+                                                                   "completion_tokens": 2}},
+                                separators=(",", ":")).encode() + b"\n\n"
+# An answer as vLLM streams it, without return_token_ids; with it (what the router asks a
+# decode node for, to continue an answer elsewhere) each piece carries the ids instead of nulls
+SSE = [_event("a"), _event("b", "length"), _USAGE, b"data: [DONE]\n\n"]
+SSE_IDS = [_event("a", None, [1, 2, 3], [10]), _event("b", "length", None, [11]), _USAGE, b"data: [DONE]\n\n"]
 
 
 @dataclass
@@ -67,15 +83,16 @@ class Fake:
         if body.get("stream"):
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
+            sse = SSE_IDS if body.get("return_token_ids") else SSE
             if self.mode == "die":             # the decode node dies after one token
-                await resp.write(SSE[0])
+                await resp.write(sse[0])
                 await asyncio.sleep(0.1)
                 assert request.transport is not None
                 request.transport.abort()
                 return resp
-            pieces = SSE if self.mode not in ("hang", "trickle") else SSE[:1] * (1000 if self.mode == "hang" else 8)
+            pieces = sse if self.mode not in ("hang", "trickle") else sse[:1] * (1000 if self.mode == "hang" else 8)
             if self.mode == "trickle":
-                pieces = pieces + [SSE[-1]]
+                pieces = pieces + sse[1:]
             try:
                 for piece in pieces:
                     await resp.write(piece)
