@@ -165,9 +165,9 @@ FIELD_HELP: dict[str, str] = {
     'router.max_migrations': ("a decode node that fails mid-answer (connection lost, 5xx, error event, early end, "
                               "silence) hands the rest to another decode node, which continues from the tokens "
                               "already sent (the split path's answers, and streamed answers a decode node gives "
-                              "alone that the split path could continue); one that fails before the client got "
-                              "anything is asked of another node; at most this many times per request (0 = off: "
-                              "the client gets an error event)"),
+                              "itself, alone or after P's push, that the split path could continue); one that "
+                              "fails before the client got anything is asked of another node; at most this many "
+                              "times per request (0 = off: the client gets an error event)"),
     'router.stall_timeout_s': ("a decode node silent this long in the middle of an answer has failed (its answer "
                                "moves to another node); before its first piece router.request_timeout_s applies"),
     'router.client_write_timeout_s': ("a streaming client that reads nothing for this many seconds is dropped and its "

@@ -7,9 +7,10 @@ its answer back unchanged. With ``tid`` empty D computes the prompt itself (no p
 node, or a request D must judge alone). A prefill that fails (connection error or 5xx) is
 retried once on another P with the same transfer id; if none is left D recomputes after
 ``connector.first_chunk_s``. A D that fails before the client was sent anything is replaced
-by another (which computes the prompt itself); with none left the client gets a clean 502,
-and mid-stream an OpenAI-style error event followed by ``data: [DONE]`` (decode-first's
-answers from D alone go on elsewhere instead: :mod:`kvrelay.router.alone_path`).
+by another (which computes the prompt itself); with none left the client gets a clean 502.
+Mid-stream, an answer the router tracks (:class:`Tracked`, given by
+:mod:`kvrelay.router.alone_path` for streams the split path could continue) goes on on
+another decode node; any other ends with an OpenAI-style error event and ``data: [DONE]``.
 """
 
 from __future__ import annotations
