@@ -6,9 +6,9 @@ random prompt so no system profits from prefix caching):
 * ``single``      - one plain vLLM server with all cores;
 * ``single-p``    - one plain vLLM server on the prefill node's cores only (the same compute
                     that produces kvrelay's first token);
-* ``kvrelay-B``   - kvrelay 1P1D through the router, transport B (tcp, nixl), first token from
-                    the prefill node (``router.first_token: prefill``); ``kvrelay-B-d``: every
-                    token from the decode node (``--first-token prefill,decode`` runs both);
+* ``kvrelay-B``   - kvrelay 1P1D through the router, transport B (tcp, nixl), every token from D
+                    (the default ``router.first_token: decode``; ``kvrelay-B-p``: token 1 from P;
+                    ``--first-token decode,prefill`` runs both; before 2026-12-07: ``-d`` and plain);
 * ``nixl-stock``  - vLLM's NixlConnector P/D with the toy-proxy flow (P with
                     ``max_tokens=1`` + ``do_remote_decode``, then D with P's params), as shipped;
 * ``nixl-fair``   - the same with :class:`kvrelay.bench.fair_nixl.FairNixlConnector` (no core pinning,
@@ -50,6 +50,7 @@ from typing import Any
 
 from kvrelay.bench import report, stack_flags
 from kvrelay.core import config as kcfg
+from kvrelay.core.router_config import FirstToken
 from kvrelay.core.telemetry import read_events
 from kvrelay.deploy import launch, tiny_model
 
@@ -65,7 +66,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="systems to compare (comma list): single (one vLLM on both cores), single-p (one vLLM on "
                         "P's core), kvrelay, nixl-fair and nixl-stock (vLLM's NixlConnector with kvrelay's engine "
                         "flags, and as vLLM ships it)")
-    p.add_argument("--first-token", default="prefill", help="kvrelay router.first_token settings to run (comma list)")
+    p.add_argument("--first-token", default=FirstToken.DECODE.value,
+                   help="kvrelay router.first_token settings to run (comma list; the default is kvrelay's)")
     p.add_argument("--prefill-tp", default="1", help="kvrelay prefill TP sizes to run (comma list, e.g. 1,2: one "
                    "kvrelay system each; engine.prefill_tp)")
     p.add_argument("--decode-tp", type=int, default=1, help="kvrelay decode TP size (engine.decode_tp)")
@@ -292,11 +294,11 @@ CONTEXT = tiny_model.MAX_POSITIONS     # the longest prompt + answer asked: with
 
 
 def kvrelay_label(backend: str, first_token: str, p_tp: int, d_tp: int, decode_first: bool | None = None) -> str:
-    """``kvrelay-tcp`` (kvrelay's defaults), ``kvrelay-nixl-d`` (token 1 from D), ``kvrelay-tcp-tp2x1``
+    """``kvrelay-tcp`` (kvrelay's defaults), ``kvrelay-nixl-p`` (token 1 from P), ``kvrelay-tcp-tp2x1``
     (prefill TP2, decode TP1), ``kvrelay-tcp-df`` / ``-nodf`` (decode-first routing forced on / off)."""
     tp = f"-tp{p_tp}x{d_tp}" if (p_tp, d_tp) != (1, 1) else ""
     df = {None: "", True: "-df", False: "-nodf"}[decode_first]
-    return f"kvrelay-{backend}" + ("-d" if first_token == "decode" else "") + tp + df
+    return f"kvrelay-{backend}" + ("-p" if first_token == FirstToken.PREFILL.value else "") + tp + df
 
 
 def up_kvrelay(args: argparse.Namespace, out: Path, backend: str, first_token: str, port: int,

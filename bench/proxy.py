@@ -6,8 +6,8 @@ one system at a time sits between the client and that upstream:
 
 * ``direct``  - no proxy: the client talks to the upstream (the floor);
 * ``kvrelay`` - kvrelay's router on its split path: token 1 from the prefill leg (``first_token:
-                prefill``, the default), then the decode leg's events re-rendered into the client's
-                stream; signed params, admission (the run fails if any request fell back to another path);
+                prefill``), then the decode leg's events re-rendered into the client's stream; signed
+                params, admission (the run fails if any request fell back to another path);
 * ``kvrelay-df`` - the same router placing decode-first (``router.decode_first``, on by default
                 wherever the router follows the engines' KV events): each prompt tokenised as vLLM
                 does (the built-in tiny model's tokenizer), the decode node chosen by what it holds,
@@ -180,7 +180,7 @@ def run_kvrelay(port: int, upstream: str, core: int, tokenizer: str = "") -> Non
     _pin(core)
     router: dict[str, Any] = {"host": HOST, "port": port, "prefill": [upstream],
                               "decode": [f"{upstream}=tcp://{HOST}:1"], "health_interval_s": 5,
-                              "max_inflight": 4096, "decode_first": bool(tokenizer)}
+                              "max_inflight": 4096, "decode_first": bool(tokenizer), "first_token": "prefill"}
     if tokenizer:
         router["tokenizer"] = tokenizer
     run(kcfg.from_dict({"router": router}))

@@ -3,10 +3,11 @@
 Systems, one at a time on this host, same model, same requests:
 
 * ``single``       - one plain vLLM server with all cores;
-* ``kvrelay-tcp``, ``kvrelay-nixl`` - kvrelay 1P1D through its router with its defaults (first token
-  from P, decode-first routing on the engines' KV events);
-* ``-nodf``: decode-first off; ``-df``: forced on; ``-d-df``: and every token from the decode node
-  (``router.first_token: decode``);
+* ``kvrelay-tcp``, ``kvrelay-nixl`` - kvrelay 1P1D through its router with its defaults (every
+  token from the decode node, decode-first routing on the engines' KV events);
+* ``-nodf``: decode-first off; ``-df``: forced on; ``-p``: token 1 from the prefill node
+  (``router.first_token: prefill``); ``-d-df``: every token from D and decode-first on, named
+  as the runs before 2026-12-07 named today's defaults;
 * ``nixl-fair``    - vLLM's NixlConnector 1P1D with its CPU faults fixed (:mod:`kvrelay.bench.fair_nixl`)
                      behind a minimal proxy doing the toy-proxy flow (P with ``max_tokens=1``,
                      then D streams with P's ``kv_transfer_params``).
@@ -54,7 +55,8 @@ from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
 
 SYSTEMS = ("single", "kvrelay-tcp", "kvrelay-nixl", "nixl-fair", "kvrelay-tcp-nodf", "kvrelay-nixl-nodf",
-           "kvrelay-tcp-df", "kvrelay-nixl-df", "kvrelay-tcp-d-df", "kvrelay-nixl-d-df")
+           "kvrelay-tcp-p", "kvrelay-nixl-p", "kvrelay-tcp-df", "kvrelay-nixl-df", "kvrelay-tcp-d-df",
+           "kvrelay-nixl-d-df")
 DEFAULT_SYSTEMS = SYSTEMS[:4]
 KNEE = 0.9          # a rate is served while goodput >= 90 % of it
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -147,8 +149,9 @@ class System:
         if self.name.startswith("kvrelay-"):
             parts = self.name.split("-")
             over: dict[str, Any] = {"transport__backend": parts[1], "router__max_inflight": 1024,
-                                    "router__decode_first": True if "df" in parts else False if "nodf" in parts else None,
-                                    "router__first_token": "decode" if "d" in parts else "prefill"}
+                                    "router__decode_first": True if "df" in parts else False if "nodf" in parts else None}
+            if "p" in parts or "d" in parts:                  # else kvrelay's default
+                over["router__first_token"] = "prefill" if "p" in parts else "decode"
             cfg = e2e.base_cfg(self.args, self.out, **over)
             self.stack = launch.Stack(cfg)
             self.stack.start(progress=False)

@@ -72,7 +72,7 @@ class RouterConfig(Section, frozen=True):
     rate_limit_rps: float = 0.0      # per API key (or client address) token bucket; 0 = off
     rate_limit_burst: int = 0        # bucket size (0 = 2 x rate_limit_rps, at least 1)
     params_ttl_s: Seconds = 900.0    # signed kv_transfer_params expire after this (>= request_timeout_s)
-    first_token: FirstToken = FirstToken.PREFILL   # who emits the first output token (see router/split.py)
+    first_token: FirstToken = FirstToken.DECODE    # who emits the first output token (see router/split.py)
     chat_parsers: bool = False       # the engines run a reasoning / tool-call parser: chat is never split
     expose_nodes: bool = False       # answers name their prefill node (X-Kvrelay-Prefill); for debugging only
     body_timeout_s: Seconds = 30.0   # a request body must arrive within this (then 408), before admission
@@ -140,9 +140,11 @@ FIELD_HELP: dict[str, str] = {
     'router.rate_limit_burst': 'token-bucket size (0 = twice the rate, at least 1)',
     'router.params_ttl_s': 'the signed kv_transfer_params the router sends engines expire after this (>= request_timeout_s)',
     'router.chat_parsers': 'the engines run a reasoning or tool-call parser: chat requests are not split (decode path)',
-    'router.first_token': ("prefill: stream token 1 from the prefill node at once, D continues from prompt + token 1 "
-                           "(requests with features that cannot be split fall back per request); decode: D emits "
-                           "every token"),
+    'router.first_token': ("decode (default): D emits every token, so no answer waits between token 1 and token 2 "
+                           "for D to take it over (measured: ITL p99 within 1.2x vLLM's own PD flow); prefill: "
+                           "stream token 1 from the prefill node at once and D continues from prompt + token 1 "
+                           "(token 1 earlier, a longer first gap; requests with features that cannot be split "
+                           "fall back per request)"),
     'connector.runtime_dir': ("private directory (0700, the service user's) for a node's shared state files: "
                               "gauge snapshots, drain files; '' = /dev/shm/kvrelay-<uid>. kvrelay refuses to start "
                               "if it is a symlink, someone else's or open to other users"),

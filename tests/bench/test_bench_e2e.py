@@ -7,6 +7,7 @@ import math
 
 from kvrelay.bench import e2e
 from kvrelay.bench.e2e import Samples, System, measure_interleaved, paired_ratio, rotation, rows_of
+from kvrelay.core import config as kcfg
 
 
 class _Bar:
@@ -90,10 +91,11 @@ def test_systems_that_do_not_fit_in_memory_together_run_one_after_the_other(tmp_
 
 
 def test_tp_systems_are_labelled_counted_and_their_ranks_transfers_read_as_one(tmp_path) -> None:
-    assert e2e.kvrelay_label("tcp", "prefill", 2, 1) == "kvrelay-tcp-tp2x1"
-    assert e2e.kvrelay_label("nixl", "decode", 1, 1) == "kvrelay-nixl-d"
-    assert [e2e.kvrelay_label("tcp", "prefill", 1, 1, e2e.DECODE_FIRST[v]) for v in ("auto", "on", "off")] == [
+    assert e2e.kvrelay_label("tcp", "decode", 2, 1) == "kvrelay-tcp-tp2x1"
+    assert e2e.kvrelay_label("nixl", "prefill", 1, 1) == "kvrelay-nixl-p"          # token 1 from P
+    assert [e2e.kvrelay_label("tcp", "decode", 1, 1, e2e.DECODE_FIRST[v]) for v in ("auto", "on", "off")] == [
         "kvrelay-tcp", "kvrelay-tcp-df", "kvrelay-tcp-nodf"]          # no flag: kvrelay's own defaults
+    assert e2e.kvrelay_label("tcp", kcfg.from_dict({}).router.first_token.value, 1, 1) == "kvrelay-tcp"
     assert e2e.engines_of("kvrelay-tcp-tp2x1") == 3 and e2e.engines_of("kvrelay-tcp") == 2
     # prefill TP2 -> decode TP1: two sub-transfers (one per prefill rank) of one 1-chunk request
     evs = [{"event": "push_start", "transfer": "t1#p0", "chunk": 0, "t": 10.0},
