@@ -275,7 +275,8 @@ def _cfg(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> kcfg.KVRelayCo
         "engine": {"model": str(tiny_model), "served_model_name": MODEL, "extra_args": list(EAGER)},
         "deploy": {"base_port": port0, "kv_base_port": port0 + 1000, "log_dir": str(tmp / "logs"),
                    "startup_timeout_s": 900},
-        "router": {"port": port0 + 50, "health_interval_s": 0.5, "decode_first": False},   # each test names its path
+        "router": {"port": port0 + 50, "health_interval_s": 0.5, "decode_first": False,   # each test names its path:
+                   "first_token": "prefill"},           # the split path unless it asks for another
         "connector": {"events_path": str(tmp / "events.jsonl"), "metrics_port": port0 + 60,
                       "first_chunk_s": 20},
     }

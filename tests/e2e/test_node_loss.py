@@ -2,7 +2,7 @@
 same dtype and thread binding (one pinned thread per engine).
 
 One 2P2D stack per transport (tcp; nixl too with ``--matrix``: what is tested is the router's
-migration, which no transport changes), ``router.first_token: prefill`` (the default):
+migration, which no transport changes), ``router.first_token: prefill`` (token 1 from P):
 
 * 1P2D (one prefill node killed first): 16 concurrent greedy streams with 240-token
   answers; once every stream has tokens, SIGKILL the process group of the decode node with
