@@ -215,18 +215,21 @@ def _chat_text(evs: list[Any]) -> str:
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_an_answer_a_decode_node_gives_alone_goes_on_elsewhere_when_the_node_dies(endpoint):
-    """No prefill node (or decode-first's ``decode_only``): D answers the client's own request
-    alone. It dies after 4 tokens; the other decode node continues from the prompt's ids (which
-    D returned with ``return_token_ids``) plus the 4 tokens sent: the client's stream, in its own
-    format, has every token once, one finish and usage for the whole answer, and no token ids
-    it did not ask for."""
+@pytest.mark.parametrize("path", ["alone", "decode-path"])
+def test_an_answer_a_decode_node_streams_itself_goes_on_elsewhere_when_the_node_dies(path, endpoint):
+    """D streams the client's own request: alone (no prefill node, or decode-first's
+    ``decode_only``), or on the decode path (``first_token: decode``: P only pushes). It dies
+    after 4 tokens; the other decode node continues from the prompt's ids (which D returned with
+    ``return_token_ids``) plus the 4 tokens sent: the client's stream, in its own format, has
+    every token once, one finish and usage for the whole answer, and no token ids it did not ask
+    for. (On the decode path the stream used to end with an error event.)"""
     async def go():
         dying, spare = Decoder(die_after=4), Decoder()
         chat = endpoint == "chat"
         body = ({"model": "m", "messages": [{"role": "user", "content": "abc"}], "max_completion_tokens": 12,
                  "temperature": 0} if chat else BODY)
-        async with stack([Down()], [dying, spare]) as (url, s, router):
+        prefills, mode = ([Down()], "prefill") if path == "alone" else ([Decoder()], "decode")
+        async with stack(prefills, [dying, spare], first_token=mode) as (url, s, router):
             async with s.post(f"{url}/v1/{'chat/' if chat else ''}completions",
                               json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
                 evs = events(await r.read())
@@ -243,34 +246,6 @@ def test_an_answer_a_decode_node_gives_alone_goes_on_elsewhere_when_the_node_die
                 assert choices[0] == {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                       "finish_reason": None}
             assert dying.alone == 1 and spare.prompts == [PROMPT_IDS + [100 + i for i in range(4)]]
-            assert router.metrics.migrations.labels("connect")._value.get() == 1
-            assert router.metrics.migrated.labels("exact")._value.get() == 1
-    run(go())
-
-
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_on_the_decode_path_a_dying_decode_node_hands_the_answer_on(endpoint):
-    """``first_token: decode``: P only pushes and D streams the client's own request. D dies
-    after 4 tokens; the other decode node continues from the prompt's ids and the 4 tokens sent
-    (before, the client's stream ended with an error event): every token once, one finish,
-    usage for the whole answer, no token ids the client did not ask for."""
-    async def go():
-        dying, spare = Decoder(die_after=4), Decoder()
-        chat = endpoint == "chat"
-        body = ({"model": "m", "messages": [{"role": "user", "content": "abc"}], "max_completion_tokens": 12,
-                 "temperature": 0} if chat else BODY)
-        async with stack([Decoder()], [dying, spare], first_token="decode") as (url, s, router):
-            async with s.post(f"{url}/v1/{'chat/' if chat else ''}completions",
-                              json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-                evs = events(await r.read())
-            assert evs[-1] == "[DONE]" and not any("error" in e for e in evs[:-1])
-            choices = [c for e in evs[:-1] for c in e.get("choices", ())]
-            text = _chat_text(evs[:-1]) if chat else "".join(c["text"] for c in choices)
-            assert text == _want(12)                                   # 4 from the dying node, 8 from the spare
-            assert [c["finish_reason"] for c in choices if c["finish_reason"]] == ["length"]
-            assert all(c.get("token_ids") is None and c.get("prompt_token_ids") is None for c in choices)
-            assert evs[-2]["usage"] == {"prompt_tokens": 3, "total_tokens": 15, "completion_tokens": 12}
-            assert spare.prompts == [PROMPT_IDS + [100 + i for i in range(4)]]
             assert router.metrics.migrations.labels("connect")._value.get() == 1
             assert router.metrics.migrated.labels("exact")._value.get() == 1
     run(go())
