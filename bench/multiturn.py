@@ -46,6 +46,7 @@ from kvrelay.bench.e2e import ALPHABET, _post
 from kvrelay.bench.local_redis import REDIS, redis_server
 from kvrelay.common.errors import ConfigError
 from kvrelay.core import config as kcfg
+from kvrelay.core.engine_compat import read_hf_config
 from kvrelay.core.telemetry import read_events
 from kvrelay.deploy import launch
 from kvrelay.deploy.tiny_model import WIDTHS, ensure_tiny_model
@@ -305,11 +306,8 @@ CONTEXT_CAP = 8192        # engines serve at most this (their KV caches are size
 def _context(model_path: str) -> int:
     """The context the engines serve: the model's own (its ``max_position_embeddings``), at most
     :data:`CONTEXT_CAP`; the cap where the model names none."""
-    try:
-        own = int(json.loads((Path(model_path) / "config.json").read_text())["max_position_embeddings"])
-    except (OSError, KeyError, TypeError, ValueError):
-        return CONTEXT_CAP
-    return min(own, CONTEXT_CAP)
+    own = read_hf_config(model_path).get("max_position_embeddings")
+    return min(int(own), CONTEXT_CAP) if isinstance(own, int) else CONTEXT_CAP
 
 
 def longest_history(args: argparse.Namespace) -> int:

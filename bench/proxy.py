@@ -281,9 +281,9 @@ async def _throughput(url: str, concurrency: int, duration: float, tokens: int =
 def _tokenizer() -> str:
     """The built-in tiny model's directory (its tokenizer is what the decode-first router loads)."""
     from kvrelay.core import config as kcfg
-    from kvrelay.deploy.tiny_model import ensure_tiny_model
+    from kvrelay.deploy.launch import model_path
 
-    return str(ensure_tiny_model(Path(kcfg.from_dict({}).engine.tiny_model_dir).expanduser()))
+    return model_path(kcfg.from_dict({}))
 
 
 def _router_path(url: str, path: str) -> dict[str, float]:

@@ -78,7 +78,8 @@ class OwnStream:
 
 
 class AlonePath:
-    """Decode-first's ``decode_only`` requests: D alone, tracked so another node can take over."""
+    """Answers a decode node streams itself (decode-first's ``decode_only``, and the decode
+    path's), tracked so another node can take over."""
 
     def __init__(self, client: EngineClient, decode: DecodePath, split_path: SplitPath, parsers: bool) -> None:
         """``parsers``: the engines run a reasoning or tool-call parser (chat is then never tracked)."""
