@@ -255,9 +255,20 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 def stop_groups(procs: Collection[subprocess.Popen], grace_s: float = 20.0) -> None:
     """:func:`stop_group` for several servers at once: all get SIGINT first and shut down in
     parallel, within one ``grace_s`` deadline; what is left then is SIGKILLed."""
+    signal_groups(procs)
+    reap_groups(procs, grace_s)
+
+
+def signal_groups(procs: Collection[subprocess.Popen]) -> None:
+    """The first half of :func:`stop_groups`: SIGINT to each server's process group."""
     for p in procs:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGINT)
+
+
+def reap_groups(procs: Collection[subprocess.Popen], grace_s: float = 20.0) -> None:
+    """The second half of :func:`stop_groups`: wait for signalled servers within one ``grace_s``
+    deadline, then SIGKILL what is left of each group."""
     deadline = time.monotonic() + grace_s
     for p in procs:
         reap_group(p, max(0.1, deadline - time.monotonic()))

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 from tests.differential import run  # noqa: E402
 from tests.differential.compare import Answer  # noqa: E402
 from tests.differential.surface import Request, Surface  # noqa: E402
-from tests.e2e.harness import PlainServers, read_events, start_stack  # noqa: E402
+from tests.e2e.harness import PlainServers, read_events, retire, start_stack  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]   # a reference server, 200 requests x 2 routers
 SEED, N = 20261203, int(os.environ.get("KVRELAY_DIFF_N", "200"))
@@ -87,5 +87,5 @@ def test_a_busy_prefill_node_still_answers_as_one_vllm(diff_requests, diff_refer
         print(f"busy prefill node: {count:g} preemptions (vllm:num_preemptions_total)")
         assert count > 0, "the busy prefill node never preempted: the run tested nothing busy"
     finally:
-        handle.stack.stop()
+        retire(handle.stack)
     _assert_same(diffs)

@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -488,17 +489,67 @@ def assert_corrupted_chunks_recomputed(stack: StackHandle, reference: dict[str, 
     assert after - before == d["recomputed_tokens"]
     return d
 
+@dataclass
+class _Retiring:
+    ports: frozenset[int]
+    reaper: threading.Thread
+
+
+_RETIRING: list[_Retiring] = []
+
+
+def _ports(cfg: kcfg.KVRelayConfig) -> frozenset[int]:
+    """Every port a stack of ``cfg`` may bind, coarsely: its nodes, router, exporters and second
+    routers sit within 100 of ``deploy.base_port``; its KV ports and publishers within 400 of
+    ``deploy.kv_base_port``."""
+    return frozenset(range(cfg.deploy.base_port, cfg.deploy.base_port + 100)) | frozenset(
+        range(cfg.deploy.kv_base_port, cfg.deploy.kv_base_port + 400))
+
+
+def retire(stack: launch.Stack) -> None:
+    """Stop ``stack`` without waiting for it. Every group gets SIGINT now and is reaped on a thread:
+    a vLLM server takes ~6 s to exit here, most of it interpreter teardown, which can overlap the
+    next stack's start. A later :func:`start_stack` waits only for retiring stacks whose ports it
+    needs, :func:`stop_active` for all of them."""
+    if stack in _ACTIVE:
+        _ACTIVE.remove(stack)
+    procs = list(stack.procs.values())
+    stack.procs.clear()
+    launch.signal_groups(procs)
+    reaper = threading.Thread(target=launch.reap_groups, args=(procs,), name="retire", daemon=True)
+    reaper.start()
+    _RETIRING.append(_Retiring(_ports(stack.cfg), reaper))
+
+
+def _wait_retired(ports: frozenset[int] | None = None) -> None:
+    """Join the retiring stacks (those that hold any of ``ports``; None: all)."""
+    for r in list(_RETIRING):
+        if ports is None or r.ports & ports:
+            r.reaper.join()
+            _RETIRING.remove(r)
+
+
 def stop_active() -> None:
-    """Stop the stack the last :func:`start_stack` started, if it still runs."""
+    """Stop the stack the last :func:`start_stack` started, if it still runs, and wait for every
+    retiring one: the host is left with no stack of the harness's."""
     while _ACTIVE:
         _ACTIVE.pop().stop()
+    _wait_retired()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reap_retired_at_the_end() -> Iterator[None]:
+    yield
+    _wait_retired()
 
 
 def start_stack(tiny_model: Path, tmp: Path, port0: int, **over: Any) -> StackHandle:
-    """Start a stack; the previous one is stopped first (tests are grouped by stack, and a
+    """Start a stack; the previous one is retired first (tests are grouped by stack, and a
     2-core / 24 GiB host cannot hold several vLLM pairs at once)."""
-    stop_active()
+    while _ACTIVE:
+        retire(_ACTIVE[-1])
     cfg = _cfg(tiny_model, tmp, port0, **over)
+    _wait_retired(_ports(cfg))
     stack = launch.Stack(cfg)
     _ACTIVE.append(stack)
     try:
@@ -519,4 +570,4 @@ def pd_stack(request: pytest.FixtureRequest, reference: dict[str, str], tiny_mod
     handle = start_stack(tiny_model, tmp_path_factory.mktemp(f"stack-{backend}"), port0,
                          transport__backend=backend, router__first_token=FIRST_TOKEN[backend], **DECODE_FIRST)
     yield handle
-    handle.stack.stop()
+    retire(handle.stack)

@@ -15,7 +15,7 @@ import pytest
 
 from kvrelay.deploy import launch
 from kvrelay.deploy.launch import Role
-from tests.e2e.harness import BLOCK, CASES, openai_client, run_case, start_stack
+from tests.e2e.harness import BLOCK, CASES, openai_client, retire, run_case, start_stack
 
 pytestmark = pytest.mark.slow
 PORT0 = 22700
@@ -26,7 +26,7 @@ COMPILED = [CASES[4], CASES[9], CASES[6]]     # c600 (completion), h500 (chat, s
 def compiled_stack(tiny_model, tmp_path_factory):
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-compiled"), PORT0, engine__extra_args=[])
     yield handle
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 @pytest.mark.parametrize("case", COMPILED, ids=lambda c: c.name)

@@ -33,7 +33,7 @@ from kvrelay.deploy import launch
 from kvrelay.router.kv_events import KVEvents
 from kvrelay.router.kv_index import KVIndex
 from kvrelay.router.pools import Node
-from tests.e2e.harness import CASES, MODEL, TURN1, _cfg, run_case, run_turn2, start_stack
+from tests.e2e.harness import CASES, MODEL, TURN1, _cfg, retire, run_case, run_turn2, start_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -192,7 +192,7 @@ def df_stack(tiny_model, tmp_path_factory):
     time.sleep(1.0)                                 # the forwarder's own subscription to decode1
     yield handle, fwd, {stack.url(s): s.name for s in specs}
     fwd.kill()
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 def _counters(url: str) -> dict[str, float]:

@@ -34,6 +34,7 @@ from tests.e2e.harness import (
     MODEL,
     openai_client,
     read_events,
+    retire,
     run_case,
     scrape,
     start_stack,
@@ -57,7 +58,7 @@ def drain_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, coll
                          deploy__decode=2, engine__drain_timeout_s=90, router__expose_nodes=True,
                          tracing__endpoint=collector.endpoint)
     yield handle
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 def test_one_trace_per_request_router_to_prefill_to_decode(drain_stack, collector, reference):

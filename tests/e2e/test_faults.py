@@ -31,6 +31,7 @@ from tests.e2e.harness import (
     Case,
     openai_client,
     read_events,
+    retire,
     run_case,
     start_stack,
     thread_cpu,
@@ -46,7 +47,7 @@ def fault_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory):
                          timeouts__peer_s=2, timeouts__heartbeat_s=0.25, connector__free_deadline_s=15,
                          log_format="json")
     yield handle
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 @pytest.fixture(autouse=True)

@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 
 from kvrelay.deploy import launch
-from tests.e2e.harness import MODEL, Case, PlainServers, busiest_decode, scrape, start_stack
+from tests.e2e.harness import MODEL, Case, PlainServers, busiest_decode, retire, scrape, start_stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(1800)]   # stacks of 4 engines start in minutes on 2 cores
 N, ANSWER = 16, 240
@@ -64,7 +64,7 @@ def loss_stack(request: pytest.FixtureRequest, tiny_model: Path, tmp_path_factor
                          transport__backend=request.param, deploy__prefill=2, deploy__decode=2,
                          router__first_token="prefill", router__health_interval_s=0.5, connector__first_chunk_s=10)
     yield handle
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 class Stream:

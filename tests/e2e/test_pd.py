@@ -28,6 +28,7 @@ from tests.e2e.harness import (
     assert_corrupted_chunks_recomputed,
     openai_client,
     raw_post,
+    retire,
     run_case,
     scrape,
     start_stack,
@@ -228,7 +229,7 @@ def corrupt_stack(reference, tiny_model, tmp_path_factory):
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-corrupt"), 20500, transport__data_mac=True,
                          transport__backend="tcp", connector__push_hook="tests.e2e.faults:corrupt_every_other")
     yield handle
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 @pytest.mark.parametrize("case", [CASES[4], CASES[7], CASES[10]], ids=lambda c: c.name)

@@ -24,6 +24,7 @@ from tests.e2e.harness import (
     TURN1,
     dsave_messages,
     openai_client,
+    retire,
     run_case,
     run_chat,
     run_turn2,
@@ -58,7 +59,7 @@ def store_stack(reference, tiny_model, tmp_path_factory, store_redis):
                          store__cpu_bytes="64MiB", store__disk_path=str(tmp / "disk"), store__disk_bytes="256MiB",
                          engine__prefill_args=["--no-enable-prefix-caching"], **redis)
     yield handle
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 def test_turn2_loads_turn1_prefix_from_store(store_stack, reference):
@@ -182,7 +183,7 @@ def two_prefill_stack(tiny_model, tmp_path_factory):
                          router__policy="cache_aware", router__expose_nodes=True,
                          engine__prefill_args=["--no-enable-prefix-caching"])
     yield handle
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 def _prefill_of(url: str, prompt: str) -> str:

@@ -22,6 +22,7 @@ from tests.e2e.harness import (
     MODEL,
     assert_corrupted_chunks_recomputed,
     openai_client,
+    retire,
     run_case,
     start_stack,
 )
@@ -36,7 +37,7 @@ def sync_stack(reference, tiny_model, tmp_path_factory):
     handle = start_stack(tiny_model, tmp_path_factory.mktemp("stack-sync"), PORT0, transport__backend="nixl",
                          router__first_token="prefill", connector__push_hook="tests.e2e.faults:corrupt_every_other")
     yield handle
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 def _keep_busy(url: str, stop: threading.Event) -> None:

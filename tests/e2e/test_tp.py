@@ -36,6 +36,7 @@ from tests.e2e.harness import (
     openai_client,
     read_events,
     reference_at_tp,
+    retire,
     run_case,
     scrape,
     start_stack,
@@ -92,7 +93,7 @@ def tp_stack(request: pytest.FixtureRequest, references: Any, tiny_model: Path,
     finally:
         del os.environ[DUMP_ENV]
     yield handle, p_tp, d_tp, dump
-    handle.stack.stop()
+    retire(handle.stack)
 
 
 def _loads(handle: Any, rid: str, d_tp: int, timeout: float = 30) -> list[dict]:
