@@ -104,14 +104,22 @@ def _readme_gpu_commands() -> list[str]:
 def test_the_readmes_two_host_gpu_commands_place_every_node_on_its_own_devices():
     """Each pool command of the README's GPU section, run with --dry-run on an 8-GPU host: every
     node gets its own TP-sized device set, they tile the 8 devices, and vLLM gets the TP size."""
+    from concurrent.futures import ThreadPoolExecutor
+
     commands = _readme_gpu_commands()
     assert len(commands) == 4
-    for line in commands:
+
+    def dry_run(line: str) -> subprocess.CompletedProcess:
+        argv = line.split()
+        return subprocess.run(["bash", str(ROOT / argv[0]), *argv[1:], "--dry-run"], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, **EIGHT})
+
+    with ThreadPoolExecutor(4) as pool:                 # each is a CLI start (~2 s of imports): all at once
+        results = list(pool.map(dry_run, commands))
+    for line, res in zip(commands, results, strict=True):
         argv = line.split()
         n, tp = int(argv[argv.index("-n") + 1]), int(argv[argv.index("--engine.prefill-tp" if "prefill" in argv[0]
                                                                       else "--engine.decode-tp") + 1])
-        res = subprocess.run(["bash", str(ROOT / argv[0]), *argv[1:], "--dry-run"], capture_output=True, text=True,
-                             timeout=300, env={**os.environ, **EIGHT})
         assert res.returncode == 0, (line, res.stderr)
         nodes = res.stdout.splitlines()
         sets = [ln.split()[0].removeprefix("CUDA_VISIBLE_DEVICES=") for ln in nodes]

@@ -23,7 +23,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_server_leads_its_own_group_in_the_callers_session_and_stops_with_its_children(tmp_path):
-    code = "import subprocess, sys, time; c = subprocess.Popen(['sleep', '60']); print(c.pid, flush=True); time.sleep(60)"
+    # SIGINT's default action, as vLLM's and kvrelay's servers install it: a child of a
+    # non-interactive shell's background job inherits SIGINT ignored, and would sit out the grace
+    code = ("import signal, subprocess, sys, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+            "c = subprocess.Popen(['sleep', '60']); print(c.pid, flush=True); time.sleep(60)")
     with open(tmp_path / "child.log", "wb") as log:
         proc = launch.spawn_group([sys.executable, "-c", code], dict(os.environ), log)
     deadline = time.monotonic() + 20
