@@ -9,7 +9,9 @@ the probes are exercised for real against a listening engine and transfer port.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import socket
 import stat
 import subprocess
@@ -18,9 +20,12 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import jsonschema
 import kubernetes_validate
+import kubernetes_validate.utils as ku
 import pytest
 import yaml
+from referencing import Registry, Resource
 
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import k8s, launch, probe
@@ -31,7 +36,26 @@ VERSIONS = k8s.K8S_VERSIONS
 def _validate(obj: dict) -> None:
     """Strictly (unknown fields are errors) against every Kubernetes release supported."""
     for version in VERSIONS:
-        kubernetes_validate.validate(obj, version, strict=True)      # raises ValidationError, naming the field
+        validator, release = _validator(obj["kind"], obj["apiVersion"], version)
+        try:
+            validator.validate(obj)
+        except jsonschema.ValidationError as exc:                      # as kubernetes_validate.validate raises it
+            raise kubernetes_validate.ValidationError(exc, version=release) from exc
+
+
+@functools.cache
+def _validator(kind: str, api_version: str, version: str) -> tuple[jsonschema.Validator, str]:
+    """kubernetes-validate's strict schema of ``kind`` for release ``version``, built once: its own
+    ``validate`` reads the release's multi-megabyte definitions file again on every call, which
+    was most of this module's time. The schema files and how one is picked are the package's
+    (``kubernetes_validate.utils.validate``): the newest release it carries not newer than ``version``."""
+    release = [v for v in ku.all_versions() if ku.major_minor(v) <= ku.major_minor(version)][-1]
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)       # rbac.authorization.k8s.io/v1 -> rbac-v1
+    folder = f"kubernetes-json-schema/v{release}-local-strict"
+    schema = ku.schema_contents(f"{folder}/{kind.lower()}-{group}.json", version)
+    registry = Resource.from_contents(ku.schema_contents(f"{folder}/_definitions.json", version)) @ (
+        Resource.from_contents(schema) @ Registry())
+    return jsonschema.validators.Draft202012Validator(schema, registry=registry), ku.major_minor(release)
 
 
 def _render(tmp: Path, *flags: str) -> dict[str, dict]:
