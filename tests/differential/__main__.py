@@ -91,13 +91,16 @@ def sweep_configs(names: str, n: int, seed: int, work: Path, json_path: str) -> 
 
     cases = list(CASES) if names == "all" else [BY_NAME[name] for name in names.split(",")]
     rows, diffs = [], []
-    for case in cases:
-        out = run_case(case, n, seed, work / case.name)
-        diffs += out.differences
-        rows.append({"config": case.name, "requests": out.requests, "differences": len(out.differences),
-                     "store_loads": out.store_hits, "migrated": out.migrated, "wall_s": out.wall_s,
-                     "targets": out.rows})
-        print(json.dumps(rows[-1]), flush=True)
+    try:
+        for case in cases:
+            out = run_case(case, n, seed, work / case.name)
+            diffs += out.differences
+            rows.append({"config": case.name, "requests": out.requests, "differences": len(out.differences),
+                         "store_loads": out.store_hits, "migrated": out.migrated, "wall_s": out.wall_s,
+                         "targets": out.rows})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        stop_active()                  # run_case retires each stack: wait for the last one to be gone
     for d in diffs:
         print(d)
     print(f"\n{len(diffs)} differences over {len(cases)} configurations; seed {seed}; logs in {work}")
