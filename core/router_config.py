@@ -146,7 +146,8 @@ FIELD_HELP: dict[str, str] = {
                            "(token 1 earlier, a longer first gap; requests with features that cannot be split "
                            "fall back per request)"),
     'connector.runtime_dir': ("private directory (0700, the service user's) for a node's shared state files: "
-                              "gauge snapshots, drain files; '' = /dev/shm/kvrelay-<uid>. kvrelay refuses to start "
+                              "gauge snapshots, drain files, vLLM's local sockets (one directory per node, removed when "
+                              "the node stops); '' = /dev/shm/kvrelay-<uid>. kvrelay refuses to start "
                               "if it is a symlink, someone else's or open to other users"),
     'connector.drain_file': ("file holding the node's drain state; '' = one per node in connector.runtime_dir "
                              "(override to choose where). 'echo draining > FILE' takes a running node out of rotation, removing "

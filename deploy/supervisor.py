@@ -20,12 +20,20 @@ Contract
 
 * SIGINT (Ctrl-C; a terminal sends it to the whole group) is passed on to vLLM, which stops
   at once; a second SIGTERM does the same.
+* **What vLLM leaves behind is removed** (:class:`Scratch`): vLLM binds its processes' ZeroMQ
+  sockets as files under ``VLLM_RPC_BASE_PATH`` and does not remove them when it stops (seven
+  per server in vLLM 0.32, by any signal), nor a socket it binds for KV events. The node's
+  scratch directory is made empty and private before vLLM starts and removed, with the files
+  named, once vLLM has exited - cleanly or not. Only a SIGKILL of the supervisor itself leaves
+  them, and the next start of the node clears its directory.
 * The clock and the idle probe are constructor arguments (tests drive them without a server).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import signal
 import subprocess
 import threading
@@ -34,6 +42,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvrelay.core.drain import DrainPhase, write_phase
 
@@ -62,12 +71,34 @@ class DrainPlan:
     poll_s: float = 0.5
 
 
+@dataclass(frozen=True)
+class Scratch:
+    """A node's leftovers: ``dirs`` are made empty and private (0700) before vLLM starts and
+    removed after it exits; ``files`` are removed after it exits. Missing paths are no error."""
+
+    dirs: tuple[Path, ...] = ()
+    files: tuple[Path, ...] = ()
+
+    def prepare(self) -> None:
+        self.remove()                                   # what a killed supervisor left
+        for d in self.dirs:
+            d.mkdir(mode=0o700)
+
+    def remove(self) -> None:
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+        for f in self.files:
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+
+
 class Supervisor:
     """One vLLM server and its drain (see the module docstring)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str], plan: DrainPlan, busy: Callable[[], bool],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, scratch: Scratch = Scratch()) -> None:
         self.cmd, self.env, self.plan, self.busy, self.clock = cmd, env, plan, busy, clock
+        self.scratch = scratch
         self.term = threading.Event()
         self.stop_now = threading.Event()
         self.child: subprocess.Popen | None = None
@@ -84,6 +115,7 @@ class Supervisor:
 
     def run(self) -> int:
         write_phase(self.plan.drain_file, DrainPhase.SERVING)          # a stale file from a crash
+        self.scratch.prepare()
         self.child = subprocess.Popen(self.cmd, env=self.env)
         try:
             while self.child.poll() is None and not self.term.is_set():
@@ -93,6 +125,8 @@ class Supervisor:
             return self.child.wait()
         finally:
             write_phase(self.plan.drain_file, DrainPhase.SERVING)
+            if self.child.poll() is not None:
+                self.scratch.remove()
 
     def drain(self, child: subprocess.Popen) -> None:
         plan, t0 = self.plan, self.clock()
@@ -122,9 +156,10 @@ class Supervisor:
                 child.kill()
 
 
-def supervise(cmd: list[str], env: dict[str, str], metrics_url: str, plan: DrainPlan) -> int:
+def supervise(cmd: list[str], env: dict[str, str], metrics_url: str, plan: DrainPlan,
+              scratch: Scratch = Scratch()) -> int:
     """Run ``cmd`` under a :class:`Supervisor` with the signal handlers installed; its exit status."""
-    sup = Supervisor(cmd, env, plan, lambda: engine_busy(metrics_url))
+    sup = Supervisor(cmd, env, plan, lambda: engine_busy(metrics_url), scratch=scratch)
     signal.signal(signal.SIGTERM, sup.on_sigterm)
     signal.signal(signal.SIGINT, sup.on_sigint)
     return sup.run()

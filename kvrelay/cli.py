@@ -75,6 +75,20 @@ def _cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_env(cfg: kcfg.KVRelayConfig, spec: Any, visible: list[str], devices: str | None) -> dict[str, str]:
+    """The environment ``kvrelay serve`` gives node ``spec``'s vLLM; ConfigError if it cannot."""
+    from kvrelay.deploy import launch
+
+    env = launch.server_env(cfg, 0, 1, spec.tp, cpu=not visible)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
+    if spec.role is not launch.Role.SINGLE:   # vLLM's own sockets in the node's directory (deploy/node_files.py)
+        from kvrelay.deploy.node_files import RPC_BASE_ENV, ipc_dir
+
+        env.setdefault(RPC_BASE_ENV, str(ipc_dir(cfg, spec)))
+    return env
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -101,13 +115,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     visible = visible_gpus()
     try:
         devices = node_devices(cfg, Node(spec.name, role.value, args.index, tp), visible)
+        env = _serve_env(cfg, spec, visible, devices)
     except ConfigError as exc:
         print(f"kvrelay: {exc}", file=sys.stderr)
         return 2
     cmd = launch.server_command(cfg, spec)
-    env = launch.server_env(cfg, 0, 1, tp, cpu=not visible)
-    if devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = devices
     if args.dry_run:                          # what it would run: the variables it sets, then the command
         from kvrelay.deploy.devices import node_numa
 
@@ -121,12 +133,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         env["VLLM_LOGGING_CONFIG_PATH"] = vllm_logging_config(launch.drain_path(cfg, spec) + ".logging.json")
     if role is launch.Role.SINGLE:
         os.execvpe(cmd[0], cmd, env)
+    from kvrelay.deploy.node_files import scratch
     from kvrelay.deploy.supervisor import DrainPlan, supervise
 
     setup(cfg.log_format)
     host = "127.0.0.1" if cfg.deploy.host in ("0.0.0.0", "::") else cfg.deploy.host
     e = cfg.engine
-    return supervise(cmd, env, f"http://{host}:{port}/metrics", DrainPlan(launch.drain_path(cfg, spec), e.drain_timeout_s, e.drain_quiet_s))
+    plan = DrainPlan(launch.drain_path(cfg, spec), e.drain_timeout_s, e.drain_quiet_s)
+    return supervise(cmd, env, f"http://{host}:{port}/metrics", plan, scratch(cfg, spec, env))
 
 
 def _cmd_secret(args: argparse.Namespace) -> int:

@@ -8,8 +8,11 @@ miss: the prompt is computed, the request never fails.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -32,9 +35,14 @@ class LookupReply(msgspec.Struct, frozen=True):
 SLOW_LOOKUP_S = 0.1   # the worker logs lookups slower than this (the scheduler waits on them)
 
 
-def lookup_endpoint(vllm_config: Any) -> str:
-    engine = vllm_config.kv_transfer_config.engine_id or "default"
-    return f"ipc://{tempfile.gettempdir()}/kvrelay-store-{engine}.sock"
+def lookup_endpoint(vllm_config: Any, environ: Mapping[str, str] = os.environ) -> str:
+    """The engine's lookup socket, where vLLM keeps its own local sockets: ``VLLM_RPC_BASE_PATH``
+    (vLLM's variable; ``kvrelay serve`` sets it to the node's private directory, which its
+    supervisor removes when the node stops), else the temporary directory, as vLLM does. The
+    name is short (a Unix socket's path holds 107 bytes): a digest of the engine id."""
+    engine = (vllm_config.kv_transfer_config.engine_id or "default").encode()
+    base = environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    return f"ipc://{base}/kvrelay-store-{hashlib.blake2b(engine, digest_size=6).hexdigest()}.sock"
 
 
 def hit_limit(n_prompt: int, chunk_tokens: int) -> int:

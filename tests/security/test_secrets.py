@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from kvrelay.common.errors import ConfigError
 from kvrelay.common.secrets import SECRET_ENV, load_secret, write_secret_file
 from kvrelay.core import config as kcfg
-from kvrelay.deploy import launch
+from kvrelay.deploy import launch, node_files
 
 
 def env_without_secret() -> dict[str, str]:
@@ -115,12 +116,19 @@ def _descendants(pid: int) -> set[int]:
     return kids
 
 
+def _local_sockets(where: Path) -> set[Path]:
+    """The Unix socket files directly in ``where``."""
+    return {p for p in where.iterdir() if p.is_socket()} if where.is_dir() else set()
+
+
 @pytest.mark.slow
 def test_a_running_stack_shows_no_secret_on_a_command_line_or_in_a_log(tiny_model: Path, tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch):
     """Keys in the YAML, in a keys file and in KVRELAY_API_KEY, a Redis password file and the
     shared secret: each works, and none is on any process's command line, in any log, in a
-    world-readable file, or in an engine's environment (the client keys)."""
+    world-readable file, or in an engine's environment (the client keys). The engines' local
+    sockets (vLLM's and the store lookup's) are in each node's private directory, not in the
+    shared temporary one, and none is left once the stack has stopped."""
     import urllib.error
     import urllib.request
 
@@ -134,6 +142,7 @@ def test_a_running_stack_shows_no_secret_on_a_command_line_or_in_a_log(tiny_mode
     monkeypatch.setenv("KVRELAY_API_KEY", env_key)
     secrets = [yaml_key, file_key, env_key, redis_pw, os.environ[SECRET_ENV]]
     (tmp_path / "redis").mkdir()
+    shared_before = _local_sockets(Path(tempfile.gettempdir()))
     with redis_server(tmp_path / "redis", password=redis_pw) as (url, _):
         handle = start_stack(tiny_model, tmp_path / "stack", 21300, transport__backend="tcp",
                              router__api_keys=[yaml_key], router__api_keys_file=str(keys_file),
@@ -165,5 +174,11 @@ def test_a_running_stack_shows_no_secret_on_a_command_line_or_in_a_log(tiny_mode
             environs = _proc_texts("environ")
             for pid in engines & set(environs):
                 assert env_key.encode() not in environs[pid], f"the client key in engine pid {pid}'s environment"
+            ipc_dirs = [node_files.ipc_dir(handle.stack.cfg, s) for s in handle.stack.specs]
+            assert all(_local_sockets(d) for d in ipc_dirs), "vLLM's sockets are in each node's own directory"
+            assert any(p.name.startswith("kvrelay-store-") for d in ipc_dirs for p in _local_sockets(d))
         finally:
             handle.stack.stop()
+    # nothing left in the shared temporary directory, and the nodes' directories are gone
+    assert _local_sockets(Path(tempfile.gettempdir())) - shared_before == set()
+    assert not any(d.exists() for d in ipc_dirs)
