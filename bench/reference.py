@@ -18,6 +18,7 @@ import os
 import queue
 import signal
 import subprocess
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -65,13 +66,14 @@ def servers(cfg: kcfg.KVRelayConfig, port: int, log_dir: Path, *, of: int = 2, t
     as engine k of a stack of ``of`` servers. Stops every one on exit (paused ones too)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     procs, logs = [], []
+    ipc = tempfile.TemporaryDirectory(prefix="kvrelay-ref-")   # vLLM's local sockets, removed at the end
     try:
         for k in range(server_count(of, tp)):
             logs.append(log_dir / f"reference{k}-tp{tp}.log")
             spec = launch.NodeSpec(launch.Role.SINGLE, 0, port + k, tp=tp)
+            env = {**launch.server_env(cfg, k, of, tp), "VLLM_RPC_BASE_PATH": ipc.name}
             with open(logs[-1], "w") as log:
-                procs.append(launch.spawn_group(launch.server_command(cfg, spec),
-                                                launch.server_env(cfg, k, of, tp), log))
+                procs.append(launch.spawn_group(launch.server_command(cfg, spec), env, log))
         urls = [f"http://127.0.0.1:{port + k}" for k in range(len(procs))]
         for url, proc, log_path in zip(urls, procs, logs, strict=True):
             launch.wait_healthy(url, proc, startup_s, str(log_path))
@@ -79,6 +81,7 @@ def servers(cfg: kcfg.KVRelayConfig, port: int, log_dir: Path, *, of: int = 2, t
     finally:
         Servers([], procs).resume()               # a stopped process cannot act on SIGINT
         launch.stop_groups(procs)
+        ipc.cleanup()
 
 
 def spread(urls: Sequence[str], items: Sequence[T], ask: Callable[[str, T], R], per_server: int = 1) -> list[R]:
