@@ -15,6 +15,17 @@ logging.getLogger("nixl").setLevel(logging.WARNING)
 os.environ.setdefault("KVRELAY_SECRET", os.urandom(24).hex())
 
 
+@pytest.fixture
+def short_tmp():
+    """A temporary directory with a short path: pytest's own are too long for the Unix sockets
+    bound in it (a socket's path holds 107 bytes)."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="kvr-") as d:
+        yield Path(d)
+
+
 def mount_small_fs(path, size: str):
     """A real tmpfs of ``size`` (e.g. "16k", "1m") mounted on ``path`` - a filesystem that
     really fills up. A context manager; the test is skipped where mounting needs root."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -41,7 +42,7 @@ def test_the_launcher_sets_it_for_every_vllm_server_unless_minus_one(monkeypatch
 
 
 @pytest.mark.slow                   # imports vLLM in a fresh interpreter (10 s): the full suite runs it
-def test_vllm_loads_the_plugin_and_its_queue_readers_get_the_window():
+def test_vllm_loads_the_plugin_and_its_queue_readers_get_the_window(short_tmp: Path):
     """In a fresh interpreter, through vLLM's own plugin loader and its real SpinCondition."""
     code = """
 import os
@@ -51,12 +52,12 @@ from vllm.distributed.device_communicators import shm_broadcast
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 load_general_plugins()
 ctx = zmq.Context()
-addr = "ipc:///tmp/kvrelay-plugin-test-%d" % os.getpid()
+addr = "ipc://%s/notify" % os.environ["VLLM_RPC_BASE_PATH"]
 writer = SpinCondition(is_reader=False, context=ctx, notify_address=addr)
 reader = SpinCondition(is_reader=True, context=ctx, notify_address=addr)
 print(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, reader.busy_loop_s, writer.busy_loop_s)
 """
-    env = {**os.environ, BUSY_LOOP_ENV: "0.004"}
+    env = {**os.environ, BUSY_LOOP_ENV: "0.004", "VLLM_RPC_BASE_PATH": str(short_tmp)}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split()[-3:] == ["10", "0.004", "0"]      # a short window parks often: recheck often

@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,13 +25,6 @@ BINDER = [sys.executable, "-c", "import os, time, zmq\n"
           "s.bind(f\"ipc://{os.environ['VLLM_RPC_BASE_PATH']}/0f1e2d3c-0000-4000-8000-000000000000\")\n"
           "open(os.environ['VLLM_RPC_BASE_PATH'] + '/bound', 'w').close()\n"
           "time.sleep(120)\n"]
-
-
-@pytest.fixture
-def short_tmp() -> Iterator[Path]:
-    """A temporary directory with a short path (pytest's are too long for a Unix socket's)."""
-    with tempfile.TemporaryDirectory(prefix="kvr-") as d:
-        yield Path(d)
 
 
 def _cfg(tmp_path: Path, **connector: str) -> kcfg.KVRelayConfig:
