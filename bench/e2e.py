@@ -40,6 +40,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -135,11 +136,14 @@ class Servers:
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = []
+        self._ipc: tempfile.TemporaryDirectory[str] | None = None
 
     def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self._ipc is None:                        # vLLM's local sockets, removed with the servers
+            self._ipc = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
         log = open(self.log_dir / f"{name}.log", "w")   # noqa: SIM115 - owned by the child
-        p = launch.spawn_group(cmd, env, log)        # as kvrelay's own servers are started
+        p = launch.spawn_group(cmd, {**env, "VLLM_RPC_BASE_PATH": self._ipc.name}, log)   # as kvrelay's own are
         self.procs.append(p)
         return p
 
@@ -147,6 +151,9 @@ class Servers:
         for p in self.procs:
             launch.stop_group(p)
         self.procs.clear()
+        if self._ipc is not None:
+            self._ipc.cleanup()
+            self._ipc = None
 
 
 def base_cfg(args: argparse.Namespace, out: Path, port: int = 0, **over: Any) -> kcfg.KVRelayConfig:
