@@ -74,14 +74,15 @@ class DrainPlan:
 @dataclass(frozen=True)
 class Scratch:
     """A node's leftovers: ``dirs`` are made empty and private (0700) before vLLM starts and
-    removed after it exits; ``files`` are removed after it exits. Missing paths are no error."""
+    removed after it exits; ``files`` (some written for vLLM before it starts, such as its
+    logging config) are removed after it exits. Missing paths are no error."""
 
     dirs: tuple[Path, ...] = ()
     files: tuple[Path, ...] = ()
 
     def prepare(self) -> None:
-        self.remove()                                   # what a killed supervisor left
         for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)        # what a killed supervisor left
             d.mkdir(mode=0o700)
 
     def remove(self) -> None:

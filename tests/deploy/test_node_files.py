@@ -41,6 +41,8 @@ def test_a_killed_engine_leaves_nothing_behind_and_a_stale_directory_is_emptied(
     (own / "stale.sock").touch()                        # what a SIGKILLed supervisor left
     events = tmp_path / "run" / "kv-events-decode0-18101.sock"
     events.touch()
+    logging_config = tmp_path / "run" / "decode0-18101.drain.logging.json"
+    logging_config.write_text("{}")                    # written for vLLM before it starts: kept until it exits
     env = {**os.environ, node_files.RPC_BASE_ENV: str(own)}
     scratch = node_files.scratch(cfg, spec, env)
     assert scratch.dirs == (own,) and events in scratch.files
@@ -53,11 +55,11 @@ def test_a_killed_engine_leaves_nothing_behind_and_a_stale_directory_is_emptied(
         assert time.monotonic() < deadline, "the stand-in never bound its socket"
         time.sleep(0.05)
     assert sorted(p.name for p in own.iterdir()) == ["0f1e2d3c-0000-4000-8000-000000000000", "bound"]
-    assert own.stat().st_mode & 0o777 == 0o700
+    assert own.stat().st_mode & 0o777 == 0o700 and logging_config.exists() and events.exists()
     assert sup.child is not None
     sup.child.kill()                                    # a crash: no shutdown path runs
     t.join(10)
-    assert rc == [-9] and not own.exists() and not events.exists()
+    assert rc == [-9] and not own.exists() and not events.exists() and not logging_config.exists()
 
 
 def test_the_operators_own_rpc_path_is_left_alone(short_tmp: Path):
