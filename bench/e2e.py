@@ -38,9 +38,7 @@ import os
 import random
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -50,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.bench import report, stack_flags
+from kvrelay.bench.baselines import Servers
 from kvrelay.core import config as kcfg
 from kvrelay.core.router_config import FirstToken
 from kvrelay.core.telemetry import read_events
@@ -128,32 +127,6 @@ def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         return dict(json.loads(r.read()))
-
-
-class Servers:
-    """Child vLLM servers for the baselines (started together, stopped together)."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: list[subprocess.Popen] = []
-        self._ipc: tempfile.TemporaryDirectory[str] | None = None
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        if self._ipc is None:                        # vLLM's local sockets, removed with the servers
-            self._ipc = tempfile.TemporaryDirectory(prefix="kvrelay-bench-")
-        log = open(self.log_dir / f"{name}.log", "w")   # noqa: SIM115 - owned by the child
-        p = launch.spawn_group(cmd, {**env, "VLLM_RPC_BASE_PATH": self._ipc.name}, log)   # as kvrelay's own are
-        self.procs.append(p)
-        return p
-
-    def stop(self) -> None:
-        for p in self.procs:
-            launch.stop_group(p)
-        self.procs.clear()
-        if self._ipc is not None:
-            self._ipc.cleanup()
-            self._ipc = None
 
 
 def base_cfg(args: argparse.Namespace, out: Path, port: int = 0, **over: Any) -> kcfg.KVRelayConfig:

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from kvrelay.bench import e2e, report, stack_flags
+from kvrelay.bench.baselines import Servers
 from kvrelay.common.errors import ConfigError, UnreachableError
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
@@ -137,7 +138,7 @@ class System:
 
     def __init__(self, name: str, args: argparse.Namespace, out: Path) -> None:
         self.name, self.args, self.out = name, args, out / name
-        self.servers = e2e.Servers(self.out / "logs")
+        self.servers = Servers(self.out / "logs")
         self.stack: launch.Stack | None = None
         self.proxy: Any = None
 
