@@ -58,11 +58,12 @@ ROWS = (
     Row("FP8 scales computed at run time", "--calculate-kv-scales", Support.REFUSED, Proof.UNIT,
         "each engine computes its own scales, so D would read P's bytes with other scales", (REFUSE,)),
     Row("Model dtype", "--dtype bfloat16 | float16 (KV cache auto)", Support.NEAR, Proof.MATRIX,
-        "every chunk arrives intact, but a near-tie answer flips wherever D's KV was computed another way than one "
-        "vLLM's: token 1's KV in a prefill (token 1 from P), a store hit's tail, a migrated answer. Measured on "
-        "vLLM's CPU build, bfloat16, 16 requests: 1 (token 1 from P), 0 (token 1 from D), 1 (store round), the "
-        "same prompt each time; one vLLM's own prefix-cache paths agreed with it in 24 of 24 and 20 of 20 "
-        "(docs/lab/half-precision.md)",
+        "a prompt's first pass is one vLLM's to the bit (greedy logprobs equal in 13 of 13, every token from D); "
+        "a repeat (a store hit, D's prefix cache, token 1 from P) is computed in another shape and differs in "
+        "single rounding steps, as one vLLM asked the same prompt again does: one vLLM against itself 8 of 13 "
+        "bitwise and 1 answer changed, kvrelay's store round against one vLLM's first answers 6 of 13 and the "
+        "same answer changed at the same token, against one vLLM asked again 8 of 13 and none changed. Measured "
+        "on vLLM's CPU build, bfloat16 (python -m tests.differential.logprob_paths; docs/lab/half-precision.md)",
         (f"{CFG}[bf16]", f"{CFG}[fp16]")),
     Row("Speculative decoding, n-gram", "--speculative-config '{\"method\": \"ngram\", ...}'", Support.REFUSED,
         Proof.CI, "measured on vLLM's CPU build: the decode engine's rejection sampler failed on a seeded top-k "
