@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from kvrelay.common.private_files import RPC_BASE_ENV
 from kvrelay.deploy import launch
 
 
@@ -26,7 +27,7 @@ class Servers:
     def start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_dir / f"{name}.log", "w")   # noqa: SIM115 - owned by the child
-        p = launch.spawn_group(cmd, {**env, "VLLM_RPC_BASE_PATH": self.ipc.name}, log)   # as kvrelay's own are
+        p = launch.spawn_group(cmd, {**env, RPC_BASE_ENV: self.ipc.name}, log)   # as kvrelay's own are
         self.procs.append(p)
         return p
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from kvrelay.common.private_files import RPC_BASE_ENV
 from kvrelay.core import config as kcfg
 from kvrelay.deploy import launch
 
@@ -71,7 +72,7 @@ def servers(cfg: kcfg.KVRelayConfig, port: int, log_dir: Path, *, of: int = 2, t
         for k in range(server_count(of, tp)):
             logs.append(log_dir / f"reference{k}-tp{tp}.log")
             spec = launch.NodeSpec(launch.Role.SINGLE, 0, port + k, tp=tp)
-            env = {**launch.server_env(cfg, k, of, tp), "VLLM_RPC_BASE_PATH": ipc.name}
+            env = {**launch.server_env(cfg, k, of, tp), RPC_BASE_ENV: ipc.name}
             with open(logs[-1], "w") as log:
                 procs.append(launch.spawn_group(launch.server_command(cfg, spec), env, log))
         urls = [f"http://127.0.0.1:{port + k}" for k in range(len(procs))]

@@ -34,6 +34,9 @@ READ_LIMIT = 64 * 1024              # the largest shared file kvrelay reads (a g
 _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
+RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"   # vLLM's variable: where it binds its processes' local sockets
+
+
 def default_runtime_dir() -> Path:
     """``/dev/shm/kvrelay-<uid>`` (RAM-backed; the temporary directory where there is none)."""
     shm = Path("/dev/shm")
@@ -41,11 +44,16 @@ def default_runtime_dir() -> Path:
     return base / f"kvrelay-{os.geteuid()}"
 
 
+def runtime_dir_path(configured: str = "") -> Path:
+    """The runtime directory's path (``configured``, or the default), neither created nor checked."""
+    return Path(configured) if configured else default_runtime_dir()
+
+
 def runtime_dir(configured: str = "") -> Path:
     """The runtime directory (``configured``, or the default), created if missing, and checked
     private: raises :class:`ConfigError` if it is a symlink, not a directory, someone else's,
     or open to group or others."""
-    path = Path(configured) if configured else default_runtime_dir()
+    path = runtime_dir_path(configured)
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700, parents=False)
     try:

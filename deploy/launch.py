@@ -80,6 +80,11 @@ def drain_path(cfg: KVRelayConfig, spec: NodeSpec) -> str:
     return cfg.connector.drain_file or str(runtime_dir(cfg.connector.runtime_dir) / f"{spec.name}-{spec.port}.drain")
 
 
+def vllm_logging_path(cfg: KVRelayConfig, spec: NodeSpec) -> str:
+    """Where ``kvrelay serve`` writes node ``spec``'s vLLM logging config (JSON logs): beside its drain file."""
+    return drain_path(cfg, spec) + ".logging.json"
+
+
 def connector_config(cfg: KVRelayConfig, spec: NodeSpec) -> dict:
     """vLLM's ``--kv-transfer-config`` for node ``spec``: the engine's view of the tree
     (:func:`kvrelay.core.config.engine_view`: nothing secret, since command lines are public)."""

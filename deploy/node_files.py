@@ -26,19 +26,19 @@ import os
 from pathlib import Path
 
 from kvrelay.common.errors import ConfigError
-from kvrelay.common.private_files import default_runtime_dir
+from kvrelay.common.private_files import RPC_BASE_ENV, runtime_dir_path
 from kvrelay.core.config import KVRelayConfig
-from kvrelay.deploy.launch import NodeSpec, drain_path, kv_events_endpoint
+from kvrelay.deploy.launch import NodeSpec, kv_events_endpoint, vllm_logging_path
 from kvrelay.deploy.supervisor import Scratch
 
-RPC_BASE_ENV = "VLLM_RPC_BASE_PATH"     # vLLM's own variable
+__all__ = ["RPC_BASE_ENV", "ipc_dir", "scratch"]
 SOCKET_PATH_MAX = 107                   # bytes in sockaddr_un.sun_path, less the NUL
 LONGEST_NAME = 1 + 36                   # "/" and a UUID: vLLM's names, the longest bound in it
 
 
 def ipc_dir(cfg: KVRelayConfig, spec: NodeSpec) -> Path:
     """Node ``spec``'s directory for vLLM's local sockets (not created here)."""
-    base = Path(cfg.connector.runtime_dir) if cfg.connector.runtime_dir else default_runtime_dir()
+    base = runtime_dir_path(cfg.connector.runtime_dir)
     path = base / f"{spec.name}-{spec.port}.ipc"
     if len(os.fsencode(path)) + LONGEST_NAME > SOCKET_PATH_MAX:
         raise ConfigError(f"connector.runtime_dir {str(base)!r} is too long: vLLM binds Unix sockets in "
@@ -53,7 +53,7 @@ def scratch(cfg: KVRelayConfig, spec: NodeSpec, env: dict[str, str]) -> Scratch:
     own = ipc_dir(cfg, spec)
     dirs = (own,) if env.get(RPC_BASE_ENV) == str(own) else ()
     events = kv_events_endpoint(cfg, spec)
-    files = [Path(drain_path(cfg, spec) + ".logging.json")]
+    files = [Path(vllm_logging_path(cfg, spec))]
     if events.startswith("ipc://"):
         files.append(Path(events.removeprefix("ipc://")))
     return Scratch(dirs, tuple(files))

@@ -31,7 +31,6 @@ Contract
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 import signal
@@ -89,8 +88,7 @@ class Scratch:
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
         for f in self.files:
-            with contextlib.suppress(FileNotFoundError):
-                f.unlink()
+            f.unlink(missing_ok=True)
 
 
 class Supervisor:

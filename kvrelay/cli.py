@@ -130,7 +130,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if cfg.tracing.endpoint:                 # vLLM's spans name the node's role (core/tracing.py)
         env.setdefault("OTEL_SERVICE_NAME", f"vllm-{role.value}")
     if cfg.log_format is LogFormat.JSON:     # vLLM's lines and the connectors' as JSON (core/logs.py)
-        env["VLLM_LOGGING_CONFIG_PATH"] = vllm_logging_config(launch.drain_path(cfg, spec) + ".logging.json")
+        env["VLLM_LOGGING_CONFIG_PATH"] = vllm_logging_config(launch.vllm_logging_path(cfg, spec))
     if role is launch.Role.SINGLE:
         os.execvpe(cmd[0], cmd, env)
     from kvrelay.deploy.node_files import scratch

@@ -18,6 +18,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from kvrelay.common.private_files import RPC_BASE_ENV
+
 log = logging.getLogger("vllm.kvrelay.prefill")
 
 
@@ -41,7 +43,7 @@ def lookup_endpoint(vllm_config: Any, environ: Mapping[str, str] = os.environ) -
     supervisor removes when the node stops), else the temporary directory, as vLLM does. The
     name is short (a Unix socket's path holds 107 bytes): a digest of the engine id."""
     engine = (vllm_config.kv_transfer_config.engine_id or "default").encode()
-    base = environ.get("VLLM_RPC_BASE_PATH") or tempfile.gettempdir()
+    base = environ.get(RPC_BASE_ENV) or tempfile.gettempdir()
     return f"ipc://{base}/kvrelay-store-{hashlib.blake2b(engine, digest_size=6).hexdigest()}.sock"
 
 
